@@ -1,0 +1,55 @@
+# Two commands do all the set-up: `make run` (the whole stack + a demo fleet) and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+# Tests create their own databases and broker names; these only say where the servers are.
+TEST_DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/postgres
+TEST_AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
+# `make run` uses its own database.
+DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
+AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
+export DATABASE_URL AMQP_URL
+
+.PHONY: install backends lint test test-unit test-integration test-e2e run migrate bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+backends:
+	bash scripts/ensure-backends.sh
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: install backends lint
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest
+
+test-unit: install
+	$(BIN)/pytest tests/unit
+
+test-integration: install backends
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest tests/integration
+
+test-e2e: install backends
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest tests/e2e
+
+migrate: install backends
+	$(BIN)/monitorctl migrate
+
+run: install backends migrate
+	bash scripts/run-stack.sh
+
+bench: install backends
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

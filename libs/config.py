@@ -1,0 +1,109 @@
+"""Typed configuration from the environment (12-factor), defaults of DESIGN.md §6."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+DEV_JWT_SECRET = "dev-only-gateway-secret-change-me"
+
+SERVICE_PORTS: dict[str, int] = {
+    "collect-now-api": 8081,
+    "dispatch-hub": 8082,
+    "dispatch-coordinator": 9101,
+    "outbox-pump": 9102,
+    "ingest-shard-workers": 9103,
+    "projection-worker": 9104,
+    "reconciler": 9105,
+}
+
+
+class ConfigError(ValueError):
+    """A setting in the environment cannot be parsed."""
+
+
+def _parse(name: str, raw: str, kind: Any) -> Any:
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered in {"1", "true", "yes", "on"}:
+                return True
+            if lowered in {"0", "false", "no", "off", ""}:
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw)
+        if kind is float:
+            return float(raw)
+        return raw
+    except ValueError as exc:
+        raise ConfigError(f"environment variable {name}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every setting a service reads; each field maps to the upper-cased environment variable."""
+
+    database_url: str = "postgresql://postgres@127.0.0.1:5432/monitoring"
+    amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    # Prefix for every exchange and queue name; tests use a unique one per test.
+    mq_prefix: str = ""
+    gateway_jwt_secret: str = ""
+    gateway_jwt_public_key: str = ""
+    ingest_shards: int = 16
+    http_host: str = "0.0.0.0"
+    http_port: int = 0
+    db_pool_min: int = 1
+    db_pool_max: int = 4
+    log_level: str = "INFO"
+    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    shutdown_grace_seconds: float = 20.0
+    # outbox-pump
+    outbox_batch_size: int = 200
+    outbox_poll_interval_ms: int = 1000
+    outbox_listen: bool = True
+    outbox_claim_lease_seconds: float = 30.0
+    outbox_max_attempts: int = 10
+    outbox_backoff_base_ms: int = 500
+    outbox_backoff_max_ms: int = 300_000
+    outbox_publish_timeout_seconds: float = 10.0
+    outbox_retention_hours: int = 24
+    # dispatch-hub / desktop
+    lease_ttl_seconds: int = 120
+    heartbeat_timeout_seconds: int = 30
+    max_body_bytes: int = 256 * 1024
+
+    @classmethod
+    def from_env(cls, service: str | None = None, env: dict[str, str] | None = None) -> Settings:
+        source = os.environ if env is None else env
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = f.name.upper()
+            if name in source:
+                values[f.name] = _parse(name, source[name], hints[f.name])
+        if "http_port" not in values and service is not None:
+            port_var = f"{service.upper().replace('-', '_')}_PORT"
+            if port_var in source:
+                values["http_port"] = _parse(port_var, source[port_var], int)
+            else:
+                values["http_port"] = SERVICE_PORTS.get(service, 0)
+        settings = cls(**values)
+        if settings.ingest_shards <= 0:
+            raise ConfigError("INGEST_SHARDS must be positive")
+        return settings
+
+    def jwt_key(self) -> tuple[str, str]:
+        """(key, algorithm) for gateway JWTs; the development secret is used with a warning."""
+        if self.gateway_jwt_public_key:
+            return self.gateway_jwt_public_key, "RS256"
+        if self.gateway_jwt_secret:
+            return self.gateway_jwt_secret, "HS256"
+        logging.getLogger("config").warning(
+            "GATEWAY_JWT_SECRET is not set: using the development secret; never do this in production"
+        )
+        return DEV_JWT_SECRET, "HS256"

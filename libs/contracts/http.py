@@ -1,0 +1,182 @@
+"""HTTP bodies: tenant API (seed §13.1, §13.5) and desktop API (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import date, datetime
+from typing import Annotated, Literal
+
+import msgspec
+
+from libs.contracts.common import ExecutionPhase, Lane, NonNegativeInt, PositiveInt, ShortText, Token
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+class ErrorBody(msgspec.Struct, omit_defaults=True, kw_only=True):
+    error: str
+    message: str
+    field: str | None = None
+    current_generation: int | None = None
+    retry_after_s: int | None = None
+
+
+# ---- tenant: collect-now ----------------------------------------------------------------------
+
+
+class CollectNowRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    keyword_id: PositiveInt | None = None
+    preempt: bool = True
+    wait_for_first_dispatch: bool = False
+    target_client_id: uuid.UUID | None = None
+    # Narrower scopes (additions): only these questions / platforms of the brand.
+    question_ids: Annotated[list[PositiveInt], msgspec.Meta(min_length=1, max_length=500)] | None = None
+    ai_platform_ids: Annotated[list[PositiveInt], msgspec.Meta(min_length=1, max_length=50)] | None = None
+
+
+class CollectNowResponse(msgspec.Struct, kw_only=True):
+    request_id: uuid.UUID
+    collection_mode: Literal["desktop"] = "desktop"
+    target_client_id: uuid.UUID | None
+    affected_task_count: int
+    promoted_task_count: int
+    aborted_queued_count: int
+    interrupt_requested_count: int
+    interrupt_generation: int
+    ttl_expires_at: datetime
+    message: str
+    status: str = "accepted"
+    idempotent_replay: bool = False
+    superseded_request_id: uuid.UUID | None = None
+
+
+class CollectRequestTask(msgspec.Struct, kw_only=True):
+    monitor_task_id: int
+    question_id: int
+    ai_platform_id: int
+    status: str
+    lane: str
+    execution_status: str | None = None
+    execution_phase: str | None = None
+
+
+class CollectRequestStatus(msgspec.Struct, kw_only=True):
+    request_id: uuid.UUID
+    status: str
+    brand_id: int
+    keyword_id: int | None
+    target_client_id: uuid.UUID | None
+    interrupt_generation: int
+    requested_task_count: int
+    dispatched_task_count: int
+    completed_task_count: int
+    failed_task_count: int
+    aborted_queued_count: int
+    interrupt_requested_count: int
+    preempted: bool
+    started: bool
+    first_dispatched_at: datetime | None
+    first_result_at: datetime | None
+    ttl_expires_at: datetime
+    ttl_remaining_ms: int
+    superseded_by_request_id: uuid.UUID | None
+    created_at: datetime
+    updated_at: datetime
+    tasks: list[CollectRequestTask] = []
+
+
+# ---- desktop ----------------------------------------------------------------------------------
+
+
+class LeaseRequest(msgspec.Struct, kw_only=True):
+    max_tasks: Annotated[int, msgspec.Meta(ge=1, le=10)] = 1
+
+
+class BrandRef(msgspec.Struct, kw_only=True):
+    brand_id: int
+    name: str
+
+
+class QuestionRef(msgspec.Struct, kw_only=True):
+    question_id: int
+    text: str
+
+
+class PlatformRef(msgspec.Struct, kw_only=True):
+    ai_platform_id: int
+    code: str
+
+
+class LeasedTask(msgspec.Struct, kw_only=True):
+    task_id: uuid.UUID
+    monitor_task_id: int
+    lane: Lane
+    priority: int
+    lease_token: str
+    lease_expires_at: datetime
+    interrupt_generation: int
+    business_date: date
+    brand: BrandRef
+    question: QuestionRef
+    platform: PlatformRef
+    lease_epoch: int = 1
+    interrupt_requested: bool = False
+
+
+class LeaseResponse(msgspec.Struct, kw_only=True):
+    tasks: list[LeasedTask]
+
+
+class ExtendRequest(msgspec.Struct, kw_only=True):
+    lease_token: Token
+    execution_phase: ExecutionPhase | None = None
+    # Milliseconds since the previous safe point (seed §10.4), reported for §10.5 tuning.
+    safe_point_interval_ms: NonNegativeInt | None = None
+
+
+class ExtendResponse(msgspec.Struct, kw_only=True):
+    lease_expires_at: datetime
+    interrupt_requested: bool = False
+    interrupt_generation: int = 0
+
+
+class CancelRequest(msgspec.Struct, kw_only=True):
+    lease_token: Token
+    reason: ShortText
+    interrupt_generation: NonNegativeInt
+    execution_phase: ExecutionPhase | None = None
+    safe_point_interval_ms: NonNegativeInt | None = None
+
+
+class CancelResponse(msgspec.Struct, kw_only=True):
+    status: Literal["aborted"] = "aborted"
+
+
+class Citation(msgspec.Struct, kw_only=True):
+    url: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
+    title: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
+    position: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
+
+
+class ResultRequest(msgspec.Struct, kw_only=True):
+    lease_token: Token
+    status: Literal["succeeded", "failed"]
+    answer_text: Annotated[str, msgspec.Meta(max_length=100_000)] | None = None
+    citations: Annotated[list[Citation], msgspec.Meta(max_length=200)] = []
+    brand_mentioned: bool = False
+    error: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class ResultResponse(msgspec.Struct, kw_only=True):
+    accepted: bool = True
+    result_id: uuid.UUID | None = None
+
+
+__all__ = [
+    "BrandRef", "CancelRequest", "CancelResponse", "Citation", "CollectNowRequest", "CollectNowResponse",
+    "CollectRequestStatus", "CollectRequestTask", "ErrorBody", "ExtendRequest", "ExtendResponse",
+    "LeaseRequest", "LeaseResponse", "LeasedTask", "PlatformRef", "QuestionRef", "ResultRequest",
+    "ResultResponse", "ShortText",
+]

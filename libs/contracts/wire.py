@@ -1,0 +1,88 @@
+"""Events on the WebSocket and on `desktop.task.dispatch` (seed §13.2, §13.3), plus hello/heartbeat.
+
+The hub forwards dispatch messages to the socket unchanged, so one set of Structs serves both.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import date, datetime
+from typing import Literal
+
+import msgspec
+
+from libs.contracts.common import ExecutionPhase, Lane, NonNegativeInt, ShortText, TaskKind
+
+
+class TaskAvailable(msgspec.Struct, tag="task_available", tag_field="type", kw_only=True):
+    kind: TaskKind
+    task_id: uuid.UUID
+    target_client_id: uuid.UUID
+    priority: int
+    lane: Lane | Literal["urgent"]
+    status: Literal["queued"] = "queued"
+    scheduler_group_key: str | None = None
+    business_date: date | None = None
+    interrupt_generation: NonNegativeInt = 0
+    updated_at: datetime
+    # Additions (defaults keep old clients working).
+    monitor_task_id: int | None = None
+    collect_request_id: uuid.UUID | None = None
+
+
+ControlKind = Literal["interrupt_requested", "cancelled", "lease_revoked"]
+
+
+class TaskControl(msgspec.Struct, tag="task_control", tag_field="type", kw_only=True):
+    kind: TaskKind
+    task_id: uuid.UUID
+    target_client_id: uuid.UUID
+    control: ControlKind
+    reason: ShortText
+    interrupt_generation: NonNegativeInt
+    replacement_task_id: uuid.UUID | None = None
+    updated_at: datetime
+    collect_request_id: uuid.UUID | None = None
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True):
+    client_id: uuid.UUID
+    tenant_id: int
+    hub_instance: str
+    server_time: datetime
+    heartbeat_interval_s: int
+    interrupt_generation: int
+    replayed_available: int = 0
+    replayed_controls: int = 0
+
+
+class HeartbeatAck(msgspec.Struct, tag="heartbeat_ack", tag_field="type", kw_only=True):
+    server_time: datetime
+
+
+class ErrorEvent(msgspec.Struct, tag="error", tag_field="type", kw_only=True):
+    error: str
+    message: str
+    field: str | None = None
+
+
+ServerEvent = TaskAvailable | TaskControl | Hello | HeartbeatAck | ErrorEvent
+DispatchMessage = TaskAvailable | TaskControl
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type", kw_only=True, omit_defaults=True):
+    """Client -> server. Keeps last_heartbeat_at fresh; may report local state."""
+
+    sent_at: datetime | None = None
+    # {"openai": "healthy", "gemini": "login_required"}
+    platform_health: dict[ShortText, ShortText] | None = None
+    local_queue_depth: NonNegativeInt | None = None
+    active_task_id: uuid.UUID | None = None
+    execution_phase: ExecutionPhase | None = None
+
+
+ClientMessage = Heartbeat
+
+server_event_decoder: msgspec.json.Decoder[ServerEvent] = msgspec.json.Decoder(ServerEvent)
+dispatch_decoder: msgspec.json.Decoder[DispatchMessage] = msgspec.json.Decoder(DispatchMessage)
+client_message_decoder: msgspec.json.Decoder[Heartbeat] = msgspec.json.Decoder(Heartbeat)

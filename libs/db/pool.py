@@ -1,0 +1,54 @@
+"""Postgres pools: created without I/O, opened at start-up, closed at shutdown."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from psycopg import AsyncConnection
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from libs.config import Settings
+
+Conn = AsyncConnection[DictRow]
+
+
+async def _configure(conn: Conn) -> None:
+    # Autocommit outside explicit transactions: every write goes through `conn.transaction()`.
+    await conn.set_autocommit(True)
+
+
+def make_pool(settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None) -> (
+    AsyncConnectionPool[Conn]
+):
+    """A pool that opens nothing until `await pool.open()`."""
+    return AsyncConnectionPool(
+        settings.database_url,
+        min_size=settings.db_pool_min if min_size is None else min_size,
+        max_size=settings.db_pool_max if max_size is None else max_size,
+        kwargs={"row_factory": dict_row, "application_name": name},
+        configure=_configure,
+        open=False,
+        name=name,
+        timeout=10.0,
+    )
+
+
+@asynccontextmanager
+async def open_pool(
+    settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None
+) -> AsyncIterator[AsyncConnectionPool[Conn]]:
+    pool = make_pool(settings, name=name, min_size=min_size, max_size=max_size)
+    await pool.open(wait=True, timeout=30.0)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def connect(url: str, *, autocommit: bool = True, name: str = "monitoring") -> Conn:
+    conn: Conn = await AsyncConnection.connect(
+        url, autocommit=autocommit, row_factory=dict_row, application_name=name
+    )
+    return conn

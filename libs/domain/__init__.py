@@ -1,0 +1,1 @@
+"""Pure decision logic over plain values: no I/O here."""

@@ -1,0 +1,122 @@
+"""aiohttp plumbing shared by every service: JSON errors, typed bodies, health and metrics routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from libs.contracts.common import ContractError, decode_json
+from libs.contracts.http import ErrorBody
+
+log = logging.getLogger("http")
+T = TypeVar("T")
+
+ReadinessCheck = Callable[[], Awaitable[None]]
+READINESS_CHECKS = web.AppKey("readiness_checks", dict[str, ReadinessCheck])
+
+
+class ApiError(Exception):
+    """Raised by handlers; rendered as `{"error", "message", "field"}` with the given status."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.extra = extra
+
+
+def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=msgspec.json.encode(value), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None, **extra: Any) -> web.Response:
+    body = ErrorBody(error=code, message=message, field=field, **extra)
+    return json_response(body, status=status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> (
+    web.StreamResponse
+):
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, exc.code, exc.message, exc.field, **exc.extra)
+    except ContractError as exc:
+        status = 413 if exc.code == "payload_too_large" else 400
+        return error_response(status, exc.code, exc.message, exc.field)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
+                410: "gone"}.get(exc.status, "http_error")
+        return error_response(exc.status, code, exc.reason or code)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path, "method": request.method})
+        return error_response(500, "internal_error", "an unexpected error occurred; it has been logged")
+
+
+async def read_body(request: web.Request, type_: type[T], *, max_bytes: int,
+                    decoder: msgspec.json.Decoder[Any] | None = None, allow_empty: bool = False) -> T:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise ContractError("payload_too_large", f"body is {request.content_length} bytes; the limit is {max_bytes}")
+    raw = await request.content.read(max_bytes + 1)
+    if allow_empty and not raw.strip():
+        raw = b"{}"
+    if request.content_type not in ("application/json", "") and raw.strip():
+        raise ApiError(415, "unsupported_media_type", "send the body as application/json")
+    return decode_json(raw, type_, max_bytes=max_bytes, decoder=decoder)
+
+
+async def healthz(_: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    checks = request.app.get(READINESS_CHECKS, {})
+    results: dict[str, str] = {}
+    ok = True
+    for name, check in checks.items():
+        try:
+            await asyncio.wait_for(check(), timeout=2.0)
+            results[name] = "ok"
+        except Exception as exc:
+            ok = False
+            results[name] = f"failing: {type(exc).__name__}: {exc}"[:200]
+    return json_response({"status": "ok" if ok else "unavailable", "checks": results}, status=200 if ok else 503)
+
+
+async def metrics_handler(_: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_ops_routes(app: web.Application) -> None:
+    """`/healthz` (alive), `/readyz` (dependencies reachable), `/metrics` (Prometheus)."""
+    app.setdefault(READINESS_CHECKS, {})  # type: ignore[arg-type]
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler)
+
+
+def add_readiness_check(app: web.Application, name: str, check: ReadinessCheck) -> None:
+    if READINESS_CHECKS not in app:
+        app[READINESS_CHECKS] = {}
+    app[READINESS_CHECKS][name] = check
+
+
+def make_app(*, max_body_bytes: int = 256 * 1024) -> web.Application:
+    app = web.Application(middlewares=[json_errors], client_max_size=max_body_bytes)
+    app[READINESS_CHECKS] = {}
+    add_ops_routes(app)
+    return app

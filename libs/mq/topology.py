@@ -1,0 +1,195 @@
+"""RabbitMQ topology of DESIGN.md §5, declared idempotently at start-up.
+
+Every name goes through `Topology` so tests can isolate themselves with a unique prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aio_pika
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+
+DISPATCH = "desktop.task.dispatch"
+RESULT = "monitor.result"
+PROJECTION = "monitor.projection"
+LIFECYCLE = "monitor.lifecycle"
+DLX = "monitor.dlx"
+LOGICAL_EXCHANGES = (DISPATCH, RESULT, PROJECTION, LIFECYCLE)
+
+INGEST_DELIVERY_LIMIT = 5
+PROJECTION_DELIVERY_LIMIT = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    prefix: str = ""
+    ingest_shards: int = 16
+
+    def name(self, logical: str) -> str:
+        return f"{self.prefix}{logical}"
+
+    # exchanges
+    @property
+    def dispatch_exchange(self) -> str:
+        return self.name(DISPATCH)
+
+    @property
+    def result_exchange(self) -> str:
+        return self.name(RESULT)
+
+    @property
+    def projection_exchange(self) -> str:
+        return self.name(PROJECTION)
+
+    @property
+    def lifecycle_exchange(self) -> str:
+        return self.name(LIFECYCLE)
+
+    @property
+    def dlx_exchange(self) -> str:
+        return self.name(DLX)
+
+    # queues
+    def ingest_queue(self, shard: int) -> str:
+        return self.name(f"monitor.result.ingest.shard.{shard}")
+
+    @property
+    def ingest_dlq(self) -> str:
+        return self.name("monitor.result.ingest.dlq")
+
+    @property
+    def projection_queue(self) -> str:
+        return self.name("monitor.projection.rebuild")
+
+    @property
+    def projection_dlq(self) -> str:
+        return self.name("monitor.projection.rebuild.dlq")
+
+    def lifecycle_queue(self, consumer: str) -> str:
+        return self.name(f"monitor.lifecycle.{consumer}")
+
+    def lifecycle_dlq(self, consumer: str) -> str:
+        return self.name(f"monitor.lifecycle.{consumer}.dlq")
+
+    def hub_queue(self, instance_id: str) -> str:
+        return self.name(f"desktop.task.dispatch.hub.{instance_id}")
+
+    @property
+    def hub_dlq(self) -> str:
+        return self.name("desktop.task.dispatch.dlq")
+
+    def physical_exchange(self, logical: str) -> str:
+        """Outbox rows store logical exchange names; the pump maps them through the prefix."""
+        return self.name(logical)
+
+    def all_queue_names(self) -> list[str]:
+        names = [self.ingest_queue(k) for k in range(self.ingest_shards)]
+        names += [self.ingest_dlq, self.projection_queue, self.projection_dlq, self.hub_dlq]
+        for consumer in ("coordinator", "reconciler"):
+            names += [self.lifecycle_queue(consumer), self.lifecycle_dlq(consumer)]
+        return names
+
+
+def _dead_letter_args(topology: Topology, dlq: str) -> dict[str, Any]:
+    return {"x-dead-letter-exchange": topology.dlx_exchange, "x-dead-letter-routing-key": dlq}
+
+
+async def declare_exchanges(channel: AbstractChannel, topology: Topology) -> dict[str, AbstractExchange]:
+    exchanges: dict[str, AbstractExchange] = {}
+    for logical in LOGICAL_EXCHANGES:
+        exchanges[logical] = await channel.declare_exchange(
+            topology.name(logical), aio_pika.ExchangeType.TOPIC, durable=True
+        )
+    exchanges[DLX] = await channel.declare_exchange(topology.dlx_exchange, aio_pika.ExchangeType.DIRECT,
+                                                    durable=True)
+    return exchanges
+
+
+async def _declare_dlq(channel: AbstractChannel, topology: Topology, name: str) -> AbstractQueue:
+    queue = await channel.declare_queue(name, durable=True, arguments={"x-queue-type": "quorum"})
+    await queue.bind(topology.dlx_exchange, routing_key=name)
+    return queue
+
+
+async def declare_ingest(channel: AbstractChannel, topology: Topology) -> list[AbstractQueue]:
+    """Shard queues: quorum, single active consumer, delivery limit, dead letter to the ingest DLQ."""
+    await declare_exchanges(channel, topology)
+    await _declare_dlq(channel, topology, topology.ingest_dlq)
+    queues = []
+    for shard in range(topology.ingest_shards):
+        queue = await channel.declare_queue(
+            topology.ingest_queue(shard),
+            durable=True,
+            arguments={
+                "x-queue-type": "quorum",
+                "x-single-active-consumer": True,
+                "x-delivery-limit": INGEST_DELIVERY_LIMIT,
+                **_dead_letter_args(topology, topology.ingest_dlq),
+            },
+        )
+        await queue.bind(topology.result_exchange, routing_key=f"shard.{shard}")
+        queues.append(queue)
+    return queues
+
+
+async def declare_projection(channel: AbstractChannel, topology: Topology) -> AbstractQueue:
+    await declare_exchanges(channel, topology)
+    await _declare_dlq(channel, topology, topology.projection_dlq)
+    queue = await channel.declare_queue(
+        topology.projection_queue,
+        durable=True,
+        arguments={
+            "x-queue-type": "quorum",
+            "x-delivery-limit": PROJECTION_DELIVERY_LIMIT,
+            **_dead_letter_args(topology, topology.projection_dlq),
+        },
+    )
+    await queue.bind(topology.projection_exchange, routing_key="rebuild")
+    return queue
+
+
+async def declare_lifecycle(channel: AbstractChannel, topology: Topology, consumer: str,
+                            routing_keys: tuple[str, ...] = ("task.#", "client.#")) -> AbstractQueue:
+    """One shared quorum queue per consuming role (coordinator, reconciler)."""
+    await declare_exchanges(channel, topology)
+    dlq = topology.lifecycle_dlq(consumer)
+    await _declare_dlq(channel, topology, dlq)
+    queue = await channel.declare_queue(
+        topology.lifecycle_queue(consumer),
+        durable=True,
+        arguments={"x-queue-type": "quorum", "x-delivery-limit": 5, **_dead_letter_args(topology, dlq)},
+    )
+    for key in routing_keys:
+        await queue.bind(topology.lifecycle_exchange, routing_key=key)
+    return queue
+
+
+async def declare_hub_queue(channel: AbstractChannel, topology: Topology, instance_id: str) -> AbstractQueue:
+    """A hub instance's own queue: exclusive, auto-delete; bound per connected client."""
+    await declare_exchanges(channel, topology)
+    await _declare_dlq(channel, topology, topology.hub_dlq)
+    return await channel.declare_queue(
+        topology.hub_queue(instance_id),
+        exclusive=True,
+        auto_delete=True,
+        arguments=_dead_letter_args(topology, topology.hub_dlq),
+    )
+
+
+async def declare_all(channel: AbstractChannel, topology: Topology) -> None:
+    await declare_exchanges(channel, topology)
+    await declare_ingest(channel, topology)
+    await declare_projection(channel, topology)
+    for consumer in ("coordinator", "reconciler"):
+        await declare_lifecycle(channel, topology, consumer)
+    await _declare_dlq(channel, topology, topology.hub_dlq)
+
+
+async def delete_all(channel: AbstractChannel, topology: Topology) -> None:
+    """Tear down a prefixed topology (tests)."""
+    for name in topology.all_queue_names():
+        await channel.queue_delete(name)
+    for logical in (*LOGICAL_EXCHANGES, DLX):
+        await channel.exchange_delete(topology.name(logical))

@@ -1,0 +1,358 @@
+"""The outbox pump: claim committed rows, publish with confirms, mark published after the confirm."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol
+
+import aio_pika
+import msgspec
+import psycopg
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
+from psycopg_pool import AsyncConnectionPool
+
+from libs.contracts.amqp import MESSAGE_TYPES
+from libs.db.pool import Conn, connect
+from libs.mq.connection import connect as mq_connect
+from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
+from libs.outbox import queries as q
+from libs.outbox.state import FailureKind, after_failure
+from libs.outbox.writer import NOTIFY_CHANNEL
+from libs.telemetry import metrics
+
+log = logging.getLogger("outbox.pump")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedEvent:
+    id: int
+    event_id: Any
+    exchange: str
+    routing_key: str
+    message_type: str
+    payload: bytes
+    headers: dict[str, Any]
+    ordering_key: str | None
+    tenant_id: int | None
+    traceparent: str | None
+    attempts: int
+    max_attempts: int
+    created_at: datetime
+
+
+class PublishError(Exception):
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Publisher(Protocol):
+    def ready(self) -> bool: ...
+
+    async def wait_ready(self, timeout: float) -> bool: ...
+
+    async def publish(self, event: ClaimedEvent) -> None: ...
+
+
+def validate_payload(event: ClaimedEvent) -> None:
+    """Only events whose payload matches their contract leave the outbox (payload allow-list)."""
+    if event.exchange not in LOGICAL_EXCHANGES:
+        raise PublishError("permanent", f"unknown exchange {event.exchange!r}")
+    contract = MESSAGE_TYPES.get(event.message_type)
+    if contract is None:
+        raise PublishError("permanent", f"unknown message_type {event.message_type!r}")
+    try:
+        msgspec.json.decode(event.payload, type=contract)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise PublishError("permanent", f"payload does not match {event.message_type}: {exc}") from exc
+
+
+class AmqpPublisher:
+    """Publishes with publisher confirms on one robust channel."""
+
+    def __init__(self, amqp_url: str, topology: Topology, *, timeout: float, name: str) -> None:
+        self._url = amqp_url
+        self._topology = topology
+        self._timeout = timeout
+        self._name = name
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._exchanges: dict[str, AbstractExchange] = {}
+        self._channel_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._connection = await mq_connect(self._url, name=self._name)
+        await self._open_channel()
+
+    async def _open_channel(self) -> None:
+        assert self._connection is not None
+        self._channel = await self._connection.channel(publisher_confirms=True)
+        self._exchanges = await declare_exchanges(self._channel, self._topology)
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+    def ready(self) -> bool:
+        return (self._connection is not None and self._connection.connected.is_set()
+                and self._channel is not None and not self._channel.is_closed)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        if self._connection is None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connection.connected.wait(), timeout)
+        if self._connection.connected.is_set() and (self._channel is None or self._channel.is_closed):
+            async with self._channel_lock:
+                if self._channel is None or self._channel.is_closed:
+                    with contextlib.suppress(Exception):
+                        await self._open_channel()
+        return self.ready()
+
+    async def publish(self, event: ClaimedEvent) -> None:
+        validate_payload(event)
+        exchange = self._exchanges.get(event.exchange)
+        if exchange is None or not self.ready():
+            raise PublishError("transient", "broker connection is not ready")
+        headers: dict[str, Any] = {k: v for k, v in event.headers.items() if isinstance(v, str | int | bool)}
+        if event.traceparent:
+            headers["traceparent"] = event.traceparent
+        headers["x-outbox-id"] = event.id
+        message = aio_pika.Message(
+            body=event.payload,
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=str(event.event_id),
+            type=event.message_type,
+            timestamp=event.created_at,
+            headers=headers,
+        )
+        try:
+            await exchange.publish(message, routing_key=event.routing_key, timeout=self._timeout)
+        except aio_pika.exceptions.DeliveryError as exc:
+            raise PublishError("transient", f"broker refused the message: {exc}") from exc
+        except TimeoutError as exc:
+            raise PublishError("transient", "no publisher confirm before the timeout") from exc
+        except Exception as exc:  # connection and channel failures of any kind: retry later
+            raise PublishError("transient", f"{type(exc).__name__}: {exc}") from exc
+
+
+Outcome = Literal["published", "failed", "unattempted"]
+
+
+@dataclass(slots=True)
+class PumpConfig:
+    claimed_by: str
+    batch_size: int = 200
+    poll_interval_s: float = 1.0
+    listen: bool = True
+    lease_seconds: float = 30.0
+    backoff_base_ms: int = 500
+    backoff_max_ms: int = 300_000
+    retention_hours: int = 24
+
+
+class OutboxPump:
+    def __init__(self, pool: AsyncConnectionPool[Conn], publisher: Publisher, config: PumpConfig,
+                 *, listen_url: str | None = None) -> None:
+        self._pool = pool
+        self._publisher = publisher
+        self._config = config
+        self._listen_url = listen_url
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.listening = asyncio.Event()
+        self.published_total = 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ---- claim / publish / mark --------------------------------------------------------------
+    async def claim(self, limit: int | None = None) -> list[ClaimedEvent]:
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
+            cur = await conn.execute(q.RECLAIM_EXPIRED)
+            for row in await cur.fetchall():
+                log.warning("reclaimed an expired outbox claim", extra={"outbox_id": row["id"],
+                                                                         "status": row["status"]})
+                if row["status"] == "dead_letter":
+                    metrics.outbox_dead_letter_count.inc()
+            cur = await conn.execute(q.CLAIM, {
+                "limit": limit or self._config.batch_size,
+                "claimed_by": self._config.claimed_by,
+                "lease_seconds": self._config.lease_seconds,
+            })
+            rows = await cur.fetchall()
+        return [ClaimedEvent(**row) for row in rows]
+
+    async def _publish_chain(self, chain: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]]) -> None:
+        """Events of one ordering key, one after another; stop the chain at the first failure."""
+        for index, event in enumerate(chain):
+            try:
+                await self._publisher.publish(event)
+            except PublishError as exc:
+                outcomes[event.id] = ("failed", exc)
+                for rest in chain[index + 1:]:
+                    outcomes[rest.id] = ("unattempted", None)
+                return
+            outcomes[event.id] = ("published", None)
+
+    async def process(self, batch: list[ClaimedEvent]) -> int:
+        chains: dict[str, list[ClaimedEvent]] = defaultdict(list)
+        singles: list[list[ClaimedEvent]] = []
+        for event in batch:
+            if event.ordering_key is None:
+                singles.append([event])
+            else:
+                chains[event.ordering_key].append(event)
+        outcomes: dict[int, tuple[Outcome, Any]] = {}
+        try:
+            await asyncio.gather(*(self._publish_chain(c, outcomes) for c in [*chains.values(), *singles]))
+        finally:
+            await asyncio.shield(self._record(batch, outcomes))
+        if chains:
+            # Successors of these keys may now be claimable by another pump: wake them.
+            async with self._pool.connection() as conn:
+                await conn.execute("SELECT pg_notify(%(c)s, '')", {"c": NOTIFY_CHANNEL})
+        return sum(1 for o, _ in outcomes.values() if o == "published")
+
+    async def _record(self, batch: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]]) -> None:
+        by_id = {e.id: e for e in batch}
+        published = [i for i, (o, _) in outcomes.items() if o == "published"]
+        unattempted = [e.id for e in batch if outcomes.get(e.id, ("unattempted", None))[0] == "unattempted"]
+        now = datetime.now(UTC)
+        async with self._pool.connection() as conn, conn.transaction():
+            if published:
+                await conn.execute(q.MARK_PUBLISHED, {"ids": published, "claimed_by": self._config.claimed_by})
+            if unattempted:
+                await conn.execute(q.RELEASE_UNATTEMPTED, {"ids": unattempted,
+                                                           "claimed_by": self._config.claimed_by})
+            for event_id, (outcome, exc) in outcomes.items():
+                if outcome != "failed":
+                    continue
+                event = by_id[event_id]
+                decision = after_failure(
+                    attempts=event.attempts, max_attempts=event.max_attempts, kind=exc.kind, error=str(exc),
+                    base_ms=self._config.backoff_base_ms, max_ms=self._config.backoff_max_ms)
+                metrics.outbox_publish_failed_count.inc(exchange=event.exchange)
+                if decision.status == "dead_letter":
+                    metrics.outbox_dead_letter_count.inc()
+                    await conn.execute(q.MARK_DEAD_LETTER, {"id": event.id, "error": decision.reason,
+                                                            "claimed_by": self._config.claimed_by})
+                    log.error("outbox event dead-lettered", extra={
+                        "outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
+                        "attempts": event.attempts, "reason": decision.reason[:300]})
+                else:
+                    await conn.execute(q.MARK_RETRYABLE, {"id": event.id, "error": decision.reason,
+                                                          "delay_s": decision.delay_ms / 1000,
+                                                          "claimed_by": self._config.claimed_by})
+                    log.warning("outbox publish failed, will retry", extra={
+                        "outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
+                        "attempts": event.attempts, "retry_in_ms": decision.delay_ms,
+                        "error": decision.reason[:300]})
+        for event_id in published:
+            event = by_id[event_id]
+            metrics.outbox_published_count.inc(exchange=event.exchange)
+            metrics.outbox_commit_to_publish_ms.observe((now - event.created_at).total_seconds() * 1000)
+        self.published_total += len(published)
+
+    async def run_once(self) -> int:
+        """Claim and publish one batch; returns how many rows were claimed."""
+        batch = await self.claim()
+        if batch:
+            await self.process(batch)
+        return len(batch)
+
+    # ---- loops --------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        tasks = [asyncio.create_task(self._stop_watch(stop), name="outbox-stop-watch"),
+                 asyncio.create_task(self._maintain(stop), name="outbox-maintenance")]
+        if self._config.listen and self._listen_url:
+            tasks.append(asyncio.create_task(self._listen(stop), name="outbox-listen"))
+        try:
+            while not stop.is_set():
+                if not self._publisher.ready():
+                    # Broker away: claim nothing (attempts are not burnt by an outage).
+                    await self._publisher.wait_ready(timeout=1.0)
+                    continue
+                self._wake.clear()
+                try:
+                    claimed = await self.run_once()
+                except (psycopg.OperationalError, psycopg_pool_errors()) as exc:
+                    log.warning("outbox claim failed; database unavailable?", extra={"error": str(exc)})
+                    claimed = 0
+                if claimed >= self._config.batch_size:
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._config.poll_interval_s)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stop_watch(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._wake.set()
+
+    async def _listen(self, stop: asyncio.Event) -> None:
+        assert self._listen_url is not None
+        delay = 0.2
+        while not stop.is_set():
+            conn: Conn | None = None
+            try:
+                conn = await connect(self._listen_url, name="outbox-pump-listen")
+                await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                self.listening.set()
+                delay = 0.2
+                self._wake.set()  # anything committed while we were not listening
+                async for _ in conn.notifies():
+                    self._wake.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.listening.clear()
+                log.warning("LISTEN connection lost; polling until it is back", extra={"error": str(exc)})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                delay = min(delay * 2, 5.0)
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await conn.close()
+
+    async def _maintain(self, stop: asyncio.Event) -> None:
+        last_cleanup = 0.0
+        while not stop.is_set():
+            try:
+                async with self._pool.connection() as conn:
+                    cur = await conn.execute(q.DEPTH_BY_STATUS)
+                    rows = {r["status"]: r for r in await cur.fetchall()}
+                    oldest = 0
+                    for status in ("queued", "running", "retryable", "dead_letter"):
+                        row = rows.get(status)
+                        metrics.outbox_depth.labels(status=status).set(row["n"] if row else 0)
+                        if row and status != "dead_letter":
+                            oldest = max(oldest, int(row["oldest_ms"]))
+                    metrics.outbox_oldest_pending_age_ms.set(oldest)
+                    if time.monotonic() - last_cleanup > 60:
+                        await conn.execute(q.DELETE_PUBLISHED_BEFORE, {
+                            "hours": self._config.retention_hours, "limit": 5000})
+                        last_cleanup = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("outbox maintenance failed", extra={"error": str(exc)})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 5.0)
+
+
+def psycopg_pool_errors() -> type[Exception]:
+    from psycopg_pool import PoolTimeout
+
+    return PoolTimeout

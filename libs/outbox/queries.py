@@ -1,0 +1,108 @@
+"""Outbox SQL, named parameters only."""
+
+OUTBOX_CLAIM_LOCK = 7_401_552_002
+
+# Pumps take turns claiming (a short transaction), which is what lets one key's events be
+# claimed in order across pumps; publishing happens outside the lock.
+LOCK_CLAIMS = "SELECT pg_advisory_xact_lock(%(lock)s)"
+
+RECLAIM_EXPIRED = """
+UPDATE outbox
+SET status = CASE WHEN attempts >= max_attempts THEN 'dead_letter' ELSE 'retryable' END,
+    dead_lettered_at = CASE WHEN attempts >= max_attempts THEN now() END,
+    last_error = 'claim lease expired while running (pump died or stalled)',
+    claimed_by = NULL,
+    claim_expires_at = NULL,
+    next_retry_at = now()
+WHERE status = 'running' AND claim_expires_at < now()
+RETURNING id, status
+"""
+
+# A row is claimable when no earlier row of its ordering key is still running or waiting out
+# a backoff; earlier rows that are claimable themselves come first in id order in this batch.
+CLAIM = """
+WITH candidates AS (
+    SELECT o.id
+    FROM outbox o
+    WHERE o.status IN ('queued', 'retryable')
+      AND o.next_retry_at <= now()
+      AND (o.ordering_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM outbox p
+            WHERE p.ordering_key = o.ordering_key
+              AND p.id < o.id
+              AND p.status IN ('queued', 'running', 'retryable')
+              AND (p.status = 'running' OR p.next_retry_at > now())))
+    ORDER BY o.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE outbox o
+SET status = 'running',
+    attempts = o.attempts + 1,
+    claimed_by = %(claimed_by)s,
+    claim_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+FROM candidates c
+WHERE o.id = c.id
+RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload, o.headers,
+          o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at
+"""
+
+MARK_PUBLISHED = """
+UPDATE outbox
+SET status = 'published', published_at = now(), claim_expires_at = NULL, last_error = NULL
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claimed_by = %(claimed_by)s
+"""
+
+MARK_RETRYABLE = """
+UPDATE outbox
+SET status = 'retryable', claim_expires_at = NULL, claimed_by = NULL, last_error = %(error)s,
+    next_retry_at = now() + make_interval(secs => %(delay_s)s)
+WHERE id = %(id)s AND status = 'running' AND claimed_by = %(claimed_by)s
+"""
+
+MARK_DEAD_LETTER = """
+UPDATE outbox
+SET status = 'dead_letter', claim_expires_at = NULL, claimed_by = NULL, last_error = %(error)s,
+    dead_lettered_at = now()
+WHERE id = %(id)s AND status = 'running' AND claimed_by = %(claimed_by)s
+"""
+
+# Claimed but never attempted (shutdown, or an earlier event of the same key failed): give the
+# attempt back, since it was counted at claim and nothing was tried.
+RELEASE_UNATTEMPTED = """
+UPDATE outbox
+SET status = 'queued', attempts = greatest(attempts - 1, 0), claim_expires_at = NULL, claimed_by = NULL,
+    next_retry_at = now()
+WHERE id = ANY(%(ids)s) AND status = 'running' AND claimed_by = %(claimed_by)s
+"""
+
+DELETE_PUBLISHED_BEFORE = """
+DELETE FROM outbox WHERE id IN (
+    SELECT id FROM outbox
+    WHERE status = 'published' AND published_at < now() - make_interval(hours => %(hours)s)
+    LIMIT %(limit)s)
+"""
+
+DEPTH_BY_STATUS = """
+SELECT status, count(*) AS n,
+       coalesce(extract(epoch FROM now() - min(created_at)) * 1000, 0)::bigint AS oldest_ms
+FROM outbox WHERE status IN ('queued', 'running', 'retryable', 'dead_letter')
+GROUP BY status
+"""
+
+LIST_DEAD_LETTERS = """
+SELECT id, event_id, exchange, routing_key, message_type, tenant_id, attempts, max_attempts,
+       last_error, created_at, dead_lettered_at
+FROM outbox WHERE status = 'dead_letter'
+ORDER BY id
+LIMIT %(limit)s
+"""
+
+# Explicit, operator-driven replay only (rulebook: no automatic dead-letter replay).
+REPLAY_DEAD_LETTERS = """
+UPDATE outbox
+SET status = 'queued', attempts = 0, next_retry_at = now(), dead_lettered_at = NULL,
+    last_error = 'replayed by operator: ' || coalesce(last_error, '')
+WHERE status = 'dead_letter' AND (%(all)s OR id = ANY(%(ids)s))
+RETURNING id
+"""

@@ -1,0 +1,72 @@
+"""`enqueue(conn, ...)`: the outbox row is written in the caller's transaction, committed with it."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from libs.contracts.amqp import MESSAGE_TYPES, message_type
+from libs.db.pool import Conn
+from libs.mq.topology import LOGICAL_EXCHANGES
+from libs.outbox.tracing import current_traceparent
+
+NOTIFY_CHANNEL = "outbox_pending"
+
+_INSERT = """
+INSERT INTO outbox (event_id, exchange, routing_key, message_type, payload, headers, ordering_key,
+                    tenant_id, traceparent, max_attempts)
+VALUES (%(event_id)s, %(exchange)s, %(routing_key)s, %(message_type)s, %(payload)s, %(headers)s,
+        %(ordering_key)s, %(tenant_id)s, %(traceparent)s, %(max_attempts)s)
+"""
+# Writers of one ordering key take this lock until commit, so for one key id order = commit order.
+_LOCK_ORDERING_KEY = "SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 7401))"
+_NOTIFY = "SELECT pg_notify(%(channel)s, '')"
+
+
+async def enqueue(
+    conn: Conn,
+    *,
+    exchange: str,
+    routing_key: str,
+    message: msgspec.Struct,
+    ordering_key: str | None = None,
+    tenant_id: int | None = None,
+    notify: bool = False,
+    max_attempts: int = 10,
+    headers: dict[str, Any] | None = None,
+) -> uuid.UUID:
+    """Write one event into the outbox inside the caller's open transaction.
+
+    `notify=True` wakes the pumps at commit (a cluster-wide lock at commit time, so only for
+    latency-sensitive writes; bulk writers rely on the pump draining while there is work).
+    """
+    if not conn.info.transaction_status:  # IDLE: no transaction open on this connection
+        raise RuntimeError("outbox.enqueue must run inside the caller's transaction")
+    if exchange not in LOGICAL_EXCHANGES:
+        raise ValueError(f"unknown exchange {exchange!r}; expected one of {LOGICAL_EXCHANGES}")
+    kind = message_type(message)
+    if kind not in MESSAGE_TYPES:
+        raise ValueError(f"message type {kind!r} has no contract")
+    if ordering_key is not None:
+        await conn.execute(_LOCK_ORDERING_KEY, {"key": ordering_key})
+    event_id = uuid.uuid4()
+    await conn.execute(
+        _INSERT,
+        {
+            "event_id": event_id,
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "message_type": kind,
+            "payload": msgspec.json.encode(message),
+            "headers": msgspec.json.encode(headers or {}).decode(),
+            "ordering_key": ordering_key,
+            "tenant_id": tenant_id,
+            "traceparent": current_traceparent(),
+            "max_attempts": max_attempts,
+        },
+    )
+    if notify:
+        await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL})
+    return event_id

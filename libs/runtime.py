@@ -1,0 +1,99 @@
+"""Running a service: uvloop, SIGTERM -> graceful drain, background loops that stop the service if they die."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import uvloop
+from aiohttp import web
+from psycopg_pool import AsyncConnectionPool
+
+from libs.config import Settings
+from libs.db.pool import Conn
+from libs.http import add_readiness_check
+from libs.telemetry.logging import configure_logging
+
+log = logging.getLogger("runtime")
+
+STOP_EVENT = web.AppKey("stop_event", asyncio.Event)
+Worker = Callable[[asyncio.Event], Awaitable[None]]
+
+
+def background(app: web.Application, name: str, worker: Worker) -> None:
+    """Run `worker(stop)` for the app's lifetime; on shutdown set `stop` and wait for it to drain.
+
+    A worker that dies unexpectedly takes the process down (Kubernetes restarts it) instead of
+    leaving a half-alive service.
+    """
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        stop = app[STOP_EVENT]
+
+        async def guarded() -> None:
+            try:
+                await worker(stop)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background worker crashed; stopping the service", extra={"worker": name})
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        task = asyncio.create_task(guarded(), name=name)
+        yield
+        stop.set()
+        grace = app[SETTINGS].shutdown_grace_seconds
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=grace)
+        except TimeoutError:
+            log.warning("worker did not drain within the grace period; cancelling", extra={"worker": name})
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    app.cleanup_ctx.append(ctx)
+
+
+SETTINGS = web.AppKey("settings", Settings)
+
+
+def base_app(settings: Settings, app: web.Application) -> web.Application:
+    app[SETTINGS] = settings
+    app[STOP_EVENT] = asyncio.Event()
+    return app
+
+
+def pool_ready_check(pool: AsyncConnectionPool[Conn]) -> Callable[[], Awaitable[None]]:
+    async def check() -> None:
+        async with pool.connection(timeout=2.0) as conn:
+            await conn.execute("SELECT 1")
+
+    return check
+
+
+def add_pool_check(app: web.Application, pool: AsyncConnectionPool[Conn]) -> None:
+    add_readiness_check(app, "postgres", pool_ready_check(pool))
+
+
+def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
+    """Entry point for every service: configure, build the app, serve until SIGTERM/SIGINT."""
+    settings = Settings.from_env(service)
+    configure_logging(service, settings.log_level)
+    loop = uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    app = build(settings)
+    log.info("starting", extra={"port": settings.http_port, "instance_id": settings.instance_id})
+    web.run_app(
+        app,
+        host=settings.http_host,
+        port=settings.http_port,
+        shutdown_timeout=settings.shutdown_grace_seconds,
+        print=None,
+        access_log=None,
+        loop=loop,
+        handle_signals=True,
+    )

@@ -1,0 +1,133 @@
+"""Every metric of seed §15.1, under the seed's exact names, plus the ones each service adds.
+
+prometheus_client renames counters to `<name>_total`; the seed's alert rules use the bare
+names, so counters here are `ExactCounter`s that keep the name as written (valid Prometheus
+text exposition: the `_total` suffix is a convention of OpenMetrics, not of format 0.0.4).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS_MS = (1, 2, 5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000,
+                      180000, 600000)
+
+
+class ExactCounter(Collector):
+    """A monotonically increasing counter exposed under exactly `name`."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (),
+                 registry: CollectorRegistry | None = REGISTRY) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._values: dict[tuple[str, ...], float] = {}
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def inc(self, amount: float = 1.0, **labels: object) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        if set(labels) != set(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {tuple(labels)}")
+        key = tuple(str(labels[n]) for n in self.labelnames)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels: object) -> float:
+        key = tuple(str(labels[n]) for n in self.labelnames)
+        with self._lock:
+            return self._values.get(key, 0.0)
+
+    def collect(self) -> Iterable[Metric]:
+        metric = Metric(self.name, self.documentation, "counter")
+        with self._lock:
+            items = list(self._values.items())
+        if not items and not self.labelnames:
+            items = [((), 0.0)]
+        for key, value in items:
+            metric.add_sample(self.name, dict(zip(self.labelnames, key, strict=True)), value)
+        return [metric]
+
+    def describe(self) -> Iterable[Metric]:
+        return [Metric(self.name, self.documentation, "counter")]
+
+
+def _hist(name: str, doc: str, labels: Sequence[str] = ()) -> Histogram:
+    return Histogram(name, doc, labelnames=labels, buckets=LATENCY_BUCKETS_MS)
+
+
+# ---- seed §15.1, existing metrics -------------------------------------------------------------
+collect_now_accept_count = ExactCounter(
+    "collect_now_accept_count", "Collect-now requests accepted (new requests, not idempotent replays).")
+collect_now_first_dispatch_latency_ms = _hist(
+    "collect_now_first_dispatch_latency_ms", "Click to the first task of a request dispatched (ms).")
+collect_now_first_result_latency_ms = _hist(
+    "collect_now_first_result_latency_ms", "Click to the first result of a request ingested (ms).")
+monitor_dispatch_high_backlog = Gauge(
+    "monitor_dispatch_high_backlog", "Ready business tasks in the high lane not yet dispatched.")
+monitor_dispatch_normal_backlog = Gauge(
+    "monitor_dispatch_normal_backlog", "Ready business tasks in normal and normal_boosted lanes.")
+monitor_result_ingest_lag_ms = Gauge(
+    "monitor_result_ingest_lag_ms", "Age of the oldest unprocessed result at ingest (ms).", ["shard"])
+monitor_projection_rebuild_lag_ms = Gauge(
+    "monitor_projection_rebuild_lag_ms", "Age of the oldest pending projection rebuild request (ms).")
+monitor_preempt_request_count = ExactCounter(
+    "monitor_preempt_request_count", "Interrupts requested on running or leased scheduled tasks.")
+monitor_preempt_success_count = ExactCounter(
+    "monitor_preempt_success_count", "Preempted tasks that yielded with the current generation.")
+monitor_preempt_timeout_count = ExactCounter(
+    "monitor_preempt_timeout_count", "Interrupts that passed the platform's hard timeout.", ["client_id"])
+desktop_client_monitor_queue_depth = Gauge(
+    "desktop_client_monitor_queue_depth", "Queued monitor executions per client.", ["client_id"])
+monitoring_pg_write_qps = Gauge(
+    "monitoring_pg_write_qps", "Rows written per second by result ingest.")
+
+# ---- seed §15.1, added in V1.1 ----------------------------------------------------------------
+collect_now_preempt_induced_retry_count = ExactCounter(
+    "collect_now_preempt_induced_retry_count", "Extra retries of scheduled tasks caused by preemption.")
+monitor_normal_starvation_age_p99 = Gauge(
+    "monitor_normal_starvation_age_p99", "p99 wait of ready normal tasks (ms); alert on the longest.")
+safe_point_interval_ms = _hist(
+    "safe_point_interval_ms", "Interval between desktop safe points (ms).", ["platform"])
+safe_point_interval_ms_p95 = Gauge(
+    "safe_point_interval_ms_p95", "p95 of recent safe-point intervals per platform (ms).", ["platform"])
+monitor_dispatch_reject_by_reason_count = ExactCounter(
+    "monitor_dispatch_reject_by_reason_count", "Dispatch rejections by reason.", ["reason"])
+interrupt_generation_mismatch_count = ExactCounter(
+    "interrupt_generation_mismatch_count", "Callbacks or events ignored for a stale interrupt generation.")
+collect_request_ttl_expired_count = ExactCounter(
+    "collect_request_ttl_expired_count", "Collect-now requests that reached their TTL unfinished.")
+execution_owner_legacy_count = Gauge(
+    "execution_owner_legacy_count", "Business tasks pending on the legacy execution path.")
+execution_owner_desktop_tasks_count = Gauge(
+    "execution_owner_desktop_tasks_count", "Business tasks pending on the desktop_tasks path.")
+phase2_reconcile_fixed_count = ExactCounter(
+    "phase2_reconcile_fixed_count", "Rows fixed by reconcile runs.", ["job"])
+monitor_dispatch_high_oldest_age_ms = Gauge(
+    "monitor_dispatch_high_oldest_age_ms", "Age of the oldest undispatched high-lane task (ms).")
+tenant_monitor_normal_backlog = Gauge(
+    "tenant_monitor_normal_backlog", "Ready normal-lane backlog per tenant.", ["tenant_id"])
+
+# ---- outbox -----------------------------------------------------------------------------------
+outbox_published_count = ExactCounter("outbox_published_count", "Outbox events published.", ["exchange"])
+outbox_publish_failed_count = ExactCounter(
+    "outbox_publish_failed_count", "Outbox publish attempts that failed.", ["exchange"])
+outbox_dead_letter_count = ExactCounter("outbox_dead_letter_count", "Outbox events moved to dead_letter.")
+outbox_commit_to_publish_ms = _hist(
+    "outbox_commit_to_publish_ms", "Outbox row creation to broker-confirmed publish (ms).")
+outbox_depth = Gauge("outbox_depth", "Outbox rows by status.", ["status"])
+outbox_oldest_pending_age_ms = Gauge("outbox_oldest_pending_age_ms", "Age of the oldest unpublished row (ms).")
+
+# ---- WebSocket / hub --------------------------------------------------------------------------
+desktop_websocket_connections = Gauge(
+    "desktop_websocket_connections", "Open desktop WebSocket connections on this hub instance.")
+
+# ---- leader election --------------------------------------------------------------------------
+leader_is_active = Gauge("leader_is_active", "1 when this replica holds the leader lock.", ["role"])

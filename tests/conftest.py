@@ -1,0 +1,110 @@
+"""Fixtures: a fresh database per test (cloned from a migrated template) and a unique broker prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import aio_pika
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg_pool import AsyncConnectionPool
+
+from libs.config import Settings
+from libs.db.migrate import migrate
+from libs.db.pool import Conn, make_pool
+from libs.mq.topology import Topology, delete_all
+from tests.support.env import Backends, backends, schema_fingerprint
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = str(item.path)
+        if "/integration/" in path:
+            item.add_marker(pytest.mark.integration)
+        elif "/e2e/" in path:
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def backend() -> Iterator[Backends]:
+    with backends() as found:
+        yield found
+
+
+def _admin(url: str) -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(make_conninfo(url, dbname="postgres"), autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def template_db(backend: Backends) -> str:
+    """A migrated template named after the migrations' checksums; rebuilt only when they change."""
+    name = f"mon_tpl_{schema_fingerprint()}"
+    with _admin(backend.database_url) as conn:
+        # One session at a time builds the template.
+        conn.execute("SELECT pg_advisory_lock(7401552099)")
+        try:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            if not exists:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+                asyncio.run(migrate(make_conninfo(backend.database_url, dbname=name)))
+                conn.execute(sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS false").format(sql.Identifier(name)))
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(7401552099)")
+    return name
+
+
+@pytest.fixture
+def database_url(backend: Backends, template_db: str) -> Iterator[str]:
+    name = f"mon_t_{uuid.uuid4().hex[:12]}"
+    with _admin(backend.database_url) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name),
+                                                                     sql.Identifier(template_db)))
+    try:
+        yield make_conninfo(backend.database_url, dbname=name)
+    finally:
+        with _admin(backend.database_url) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def topology() -> Topology:
+    return Topology(prefix=f"t{uuid.uuid4().hex[:10]}.", ingest_shards=4)
+
+
+@pytest.fixture
+def settings(database_url: str, backend: Backends, topology: Topology) -> Settings:
+    return Settings(
+        database_url=database_url,
+        amqp_url=backend.amqp_url,
+        mq_prefix=topology.prefix,
+        ingest_shards=topology.ingest_shards,
+        gateway_jwt_secret="test-secret",
+        db_pool_min=1,
+        db_pool_max=4,
+        shutdown_grace_seconds=5,
+    )
+
+
+@pytest.fixture
+async def pool(settings: Settings) -> AsyncIterator[AsyncConnectionPool[Conn]]:
+    pool = make_pool(settings, name="tests", min_size=1, max_size=4)
+    await pool.open(wait=True)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+async def amqp(backend: Backends, topology: Topology) -> AsyncIterator[aio_pika.abc.AbstractRobustConnection]:
+    connection = await aio_pika.connect_robust(backend.amqp_url)
+    try:
+        yield connection
+    finally:
+        async with connection.channel() as channel:
+            await delete_all(channel, topology)
+        await connection.close()

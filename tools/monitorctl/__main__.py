@@ -1,0 +1,3 @@
+from tools.monitorctl.main import main
+
+main()
