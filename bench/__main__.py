@@ -1,0 +1,37 @@
+"""Run every benchmark module (or those named): `python -m bench [outbox dispatch ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+import uvloop
+
+
+def available() -> list[str]:
+    folder = Path(__file__).parent
+    return sorted(m.name[2:] for m in pkgutil.iter_modules([str(folder)]) if m.name.startswith("b_"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="bench")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default all): {available()}")
+    parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
+    args = parser.parse_args()
+    names = args.names or available()
+    for name in names:
+        if name not in available():
+            sys.exit(f"unknown benchmark {name!r}; available: {available()}")
+    for name in names:
+        module = importlib.import_module(f"bench.b_{name}")
+        print(f"\n=== {name} ===", flush=True)
+        uvloop.run(module.run(args))
+    asyncio.set_event_loop(None)
+
+
+if __name__ == "__main__":
+    main()

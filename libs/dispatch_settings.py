@@ -1,0 +1,124 @@
+"""Hot-reloaded operator settings (`dispatch_settings` table): defaults here, overrides in the table.
+
+Readers call `load_settings(conn)` on every tick (one small query), so `monitorctl budgets set`
+and friends take effect within seconds without a restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import msgspec
+
+from libs.db.pool import Conn
+
+LANES = ("high", "normal", "normal_boosted", "retry")
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchSettings:
+    # Budgets (seed §9.2)
+    cluster_dispatch_per_minute: int = 300
+    tenant_dispatch_per_minute: int = 30
+    # Share of dispatches kept for normal work while high is busy (seed §9.3: 10-20%).
+    normal_background_share: float = 0.15
+    paused_lanes: tuple[str, ...] = ()
+    # Auto slow-down thresholds (seed §12.4)
+    auto_slowdown_enabled: bool = True
+    ingest_lag_threshold_ms: int = 30_000
+    projection_lag_threshold_ms: int = 60_000
+    db_write_p95_threshold_ms: int = 500
+    conflict_rate_threshold: float = 0.05
+    # Aging (seed §9.4)
+    aging_interval_seconds: int = 30
+    aging_fraction: float = 0.10
+    aging_cap: int = 900
+    # Execution
+    max_dispatch_attempts: int = 3
+    lease_ttl_seconds: int = 120
+    heartbeat_timeout_seconds: int = 30
+    unknown_grace_seconds: int = 120
+    # Collect-now (seed §10.6, §15.3)
+    request_ttl_seconds: int = 300
+    request_no_dispatch_warn_seconds: int = 30
+    idempotency_window_seconds: int = 300
+    max_active_requests_per_tenant: int = 2
+    max_requests_per_user_per_hour: int = 20
+    # Phase 2 rollout (seed §16.2.2): tenant_id % 100 < rollout_percentage -> desktop_tasks
+    rollout_percentage: int = 100
+    reconcile_interval_seconds: int = 300
+
+
+_TYPES = {f.name: f.type for f in fields(DispatchSettings)}
+_DEFAULTS = DispatchSettings()
+
+
+class SettingError(ValueError):
+    pass
+
+
+def coerce(key: str, value: Any) -> Any:
+    """Validate one setting's value; raises SettingError naming the key."""
+    if key not in _TYPES:
+        raise SettingError(f"unknown setting {key!r}; known: {', '.join(sorted(_TYPES))}")
+    default = getattr(_DEFAULTS, key)
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                value = value.lower() in {"1", "true", "yes", "on"}
+            return bool(value)
+        if isinstance(default, int):
+            number = int(value)
+            if number < 0:
+                raise SettingError(f"{key} must be >= 0")
+            if key == "rollout_percentage" and number > 100:
+                raise SettingError("rollout_percentage must be between 0 and 100")
+            return number
+        if isinstance(default, float):
+            number_f = float(value)
+            if not 0 <= number_f <= 1:
+                raise SettingError(f"{key} must be between 0 and 1")
+            return number_f
+        if isinstance(default, tuple):
+            items = value.split(",") if isinstance(value, str) else list(value)
+            lanes = tuple(sorted({str(i).strip() for i in items if str(i).strip()}))
+            bad = [lane for lane in lanes if lane not in LANES]
+            if bad:
+                raise SettingError(f"{key}: unknown lane(s) {bad}; lanes are {LANES}")
+            return lanes
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, SettingError):
+            raise
+        raise SettingError(f"{key}: {value!r} is not a valid {type(default).__name__}") from exc
+    return value
+
+
+def from_rows(rows: dict[str, Any]) -> DispatchSettings:
+    overrides = {}
+    for key, value in rows.items():
+        if key in _TYPES:
+            try:
+                overrides[key] = coerce(key, value)
+            except SettingError:
+                continue  # a bad stored value never stops dispatch: the default stands
+    return replace(_DEFAULTS, **overrides)
+
+
+async def load_settings(conn: Conn) -> DispatchSettings:
+    cur = await conn.execute("SELECT key, value FROM dispatch_settings")
+    return from_rows({row["key"]: row["value"] for row in await cur.fetchall()})
+
+
+async def set_setting(conn: Conn, key: str, value: Any) -> Any:
+    coerced = coerce(key, value)
+    await conn.execute(
+        "INSERT INTO dispatch_settings (key, value, updated_at) VALUES (%(key)s, %(value)s, now()) "
+        "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, updated_at = now()",
+        {"key": key, "value": msgspec.json.encode(coerced).decode()},
+    )
+    return coerced
+
+
+def as_dict(settings: DispatchSettings) -> dict[str, Any]:
+    return asdict(settings)

@@ -1,0 +1,151 @@
+"""Shared state transitions (seed §7.1 write matrix, §8). Each runs inside the caller's transaction.
+
+Semantics every service relies on:
+- `dispatch_attempts` is counted by the coordinator at dispatch; a preemption yield (or a queued
+  execution cancelled by collect-now) gives it back, so a yield never consumes a retry.
+- On the desktop_tasks path the business row stays `pending` while executing, and only moves to
+  completed / failed / skipped / expired.
+- An execution is active while queued / in_progress / unknown (`uq_desktop_tasks_monitor_active`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from libs.contracts.amqp import LifecycleEvent, LifecycleKind
+from libs.db.pool import Conn
+from libs.domain.lanes import RETRY_PRIORITY
+from libs.mq.topology import LIFECYCLE
+from libs.outbox import enqueue
+
+# Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
+DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
+
+ExecutionOutcome = Literal["succeeded", "failed", "aborted", "expired"]
+ACTIVE_EXECUTION = ("queued", "in_progress", "unknown")
+
+
+@dataclass(frozen=True, slots=True)
+class EndedExecution:
+    task_id: uuid.UUID
+    monitor_task_id: int
+    tenant_id: int
+    client_id: uuid.UUID
+    ai_platform_id: int | None
+    lane: str
+    lease_epoch: int
+    previous_status: str
+
+
+_END_EXECUTION = """
+UPDATE desktop_tasks d
+SET status = %(status)s,
+    finished_at = now(),
+    updated_at = now(),
+    error = coalesce(%(error)s, d.error),
+    interrupt_reason = coalesce(%(reason)s, d.interrupt_reason),
+    lease_token_hash = NULL
+FROM (SELECT id, status AS previous_status FROM desktop_tasks
+      WHERE id = %(task_id)s AND status IN ('queued', 'in_progress', 'unknown')
+        AND (%(lease_epoch)s::int IS NULL OR lease_epoch = %(lease_epoch)s::int)
+      FOR UPDATE) prev
+WHERE d.id = prev.id
+RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.ai_platform_id, d.lane, d.lease_epoch,
+          prev.previous_status
+"""
+
+_END_ATTEMPT = """
+UPDATE desktop_task_attempts
+SET status = %(status)s, finished_at = now(), error = %(error)s, abort_reason = %(reason)s,
+    execution_phase = coalesce(%(phase)s, execution_phase)
+WHERE task_id = %(task_id)s AND lease_epoch = %(lease_epoch)s AND status = 'in_progress'
+"""
+
+
+async def end_execution(
+    conn: Conn, *, task_id: uuid.UUID, outcome: ExecutionOutcome, lease_epoch: int | None = None,
+    reason: str | None = None, error: str | None = None, phase: str | None = None,
+) -> EndedExecution | None:
+    """Move an active execution to its terminal state and close its attempt; None if it was not active
+    (or the lease epoch does not match: a fenced-off holder can never end the new holder's work)."""
+    status = "aborted" if outcome == "expired" else outcome
+    cur = await conn.execute(_END_EXECUTION, {"status": status, "task_id": task_id, "lease_epoch": lease_epoch,
+                                              "reason": reason, "error": error})
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    await conn.execute(_END_ATTEMPT, {"status": outcome, "task_id": task_id, "lease_epoch": row["lease_epoch"],
+                                      "error": error, "reason": reason, "phase": phase})
+    return EndedExecution(task_id=row["id"], monitor_task_id=row["monitor_task_id"], tenant_id=row["tenant_id"],
+                          client_id=row["target_client_id"], ai_platform_id=row["ai_platform_id"],
+                          lane=row["lane"], lease_epoch=row["lease_epoch"], previous_status=row["previous_status"])
+
+
+_YIELD_BUSINESS = """
+UPDATE monitoring_collect_tasks
+SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
+WHERE id = %(id)s AND status = 'pending'
+"""
+
+_RETRY_BUSINESS = """
+UPDATE monitoring_collect_tasks
+SET status = CASE WHEN dispatch_attempts >= %(max_attempts)s THEN 'failed' ELSE 'pending' END,
+    dispatch_lane = CASE WHEN dispatch_lane = 'high' THEN 'high' ELSE 'retry' END,
+    dispatch_priority = CASE WHEN dispatch_lane = 'high' THEN dispatch_priority ELSE %(retry_priority)s END,
+    last_error = %(error)s,
+    completed_at = CASE WHEN dispatch_attempts >= %(max_attempts)s THEN now() END,
+    updated_at = now()
+WHERE id = %(id)s AND status = 'pending'
+RETURNING status
+"""
+
+_FINISH_BUSINESS = """
+UPDATE monitoring_collect_tasks
+SET status = %(status)s, completed_at = now(), last_error = %(error)s, updated_at = now()
+WHERE id = %(id)s AND status NOT IN ('completed', 'skipped', 'expired')
+  AND NOT (status = 'failed' AND %(status)s = 'failed')
+RETURNING id
+"""
+
+
+async def yield_business_task(conn: Conn, monitor_task_id: int) -> None:
+    """A preempted (or cancelled-while-queued) execution: back to pending, lane and enqueued_at kept,
+    the dispatch attempt given back."""
+    await conn.execute(_YIELD_BUSINESS, {"id": monitor_task_id})
+
+
+async def retry_business_task(conn: Conn, monitor_task_id: int, *, max_attempts: int, error: str | None) -> str | None:
+    """A failed or expired execution: pending in the retry lane (high work stays high), or failed once
+    `dispatch_attempts` reached `max_attempts`. Returns the new status (None if not pending)."""
+    cur = await conn.execute(_RETRY_BUSINESS, {"id": monitor_task_id, "max_attempts": max_attempts,
+                                               "retry_priority": RETRY_PRIORITY, "error": error})
+    row = await cur.fetchone()
+    return None if row is None else str(row["status"])
+
+
+async def finish_business_task(conn: Conn, monitor_task_id: int, *, status: Literal["completed", "failed"],
+                               error: str | None = None) -> bool:
+    """Terminal business state. A later success may still turn failed into completed."""
+    cur = await conn.execute(_FINISH_BUSINESS, {"id": monitor_task_id, "status": status, "error": error})
+    return await cur.fetchone() is not None
+
+
+async def emit_lifecycle(conn: Conn, event: LifecycleKind, *, tenant_id: int, client_id: uuid.UUID | None = None,
+                         task_id: uuid.UUID | None = None, monitor_task_id: int | None = None,
+                         ai_platform_id: int | None = None, lane: str | None = None, reason: str | None = None,
+                         collect_request_id: uuid.UUID | None = None, notify: bool = False) -> None:
+    """A `monitor.lifecycle` event through the outbox, in the caller's transaction."""
+    message = LifecycleEvent(event=event, tenant_id=tenant_id, occurred_at=datetime.now(UTC), client_id=client_id,
+                             task_id=task_id, monitor_task_id=monitor_task_id, ai_platform_id=ai_platform_id,
+                             lane=lane, reason=reason, collect_request_id=collect_request_id)
+    await enqueue(conn, exchange=LIFECYCLE, routing_key=event, message=message, tenant_id=tenant_id, notify=notify)
+
+
+# An eligible client for dispatch (seed §10.6): online with a heartbeat in the last N seconds.
+ELIGIBLE_CLIENT_SQL = (
+    "c.online AND c.disabled_at IS NULL "
+    "AND c.last_heartbeat_at > now() - make_interval(secs => %(heartbeat_timeout_s)s)"
+)
