@@ -116,7 +116,8 @@ def test_lease_request_bounds() -> None:
 
 
 def test_execution_phase_must_be_a_seed_phase() -> None:
-    assert decode_json(b'{"lease_token": "t", "execution_phase": "WAITING"}', ExtendRequest).execution_phase == "WAITING"
+    extend = decode_json(b'{"lease_token": "t", "execution_phase": "WAITING"}', ExtendRequest)
+    assert extend.execution_phase == "WAITING"
     with pytest.raises(ContractError) as info:
         decode_json(b'{"lease_token": "t", "execution_phase": "DANCING"}', ExtendRequest)
     assert info.value.field == "execution_phase"
