@@ -72,10 +72,22 @@ class Settings:
     outbox_backoff_max_ms: int = 300_000
     outbox_publish_timeout_seconds: float = 10.0
     outbox_retention_hours: int = 24
+    outbox_concurrency: int = 2
     # dispatch-hub / desktop
     lease_ttl_seconds: int = 120
     heartbeat_timeout_seconds: int = 30
     max_body_bytes: int = 256 * 1024
+    # ingest-shard-workers
+    ingest_batch_size: int = 200
+    ingest_prefetch: int = 400
+    ingest_member_heartbeat_seconds: float = 2.0
+    ingest_member_timeout_seconds: float = 10.0
+    ingest_applied_retention_hours: int = 168
+    # projection-worker
+    projection_concurrency: int = 2
+    projection_sweep_interval_ms: int = 1000
+    projection_claim_lease_seconds: float = 30.0
+    projection_max_attempts: int = 10
 
     @classmethod
     def from_env(cls, service: str | None = None, env: dict[str, str] | None = None) -> Settings:
