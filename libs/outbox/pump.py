@@ -134,7 +134,9 @@ class AmqpPublisher:
             headers=headers,
         )
         try:
-            await exchange.publish(message, routing_key=event.routing_key, timeout=self._timeout)
+            # mandatory=False: a dispatch event for an offline client is unroutable by design (the hub
+            # replays from the database on reconnect), not an error.
+            await exchange.publish(message, routing_key=event.routing_key, mandatory=False, timeout=self._timeout)
         except aio_pika.exceptions.DeliveryError as exc:
             raise PublishError("transient", f"broker refused the message: {exc}") from exc
         except TimeoutError as exc:
@@ -156,6 +158,7 @@ class PumpConfig:
     backoff_base_ms: int = 500
     backoff_max_ms: int = 300_000
     retention_hours: int = 24
+    concurrency: int = 2
 
 
 class OutboxPump:
@@ -165,24 +168,21 @@ class OutboxPump:
         self._publisher = publisher
         self._config = config
         self._listen_url = listen_url
-        self._wake = asyncio.Event()
+        # One wake-up event per claim loop, so a NOTIFY wakes every loop.
+        self._wakes = [asyncio.Event() for _ in range(max(1, config.concurrency))]
         self._stopping = False
         self.listening = asyncio.Event()
         self.published_total = 0
 
     def wake(self) -> None:
-        self._wake.set()
+        for event in self._wakes:
+            event.set()
 
     # ---- claim / publish / mark --------------------------------------------------------------
     async def claim(self, limit: int | None = None) -> list[ClaimedEvent]:
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._pool.connection() as conn, conn.transaction(), conn.pipeline():
+            # One round trip: take the claim lock and claim in the same pipeline.
             await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
-            cur = await conn.execute(q.RECLAIM_EXPIRED)
-            for row in await cur.fetchall():
-                log.warning("reclaimed an expired outbox claim", extra={"outbox_id": row["id"],
-                                                                         "status": row["status"]})
-                if row["status"] == "dead_letter":
-                    metrics.outbox_dead_letter_count.inc()
             cur = await conn.execute(q.CLAIM, {
                 "limit": limit or self._config.batch_size,
                 "claimed_by": self._config.claimed_by,
@@ -190,6 +190,21 @@ class OutboxPump:
             })
             rows = await cur.fetchall()
         return [ClaimedEvent(**row) for row in rows]
+
+    async def reclaim_expired(self) -> int:
+        """Claims whose lease ran out (a pump died or stalled) go back to retryable, or to
+        dead_letter once out of attempts. Runs under the claim lock, off the publish path."""
+        async with self._pool.connection() as conn, conn.transaction():
+            await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
+            cur = await conn.execute(q.RECLAIM_EXPIRED)
+            rows = await cur.fetchall()
+        for row in rows:
+            log.warning("reclaimed an expired outbox claim", extra={"outbox_id": row["id"], "status": row["status"]})
+            if row["status"] == "dead_letter":
+                metrics.outbox_dead_letter_count.inc()
+        if rows:
+            self.wake()
+        return len(rows)
 
     async def _publish_chain(self, chain: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]]) -> None:
         """Events of one ordering key, one after another; stop the chain at the first failure."""
@@ -276,29 +291,34 @@ class OutboxPump:
         if self._config.listen and self._listen_url:
             tasks.append(asyncio.create_task(self._listen(stop), name="outbox-listen"))
         try:
-            while not stop.is_set():
-                if not self._publisher.ready():
-                    # Broker away: claim nothing (attempts are not burnt by an outage).
-                    await self._publisher.wait_ready(timeout=1.0)
-                    continue
-                self._wake.clear()
-                try:
-                    claimed = await self.run_once()
-                except (psycopg.OperationalError, psycopg_pool_errors()) as exc:
-                    log.warning("outbox claim failed; database unavailable?", extra={"error": str(exc)})
-                    claimed = 0
-                if claimed >= self._config.batch_size:
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._config.poll_interval_s)
+            await asyncio.gather(*(self._claim_loop(stop, wake) for wake in self._wakes))
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def _claim_loop(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
+        # Several loops overlap one batch's claim with another's publishing; the claim lock and the
+        # ordering rule of the CLAIM query keep per-key order across loops as across pumps.
+        while not stop.is_set():
+            if not self._publisher.ready():
+                # Broker away: claim nothing (attempts are not burnt by an outage).
+                await self._publisher.wait_ready(timeout=1.0)
+                continue
+            wake.clear()
+            try:
+                claimed = await self.run_once()
+            except (psycopg.OperationalError, psycopg_pool_errors()) as exc:
+                log.warning("outbox claim failed; database unavailable?", extra={"error": str(exc)})
+                claimed = 0
+            if claimed >= self._config.batch_size:
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), self._config.poll_interval_s)
+
     async def _stop_watch(self, stop: asyncio.Event) -> None:
         await stop.wait()
-        self._wake.set()
+        self.wake()
 
     async def _listen(self, stop: asyncio.Event) -> None:
         assert self._listen_url is not None
@@ -310,9 +330,9 @@ class OutboxPump:
                 await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 self.listening.set()
                 delay = 0.2
-                self._wake.set()  # anything committed while we were not listening
+                self.wake()  # anything committed while we were not listening
                 async for _ in conn.notifies():
-                    self._wake.set()
+                    self.wake()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -327,29 +347,36 @@ class OutboxPump:
                         await conn.close()
 
     async def _maintain(self, stop: asyncio.Event) -> None:
-        last_cleanup = 0.0
+        last_cleanup = last_depth = 0.0
         while not stop.is_set():
             try:
-                async with self._pool.connection() as conn:
-                    cur = await conn.execute(q.DEPTH_BY_STATUS)
-                    rows = {r["status"]: r for r in await cur.fetchall()}
-                    oldest = 0
-                    for status in ("queued", "running", "retryable", "dead_letter"):
-                        row = rows.get(status)
-                        metrics.outbox_depth.labels(status=status).set(row["n"] if row else 0)
-                        if row and status != "dead_letter":
-                            oldest = max(oldest, int(row["oldest_ms"]))
-                    metrics.outbox_oldest_pending_age_ms.set(oldest)
-                    if time.monotonic() - last_cleanup > 60:
+                await self.reclaim_expired()
+                if time.monotonic() - last_depth >= 5:
+                    await self._record_depth()
+                    last_depth = time.monotonic()
+                if time.monotonic() - last_cleanup > 60:
+                    async with self._pool.connection() as conn:
                         await conn.execute(q.DELETE_PUBLISHED_BEFORE, {
                             "hours": self._config.retention_hours, "limit": 5000})
-                        last_cleanup = time.monotonic()
+                    last_cleanup = time.monotonic()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("outbox maintenance failed", extra={"error": str(exc)})
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 5.0)
+                await asyncio.wait_for(stop.wait(), 1.0)
+
+    async def _record_depth(self) -> None:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(q.DEPTH_BY_STATUS)
+            rows = {r["status"]: r for r in await cur.fetchall()}
+        oldest = 0
+        for status in ("queued", "running", "retryable", "dead_letter"):
+            row = rows.get(status)
+            metrics.outbox_depth.labels(status=status).set(row["n"] if row else 0)
+            if row and status != "dead_letter":
+                oldest = max(oldest, int(row["oldest_ms"]))
+        metrics.outbox_oldest_pending_age_ms.set(oldest)
 
 
 def psycopg_pool_errors() -> type[Exception]:

@@ -21,7 +21,7 @@ def build(settings: Settings) -> web.Application:
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
-        pool = make_pool(settings, name="outbox-pump", min_size=1, max_size=3)
+        pool = make_pool(settings, name="outbox-pump", min_size=2, max_size=4)
         await pool.open(wait=True, timeout=30)
         publisher = AmqpPublisher(settings.amqp_url, Topology(settings.mq_prefix, settings.ingest_shards),
                                   timeout=settings.outbox_publish_timeout_seconds,
@@ -36,6 +36,7 @@ def build(settings: Settings) -> web.Application:
             backoff_base_ms=settings.outbox_backoff_base_ms,
             backoff_max_ms=settings.outbox_backoff_max_ms,
             retention_hours=settings.outbox_retention_hours,
+            concurrency=settings.outbox_concurrency,
         ), listen_url=settings.database_url)
         add_pool_check(app, pool)
 

@@ -1,0 +1,139 @@
+"""Outbox: events/s from one pump process, and commit -> delivered latency with LISTEN/NOTIFY vs 200 ms polling."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aio_pika
+import msgspec
+
+from bench.common import bench_environment, summary
+from libs.config import Settings
+from libs.contracts.amqp import LifecycleEvent
+from libs.db.pool import make_pool
+from libs.mq.topology import LIFECYCLE, Topology
+from libs.outbox import enqueue
+from tests.support.procs import ServiceProcess, service_env
+
+
+def _event(tenant_id: int, reason: str) -> LifecycleEvent:
+    return LifecycleEvent(event="client.online", tenant_id=tenant_id, occurred_at=datetime.now(UTC), reason=reason)
+
+
+async def _consumer(settings: Settings) -> tuple[aio_pika.abc.AbstractRobustConnection, asyncio.Queue[bytes]]:
+    topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    connection = await aio_pika.connect_robust(settings.amqp_url)
+    channel = await connection.channel()
+    await channel.set_qos(prefetch_count=2000)
+    exchange = await channel.declare_exchange(topology.lifecycle_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+    queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+    await queue.bind(exchange, "#")
+    received: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        received.put_nowait(message.body)
+        await message.ack()
+
+    await queue.consume(on_message)
+    return connection, received
+
+
+async def throughput(settings: Settings, events: int, log_dir: Path) -> float:
+    pool = make_pool(settings, name="bench", min_size=1, max_size=2)
+    await pool.open()
+    async with pool.connection() as conn, conn.transaction():
+        for i in range(events):
+            await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=_event(1, str(i)))
+    connection, received = await _consumer(settings)
+    pump = ServiceProcess("outbox-pump", service_env(settings, OUTBOX_BATCH_SIZE=500), log_dir=log_dir)
+    await asyncio.to_thread(pump.start)
+    await received.get()
+    started = time.perf_counter()  # from the first delivery: process start-up is not throughput
+    for _ in range(events - 1):
+        await received.get()
+    elapsed = time.perf_counter() - started
+    await asyncio.to_thread(pump.stop)
+    await connection.close()
+    await pool.close()
+    return (events - 1) / elapsed
+
+
+async def latency(settings: Settings, *, listen: bool, poll_ms: int, seconds: float, background_rate: int,
+                  log_dir: Path) -> list[float]:
+    pool = make_pool(settings, name="bench", min_size=2, max_size=4)
+    await pool.open()
+    connection, received = await _consumer(settings)
+    pump = ServiceProcess("outbox-pump", service_env(settings, OUTBOX_LISTEN=str(listen).lower(),
+                                                     OUTBOX_POLL_INTERVAL_MS=poll_ms), log_dir=log_dir)
+    await asyncio.to_thread(pump.start)
+    committed: dict[str, float] = {}
+    samples: list[float] = []
+    stop = asyncio.Event()
+
+    async def background() -> None:
+        # Bulk writers rely on the pump draining (no NOTIFY); 10 events per transaction.
+        n = 0
+        interval = 10 / background_rate
+        next_at = time.perf_counter()
+        while not stop.is_set():
+            async with pool.connection() as conn, conn.transaction():
+                for _ in range(10):
+                    await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=_event(2, f"bg{n}"))
+                    n += 1
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+
+    async def probes() -> None:
+        n = 0
+        while not stop.is_set():
+            reason = f"probe{n}"
+            n += 1
+            async with pool.connection() as conn:
+                async with conn.transaction():
+                    await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=_event(1, reason),
+                                  notify=True)
+                committed[reason] = time.perf_counter()
+            await asyncio.sleep(0.02)
+
+    async def collect() -> None:
+        while True:
+            body = await received.get()
+            reason = msgspec.json.decode(body, type=LifecycleEvent).reason or ""
+            arrived = time.perf_counter()
+            if reason.startswith("probe"):
+                while reason not in committed:  # the commit timestamp is taken just after COMMIT returns
+                    await asyncio.sleep(0)
+                samples.append((arrived - committed[reason]) * 1000)
+
+    tasks = [asyncio.create_task(background()), asyncio.create_task(probes()), asyncio.create_task(collect())]
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.sleep(0.5)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.to_thread(pump.stop)
+    await connection.close()
+    await pool.close()
+    return samples
+
+
+async def run(args: argparse.Namespace) -> None:
+    events = 5_000 if args.quick else 30_000
+    seconds = 5.0 if args.quick else 20.0
+    with tempfile.TemporaryDirectory() as tmp:
+        log_dir = Path(tmp)
+        async with bench_environment() as settings:
+            rate = await throughput(settings, events, log_dir)
+            print(f"outbox throughput, one pump process, {events} events: {rate:,.0f} events/s")
+        for listen, poll in ((True, 1000), (False, 200)):
+            async with bench_environment() as settings:
+                samples = await latency(settings, listen=listen, poll_ms=poll, seconds=seconds, background_rate=500,
+                                        log_dir=log_dir)
+                mode = "LISTEN/NOTIFY" if listen else f"polling every {poll} ms"
+                print(f"commit -> delivered latency ms ({mode}, 500 events/s background): {summary(samples)}")
