@@ -1,5 +1,30 @@
 #!/usr/bin/env bash
-# `make run`: the whole stack under honcho, plus a demo fleet of simulated desktop clients.
+# `make run`: seed a demo tenant once, then run every service and a fleet of simulated desktop
+# clients under honcho (Ctrl-C stops them all; each service drains on SIGTERM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+mkdir -p .run
+export GATEWAY_JWT_SECRET=${GATEWAY_JWT_SECRET:-local-demo-secret}
+DEMO=.run/demo.json
+if [ ! -s "$DEMO" ]; then
+  echo "run-stack: seeding demo data into ${DATABASE_URL} (once; delete $DEMO to seed again)"
+  .venv/bin/monitorctl seed-demo --json --tenants 2 --brands 2 --questions 3 --clients 3 > "$DEMO.tmp"
+  mv "$DEMO.tmp" "$DEMO"
+fi
+
+TENANT=$(.venv/bin/python -c 'import json,sys; t=json.load(open(sys.argv[1]))["tenants"][0]; print(t["tenant_id"], t["workspace_id"], t["user_id"], t["brands"][0]["brand_id"])' "$DEMO")
+read -r TENANT_ID WORKSPACE_ID USER_ID BRAND_ID <<<"$TENANT"
+TOKEN=$(.venv/bin/monitorctl token issue --tenant "$TENANT_ID" --workspace "$WORKSPACE_ID" --user "$USER_ID")
+cat <<MSG
+
+  The stack is starting. Try a collect-now as the demo user:
+
+    curl -s -X POST http://127.0.0.1:8081/api/tenant/monitoring/brands/${BRAND_ID}/collect-now \\
+         -H "Authorization: Bearer ${TOKEN}" -H 'Content-Type: application/json' -d '{"preempt": true}'
+
+  then follow it with GET /api/tenant/monitoring/collect-requests/<request_id>, and watch
+  .venv/bin/monitorctl status   (lane backlogs, clients online, outbox depth, dead letters)
+
+MSG
 exec .venv/bin/honcho start -f Procfile
