@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "cmd_migrate",
     "cmd_outbox",
     "cmd_seed",
+    "cmd_reconcile",
 )
 
 

@@ -1,0 +1,38 @@
+"""Reconciler-only configuration from the environment (12-factor); thresholds are hot-reloaded
+from `dispatch_settings` / `platform_settings`, these only shape how often the jobs run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from services.reconciler.rules import parse_intervals
+
+# Seconds between runs of each short job (seed §8.2, §10.5, §10.6: "every few seconds").
+# `migration_reconcile` follows dispatch_settings.reconcile_interval_seconds (§16.2.4) instead.
+DEFAULT_INTERVALS: dict[str, float] = {
+    "expired_leases": 5.0,
+    "request_ttl": 5.0,
+    "offline_clients": 5.0,
+    "interrupt_timeouts": 2.0,
+    "unknown_executions": 10.0,
+    "business_day_expiry": 60.0,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcilerConfig:
+    intervals: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_INTERVALS))
+    # Rows handled per run of one job (each row in its own short transaction).
+    batch_size: int = 500
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ReconcilerConfig:
+        """`RECONCILER_INTERVALS="expired_leases=1,offline_clients=1"` and `RECONCILER_BATCH_SIZE`."""
+        source = os.environ if env is None else env
+        intervals = dict(DEFAULT_INTERVALS)
+        intervals.update(parse_intervals(source.get("RECONCILER_INTERVALS", "")))
+        batch = int(source.get("RECONCILER_BATCH_SIZE", "500"))
+        if batch <= 0:
+            raise ValueError("RECONCILER_BATCH_SIZE must be positive")
+        return cls(intervals=intervals, batch_size=batch)

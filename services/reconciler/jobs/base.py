@@ -1,0 +1,120 @@
+"""What every reconcile job shares: its context, its result, and helpers over shared tables."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import psycopg
+
+from libs.contracts.wire import ControlKind, TaskControl
+from libs.db.pool import Conn
+from libs.dispatch_settings import DispatchSettings
+from libs.mq.topology import DISPATCH
+from libs.outbox import enqueue
+from services.reconciler.config import ReconcilerConfig
+from services.reconciler.rules import request_final_status
+
+log = logging.getLogger("reconciler")
+
+# Lost races with another writer: the row is left for the next run.
+RETRYABLE_ERRORS = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure,
+                    psycopg.errors.LockNotAvailable)
+
+
+@dataclass(slots=True)
+class JobContext:
+    conn: Conn
+    settings: DispatchSettings
+    config: ReconcilerConfig
+
+
+@dataclass(slots=True)
+class JobResult:
+    """`fixed` = rows this run changed; `details` = named counts for logs, metrics and the CLI."""
+
+    fixed: int = 0
+    details: dict[str, int] = field(default_factory=dict)
+
+    def add(self, key: str, amount: int = 1) -> None:
+        self.details[key] = self.details.get(key, 0) + amount
+
+
+JobRun = Callable[[JobContext], Awaitable[JobResult]]
+IntervalOf = Callable[[ReconcilerConfig, DispatchSettings], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    name: str
+    description: str
+    run: JobRun
+    interval: IntervalOf
+
+
+def configured_interval(name: str) -> IntervalOf:
+    def interval(config: ReconcilerConfig, _: DispatchSettings) -> float:
+        return config.intervals[name]
+
+    return interval
+
+
+async def candidates(ctx: JobContext, query: str, params: dict[str, object]) -> list[uuid.UUID]:
+    """Ids to look at, read without locks; each is re-checked under a row lock before it changes."""
+    cur = await ctx.conn.execute(query, {**params, "limit": ctx.config.batch_size})
+    return [row["id"] for row in await cur.fetchall()]
+
+
+async def send_control(conn: Conn, *, task_id: uuid.UUID, client_id: uuid.UUID, control: ControlKind, reason: str,
+                       interrupt_generation: int, collect_request_id: uuid.UUID | None = None,
+                       tenant_id: int | None = None) -> None:
+    """A TaskControl to the client on `monitor.control.{client}`, through the outbox."""
+    message = TaskControl(kind="monitor", task_id=task_id, target_client_id=client_id, control=control,
+                          reason=reason, interrupt_generation=interrupt_generation,
+                          updated_at=datetime.now(UTC), collect_request_id=collect_request_id)
+    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}", message=message,
+                  ordering_key=f"client:{client_id}", tenant_id=tenant_id, notify=True)
+
+
+_REQUEST_PROGRESS = """
+SELECT r.requested_task_count, r.completed_task_count, r.failed_task_count, r.status,
+       count(*) FILTER (WHERE t.status = 'completed') AS completed,
+       count(*) FILTER (WHERE t.status IN ('failed', 'expired', 'skipped')) AS failed
+FROM monitoring_collect_requests r
+LEFT JOIN monitoring_collect_tasks t ON t.collect_request_id = r.id AND t.tenant_id = r.tenant_id
+WHERE r.id = %(id)s
+GROUP BY r.id
+"""
+
+_UPDATE_REQUEST_PROGRESS = """
+UPDATE monitoring_collect_requests
+SET completed_task_count = greatest(completed_task_count, %(completed)s),
+    failed_task_count = greatest(failed_task_count, %(failed)s),
+    status = coalesce(%(final)s, status),
+    finished_at = CASE WHEN %(final)s::text IS NULL THEN finished_at ELSE now() END,
+    updated_at = now()
+WHERE id = %(id)s AND status IN ('accepted', 'dispatching', 'running')
+"""
+
+
+async def refresh_request_progress(conn: Conn, request_id: uuid.UUID | None) -> str | None:
+    """After the reconciler made a request's task terminal: recount from the business tasks (idempotent,
+    never lowers a count) and finish the request when all its tasks are terminal. Returns the final status."""
+    if request_id is None:
+        return None
+    cur = await conn.execute(_REQUEST_PROGRESS, {"id": request_id})
+    row = await cur.fetchone()
+    if row is None or row["status"] not in ("accepted", "dispatching", "running"):
+        return None
+    completed = max(int(row["completed"]), int(row["completed_task_count"]))
+    failed = max(int(row["failed"]), int(row["failed_task_count"]))
+    final = request_final_status(int(row["requested_task_count"]), completed, failed)
+    await conn.execute(_UPDATE_REQUEST_PROGRESS, {"id": request_id, "completed": completed, "failed": failed,
+                                                  "final": final})
+    if final is not None:
+        log.info("collect request finished by reconcile", extra={"collect_request_id": str(request_id),
+                                                                 "status": final})
+    return final

@@ -1,0 +1,94 @@
+"""Job 6 — business-day expiry: pending business tasks of a business date that is over in the tenant's
+time zone end `expired`; their active executions are aborted (a client still holding one is told
+with TaskControl(cancelled)), and their collect-now requests count them as not collected."""
+
+from __future__ import annotations
+
+from libs.tasks.transitions import emit_lifecycle, end_execution
+from services.reconciler.jobs.base import (
+    RETRYABLE_ERRORS,
+    Job,
+    JobContext,
+    JobResult,
+    configured_interval,
+    log,
+    refresh_request_progress,
+    send_control,
+)
+
+NAME = "business_day_expiry"
+
+# The tenant's "today" is computed by Postgres from tenants.time_zone (IANA name).
+_CANDIDATES = """
+SELECT t.id FROM monitoring_collect_tasks t JOIN tenants tn ON tn.id = t.tenant_id
+WHERE t.status = 'pending' AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
+ORDER BY t.business_date, t.id
+LIMIT %(limit)s
+"""
+
+_LOCK = """
+SELECT t.id, t.tenant_id, t.business_date, t.collect_request_id, t.execution_owner
+FROM monitoring_collect_tasks t JOIN tenants tn ON tn.id = t.tenant_id
+WHERE t.id = %(id)s AND t.status = 'pending' AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
+FOR UPDATE OF t SKIP LOCKED
+"""
+
+_ACTIVE = """
+SELECT id, target_client_id, status, interrupt_generation, lane, ai_platform_id, collect_request_id
+FROM desktop_tasks
+WHERE monitor_task_id = %(id)s AND status IN ('queued', 'in_progress', 'unknown')
+FOR UPDATE
+"""
+
+_EXPIRE = """
+UPDATE monitoring_collect_tasks
+SET status = 'expired', completed_at = now(), last_error = 'business date is over', updated_at = now(),
+    lease_token_hash = NULL, leased_to_executor = NULL, leased_at = NULL, lease_expires_at = NULL
+WHERE id = %(id)s AND status = 'pending'
+"""
+
+
+async def run(ctx: JobContext) -> JobResult:
+    result = JobResult()
+    conn = ctx.conn
+    cur = await conn.execute(_CANDIDATES, {"limit": ctx.config.batch_size})
+    for candidate in await cur.fetchall():
+        try:
+            async with conn.transaction():
+                cur = await conn.execute(_LOCK, {"id": candidate["id"]})
+                task = await cur.fetchone()
+                if task is None:
+                    continue
+                cur = await conn.execute(_ACTIVE, {"id": task["id"]})
+                for d in await cur.fetchall():
+                    if await end_execution(conn, task_id=d["id"], outcome="aborted",
+                                           reason="business_day_expired") is None:
+                        continue
+                    result.add("executions_aborted")
+                    if d["status"] != "unknown":
+                        await send_control(conn, task_id=d["id"], client_id=d["target_client_id"],
+                                           control="cancelled", reason="business_day_expired",
+                                           interrupt_generation=d["interrupt_generation"],
+                                           collect_request_id=d["collect_request_id"], tenant_id=task["tenant_id"])
+                    await emit_lifecycle(conn, "task.aborted", tenant_id=task["tenant_id"],
+                                         client_id=d["target_client_id"], task_id=d["id"],
+                                         monitor_task_id=task["id"], ai_platform_id=d["ai_platform_id"],
+                                         lane=d["lane"], reason="business_day_expired",
+                                         collect_request_id=d["collect_request_id"])
+                await conn.execute(_EXPIRE, {"id": task["id"]})
+                await refresh_request_progress(conn, task["collect_request_id"])
+        except RETRYABLE_ERRORS as exc:
+            result.add("skipped_conflict")
+            log.warning("business-day expiry lost a race", extra={"monitor_task_id": candidate["id"],
+                                                                   "error": str(exc)})
+            continue
+        result.fixed += 1
+        result.add("tasks_expired")
+        log.info("business task expired", extra={"monitor_task_id": task["id"], "tenant_id": task["tenant_id"],
+                                                 "business_date": task["business_date"].isoformat(),
+                                                 "execution_owner": task["execution_owner"]})
+    return result
+
+
+JOB = Job(NAME, "pending tasks of a past business date (tenant time zone) -> expired, executions aborted",
+          run, configured_interval(NAME))

@@ -1,0 +1,93 @@
+"""Job 1 — expired leases (contract #9): the holder is gone or too slow; the attempt ends `expired`,
+the business task goes back to pending in the retry lane (high stays high), or `failed` once
+`max_dispatch_attempts` dispatches were used."""
+
+from __future__ import annotations
+
+import uuid
+
+from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
+from libs.telemetry import metrics
+from services.reconciler.jobs.base import (
+    RETRYABLE_ERRORS,
+    Job,
+    JobContext,
+    JobResult,
+    candidates,
+    configured_interval,
+    log,
+    refresh_request_progress,
+    send_control,
+)
+
+NAME = "expired_leases"
+
+_CANDIDATES = """
+SELECT id FROM desktop_tasks
+WHERE kind = 'monitor' AND status = 'in_progress' AND lease_expires_at < now() AND result_received_at IS NULL
+ORDER BY lease_expires_at
+LIMIT %(limit)s
+"""
+
+# Re-checked under the row lock: an extend or a result that landed meanwhile wins.
+_LOCK = """
+SELECT id, tenant_id, monitor_task_id, target_client_id, lease_epoch, interrupted_at, interrupt_generation,
+       collect_request_id, lane, ai_platform_id, execution_phase
+FROM desktop_tasks
+WHERE id = %(id)s AND status = 'in_progress' AND lease_expires_at < now() AND result_received_at IS NULL
+FOR UPDATE SKIP LOCKED
+"""
+
+
+async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> None:
+    conn = ctx.conn
+    async with conn.transaction():
+        cur = await conn.execute(_LOCK, {"id": task_id})
+        row = await cur.fetchone()
+        if row is None:
+            return
+        ended = await end_execution(conn, task_id=task_id, outcome="expired", lease_epoch=row["lease_epoch"],
+                                    reason="lease_expired", error="lease expired without a result",
+                                    phase=row["execution_phase"])
+        if ended is None:
+            return
+        status = await retry_business_task(conn, row["monitor_task_id"],
+                                           max_attempts=ctx.settings.max_dispatch_attempts,
+                                           error="lease expired")
+        await emit_lifecycle(conn, "task.aborted", tenant_id=row["tenant_id"], client_id=row["target_client_id"],
+                             task_id=task_id, monitor_task_id=row["monitor_task_id"],
+                             ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason="lease_expired",
+                             collect_request_id=row["collect_request_id"])
+        # If the holder is still alive (e.g. paused), tell it to stop: its token is fenced off anyway.
+        await send_control(conn, task_id=task_id, client_id=row["target_client_id"], control="lease_revoked",
+                           reason="lease_expired", interrupt_generation=row["interrupt_generation"],
+                           collect_request_id=row["collect_request_id"], tenant_id=row["tenant_id"])
+        if status == "failed":
+            result.add("business_failed")
+            await refresh_request_progress(conn, row["collect_request_id"])
+        elif status == "pending":
+            result.add("business_retried")
+    result.fixed += 1
+    if row["interrupted_at"] is not None:
+        # The expiry followed a collect-now interrupt: the scheduled task has to run again because of it.
+        metrics.collect_now_preempt_induced_retry_count.inc()
+        result.add("preempt_induced_retry")
+    log.info("lease expired", extra={"task_id": str(task_id), "monitor_task_id": row["monitor_task_id"],
+                                     "client_id": str(row["target_client_id"]), "tenant_id": row["tenant_id"],
+                                     "business_status": status})
+
+
+async def run(ctx: JobContext) -> JobResult:
+    result = JobResult()
+    for task_id in await candidates(ctx, _CANDIDATES, {}):
+        try:
+            await expire_one(ctx, task_id, result)
+        except RETRYABLE_ERRORS as exc:
+            result.add("skipped_conflict")
+            log.warning("lease expiry lost a race; retried next run", extra={"task_id": str(task_id),
+                                                                            "error": str(exc)})
+    return result
+
+
+JOB = Job(NAME, "in_progress executions past lease_expires_at -> expired attempt, business retry/failed",
+          run, configured_interval(NAME))

@@ -1,0 +1,49 @@
+"""The reconciler's `monitor.lifecycle` queue: events that make a job worth running at once.
+
+`client.offline` (from a hub whose socket closed, or from this service) re-runs the offline-clients
+job so unbinding and releasing follow as soon as the heartbeat timeout allows. Other events are only
+acknowledged. A message that does not decode is dead-lettered, never dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+
+from libs.contracts.amqp import LifecycleEvent, lifecycle_decoder
+from libs.contracts.common import ContractError, decode_json
+from libs.mq.connection import dead_letter
+from libs.mq.topology import Topology, declare_lifecycle
+from services.reconciler.runner import JobScheduler
+
+log = logging.getLogger("reconciler.lifecycle")
+
+CONSUMER = "reconciler"
+WAKES: dict[str, tuple[str, ...]] = {"client.offline": ("offline_clients",)}
+
+
+async def consume_lifecycle(connection: AbstractRobustConnection, topology: Topology, scheduler: JobScheduler,
+                            stop: asyncio.Event) -> None:
+    channel = await connection.channel()
+    try:
+        await channel.set_qos(prefetch_count=50)
+        queue = await declare_lifecycle(channel, topology, CONSUMER)
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            try:
+                event = decode_json(message.body, LifecycleEvent, decoder=lifecycle_decoder)
+            except ContractError as exc:
+                await dead_letter(channel, topology, topology.lifecycle_dlq(CONSUMER), message, exc.message)
+                await message.ack()
+                return
+            for job in WAKES.get(event.event, ()):
+                scheduler.wake(job)
+            await message.ack()
+
+        tag = await queue.consume(on_message)
+        await stop.wait()
+        await queue.cancel(tag)
+    finally:
+        await channel.close()
