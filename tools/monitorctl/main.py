@@ -16,6 +16,7 @@ from tools.monitorctl.common import Context
 COMMAND_MODULES = (
     "cmd_migrate",
     "cmd_outbox",
+    "cmd_token",
     "cmd_seed",
     "cmd_reconcile",
 )
