@@ -151,3 +151,7 @@ reconciler_migration_stalled_ready_tasks = Gauge(
 reconciler_migration_orphan_tasks = Gauge(
     "reconciler_migration_orphan_tasks",
     "desktop_tasks-owned business tasks that look executed but have no desktop_tasks row (needs a human).")
+
+# ---- dispatch-hub -----------------------------------------------------------------------------
+monitor_preempt_latency_ms = _hist(
+    "monitor_preempt_latency_ms", "Collect-now click to the preempted task yielding (cancel acknowledged, ms).")

@@ -1,0 +1,61 @@
+"""Client-token authentication: `Authorization: Bearer <token>`, looked up by its sha256 hash."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from psycopg_pool import AsyncConnectionPool
+
+from libs.auth import hash_token
+from libs.db.pool import Conn
+from libs.http import ApiError
+from services.dispatch_hub import queries as q
+from services.dispatch_hub.logic import bearer_token
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPrincipal:
+    client_id: uuid.UUID
+    tenant_id: int
+    workspace_id: int
+    user_id: int
+
+
+class ClientAuthenticator:
+    """Resolves tokens to clients, with a short positive cache so the hot path skips a query.
+
+    A disabled client is refused within `cache_ttl_s` (the cache holds only enabled clients).
+    """
+
+    def __init__(self, pool: AsyncConnectionPool[Conn], *, cache_ttl_s: float = 10.0, max_entries: int = 50_000):
+        self._pool = pool
+        self._ttl = cache_ttl_s
+        self._max = max_entries
+        self._cache: dict[str, tuple[float, ClientPrincipal]] = {}
+
+    async def authenticate(self, authorization: str | None) -> ClientPrincipal:
+        token = bearer_token(authorization)
+        if token is None:
+            raise ApiError(401, "unauthorized", "send the client token as `Authorization: Bearer <token>`")
+        token_hash = hash_token(token)
+        now = time.monotonic()
+        cached = self._cache.get(token_hash)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(q.AUTHENTICATE_CLIENT, {"token_hash": token_hash})
+            row = await cur.fetchone()
+        if row is None:
+            self._cache.pop(token_hash, None)
+            raise ApiError(401, "unauthorized", "unknown client token")
+        if row["disabled_at"] is not None:
+            self._cache.pop(token_hash, None)
+            raise ApiError(401, "client_disabled", "this desktop client has been disabled")
+        principal = ClientPrincipal(client_id=row["id"], tenant_id=int(row["tenant_id"]),
+                                    workspace_id=int(row["workspace_id"]), user_id=int(row["user_id"]))
+        if len(self._cache) >= self._max:
+            self._cache.clear()
+        self._cache[token_hash] = (now + self._ttl, principal)
+        return principal

@@ -1,0 +1,137 @@
+"""HTTP and WebSocket routes of the desktop API (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime
+
+import msgspec
+from aiohttp import WSMsgType, web
+
+from libs.contracts.common import ContractError, decode_json
+from libs.contracts.http import CancelRequest, ExtendRequest, LeaseRequest, ResultRequest
+from libs.contracts.wire import ErrorEvent, Heartbeat, HeartbeatAck, client_message_decoder
+from libs.http import ApiError, json_response, read_body
+from services.dispatch_hub import leases
+from services.dispatch_hub.auth import ClientAuthenticator, ClientPrincipal
+from services.dispatch_hub.connections import Connection
+from services.dispatch_hub.gateway import Gateway
+from services.dispatch_hub.leases import HubContext
+from services.dispatch_hub.openapi import openapi_document
+
+log = logging.getLogger("hub.http")
+
+AUTH = web.AppKey("auth", ClientAuthenticator)
+GATEWAY = web.AppKey("gateway", Gateway)
+CONTEXT = web.AppKey("hub_context", HubContext)
+MAX_BODY = web.AppKey("max_body", int)
+MAX_WS_MESSAGE = 64 * 1024
+
+
+async def _principal(request: web.Request) -> ClientPrincipal:
+    return await request.app[AUTH].authenticate(request.headers.get("Authorization"))
+
+
+def _task_id(request: web.Request) -> uuid.UUID:
+    try:
+        return uuid.UUID(request.match_info["task_id"])
+    except ValueError:
+        raise ApiError(404, "not_found", "no such task for this client") from None
+
+
+async def lease_handler(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    body = await read_body(request, LeaseRequest, max_bytes=request.app[MAX_BODY], allow_empty=True)
+    return json_response(await leases.lease(request.app[CONTEXT], principal, body))
+
+
+async def extend_handler(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    task_id = _task_id(request)
+    body = await read_body(request, ExtendRequest, max_bytes=request.app[MAX_BODY])
+    return json_response(await leases.extend(request.app[CONTEXT], principal, task_id, body))
+
+
+async def cancel_handler(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    task_id = _task_id(request)
+    body = await read_body(request, CancelRequest, max_bytes=request.app[MAX_BODY])
+    return json_response(await leases.cancel(request.app[CONTEXT], principal, task_id, body))
+
+
+async def result_handler(request: web.Request) -> web.Response:
+    principal = await _principal(request)
+    task_id = _task_id(request)
+    body = await read_body(request, ResultRequest, max_bytes=request.app[MAX_BODY])
+    return json_response(await leases.result(request.app[CONTEXT], principal, task_id, body), status=202)
+
+
+async def events_gone(_: web.Request) -> web.Response:
+    raise ApiError(410, "gone", "server-sent events are retired; connect to GET /api/desktop/ws (WebSocket)")
+
+
+async def openapi_handler(_: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
+def _error_event(exc: ContractError | None = None, *, code: str = "", message: str = "",
+                 field: str | None = None) -> str:
+    if exc is not None:
+        code, message, field = exc.code, exc.message, exc.field
+    return msgspec.json.encode(ErrorEvent(error=code, message=message, field=field)).decode()
+
+
+async def websocket_handler(request: web.Request) -> web.StreamResponse:
+    principal = await _principal(request)  # 401 JSON before the upgrade
+    gateway = request.app[GATEWAY]
+    if gateway.closing:
+        raise ApiError(503, "shutting_down", "this hub is shutting down; reconnect")
+    # autoping off: pings and pongs reach this loop, so both count as heartbeats.
+    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_MESSAGE)
+    await ws.prepare(request)
+    conn = Connection(ws, principal)
+    conn.start()
+    client_id = principal.client_id
+    try:
+        first = await gateway.attach(conn)
+        conn.go_live(first)
+        async for msg in ws:
+            conn.touch()
+            if msg.type == WSMsgType.TEXT:
+                try:
+                    heartbeat = decode_json(msg.data, Heartbeat, max_bytes=MAX_WS_MESSAGE,
+                                            decoder=client_message_decoder)
+                except ContractError as exc:
+                    conn.deliver(_error_event(exc))
+                    continue
+                gateway.heartbeats.touch(client_id)
+                if heartbeat.platform_health:
+                    gateway.heartbeats.report_health(client_id, dict(heartbeat.platform_health))
+                conn.deliver(msgspec.json.encode(HeartbeatAck(server_time=datetime.now(UTC))).decode())
+            elif msg.type == WSMsgType.PING:
+                gateway.heartbeats.touch(client_id)
+                await ws.pong(msg.data)
+            elif msg.type == WSMsgType.PONG:
+                gateway.heartbeats.touch(client_id)
+            elif msg.type == WSMsgType.BINARY:
+                conn.deliver(_error_event(code="invalid_message", message="send JSON text frames", field="type"))
+            elif msg.type == WSMsgType.ERROR:
+                log.info("websocket error", extra={"client_id": str(client_id), "error": str(ws.exception())})
+                break
+    finally:
+        await conn.stop()
+        if not ws.closed:
+            await ws.close()
+        await gateway.detach(conn)
+    return ws
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/api/desktop/ws", websocket_handler)
+    app.router.add_post("/api/desktop/monitor/lease", lease_handler)
+    app.router.add_post("/api/desktop/tasks/{task_id}/extend", extend_handler)
+    app.router.add_post("/api/desktop/tasks/{task_id}/cancel", cancel_handler)
+    app.router.add_post("/api/desktop/tasks/{task_id}/result", result_handler)
+    app.router.add_route("*", "/api/desktop/events", events_gone)
+    app.router.add_get("/openapi.json", openapi_handler)

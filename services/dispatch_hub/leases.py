@@ -1,0 +1,343 @@
+"""Desktop execution calls (DESIGN contracts 5-7): lease, extend, cancel / interrupt-ack, result.
+
+Each function takes a pool, the authenticated client and a typed body, and returns a typed
+response or raises ApiError; the HTTP layer only decodes and encodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from libs.auth import hash_token
+from libs.contracts.amqp import MonitorResult
+from libs.contracts.http import (
+    BrandRef,
+    CancelRequest,
+    CancelResponse,
+    ExtendRequest,
+    ExtendResponse,
+    LeasedTask,
+    LeaseRequest,
+    LeaseResponse,
+    PlatformRef,
+    QuestionRef,
+    ResultRequest,
+    ResultResponse,
+)
+from libs.contracts.wire import TaskControl
+from libs.db.pool import Conn
+from libs.dispatch_settings import DispatchSettings, load_settings
+from libs.domain.shard import shard_for
+from libs.http import ApiError
+from libs.mq.topology import DISPATCH
+from libs.outbox import enqueue
+from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
+from libs.telemetry import metrics
+from services.dispatch_hub import queries as q
+from services.dispatch_hub.auth import ClientPrincipal
+from services.dispatch_hub.logic import (
+    PREEMPT_REASON,
+    LeaseCheck,
+    LeaseState,
+    RollingWindow,
+    check_lease,
+    is_stale_generation,
+    lease_token_epoch,
+    new_lease_token,
+)
+from services.dispatch_hub.results import BrokerUnavailable, ResultPublisher
+
+log = logging.getLogger("hub.leases")
+
+
+class SettingsCache:
+    """Hot-reloaded dispatch settings (lease TTL, max attempts), re-read at most every `ttl_s`."""
+
+    def __init__(self, pool: AsyncConnectionPool[Conn], ttl_s: float = 5.0) -> None:
+        self._pool = pool
+        self._ttl = ttl_s
+        self._value: DispatchSettings | None = None
+        self._loaded_at = 0.0
+
+    async def get(self, conn: Conn | None = None) -> DispatchSettings:
+        if self._value is None or time.monotonic() - self._loaded_at > self._ttl:
+            if conn is not None:
+                self._value = await load_settings(conn)
+            else:
+                async with self._pool.connection() as own:
+                    self._value = await load_settings(own)
+            self._loaded_at = time.monotonic()
+        return self._value
+
+
+class PlatformCodes:
+    """ai_platform_id -> code (labels of the safe-point metrics); reloaded on an unknown id."""
+
+    def __init__(self) -> None:
+        self._codes: dict[int, str] = {}
+
+    async def code(self, conn: Conn, platform_id: int | None) -> str:
+        if platform_id is None:
+            return "unknown"
+        if platform_id not in self._codes:
+            cur = await conn.execute(q.PLATFORM_CODES)
+            self._codes = {int(r["id"]): str(r["code"]) for r in await cur.fetchall()}
+        return self._codes.get(platform_id, "unknown")
+
+
+class SafePointStats:
+    """safe_point_interval_ms histogram plus the rolling p95 gauge per platform (seed §10.4, §10.5)."""
+
+    def __init__(self) -> None:
+        self._windows: dict[str, RollingWindow] = {}
+
+    def observe(self, platform: str, interval_ms: float) -> None:
+        metrics.safe_point_interval_ms.labels(platform=platform).observe(interval_ms)
+        window = self._windows.setdefault(platform, RollingWindow())
+        window.add(interval_ms)
+        p95 = window.p95()
+        if p95 is not None:
+            metrics.safe_point_interval_ms_p95.labels(platform=platform).set(p95)
+
+
+@dataclass(slots=True)
+class HubContext:
+    pool: AsyncConnectionPool[Conn]
+    settings: SettingsCache
+    platforms: PlatformCodes
+    safe_points: SafePointStats
+    publisher: ResultPublisher
+    ingest_shards: int
+
+
+def _state(row: dict[str, Any] | None) -> LeaseState | None:
+    if row is None:
+        return None
+    return LeaseState(target_client_id=row["target_client_id"], status=row["status"],
+                      lease_epoch=int(row["lease_epoch"]), lease_token_hash=row["lease_token_hash"])
+
+
+def _fence(row: dict[str, Any] | None, principal: ClientPrincipal, token: str) -> dict[str, Any]:
+    verdict = check_lease(_state(row), caller=principal.client_id, token=token)
+    if verdict is LeaseCheck.NOT_FOUND or row is None:
+        raise ApiError(404, "not_found", "no such task for this client")
+    if verdict is LeaseCheck.STALE:
+        raise ApiError(409, "stale_lease", "the lease is no longer held by this token (expired, ended or re-leased)",
+                       "lease_token")
+    return row
+
+
+# ---- lease ------------------------------------------------------------------------------------
+
+
+async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest) -> LeaseResponse:
+    async with ctx.pool.connection() as conn:
+        dispatch = await ctx.settings.get(conn)
+        async with conn.transaction():
+            await conn.execute(q.LOCK_CLIENT_LEASES, {"client_id": principal.client_id})
+            cur = await conn.execute(q.CLIENT_CAPACITY, {"client_id": principal.client_id,
+                                                         "tenant_id": principal.tenant_id})
+            capacity = await cur.fetchone()
+            if capacity is None:
+                raise ApiError(404, "not_found", "client not found")
+            free = int(capacity["max_concurrent_monitor"]) - int(capacity["in_progress"])
+            limit = min(body.max_tasks, free)
+            if limit <= 0:
+                return LeaseResponse(tasks=[])
+            cur = await conn.execute(q.PICK_QUEUED, {"client_id": principal.client_id,
+                                                     "tenant_id": principal.tenant_id, "limit": limit})
+            rows = await cur.fetchall()
+            tasks: list[LeasedTask] = []
+            for row in rows:
+                epoch = int(row["lease_epoch"]) + 1
+                token = new_lease_token(epoch)
+                cur = await conn.execute(q.MARK_LEASED, {
+                    "task_id": row["id"], "epoch": epoch, "token_hash": hash_token(token),
+                    "ttl_s": dispatch.lease_ttl_seconds})
+                leased = await cur.fetchone()
+                if leased is None:  # cannot happen under the row lock; skip defensively
+                    continue
+                await conn.execute(q.INSERT_ATTEMPT, {
+                    "task_id": row["id"], "monitor_task_id": row["monitor_task_id"], "tenant_id": row["tenant_id"],
+                    "client_id": principal.client_id, "epoch": epoch, "generation": row["interrupt_generation"]})
+                if row["collect_request_id"] is not None:
+                    await conn.execute(q.REQUEST_RUNNING, {"request_id": row["collect_request_id"],
+                                                           "tenant_id": principal.tenant_id})
+                await emit_lifecycle(conn, "task.leased", tenant_id=principal.tenant_id,
+                                     client_id=principal.client_id, task_id=row["id"],
+                                     monitor_task_id=row["monitor_task_id"], ai_platform_id=row["ai_platform_id"],
+                                     lane=row["lane"], collect_request_id=row["collect_request_id"])
+                flags = row["control_flags"] or {}
+                tasks.append(LeasedTask(
+                    task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]), lane=row["lane"],
+                    priority=int(row["priority"]), lease_token=token, lease_expires_at=leased["lease_expires_at"],
+                    interrupt_generation=int(row["interrupt_generation"]), business_date=row["business_date"],
+                    brand=BrandRef(brand_id=int(row["brand_id"]), name=row["brand_name"]),
+                    question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
+                    platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
+                    lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False))))
+    for task in tasks:
+        log.info("task leased", extra={"task_id": str(task.task_id), "client_id": str(principal.client_id),
+                                       "tenant_id": principal.tenant_id, "lane": task.lane,
+                                       "lease_epoch": task.lease_epoch})
+    return LeaseResponse(tasks=tasks)
+
+
+# ---- extend -----------------------------------------------------------------------------------
+
+
+async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: ExtendRequest) -> (
+    ExtendResponse
+):
+    epoch = lease_token_epoch(body.lease_token)
+    async with ctx.pool.connection() as conn:
+        dispatch = await ctx.settings.get(conn)
+        row = None
+        if epoch is not None:
+            cur = await conn.execute(q.EXTEND_LEASE, {
+                "task_id": task_id, "tenant_id": principal.tenant_id, "client_id": principal.client_id,
+                "epoch": epoch, "token_hash": hash_token(body.lease_token), "ttl_s": dispatch.lease_ttl_seconds,
+                "phase": body.execution_phase})
+            row = await cur.fetchone()
+        if row is None:
+            cur = await conn.execute(q.LEASE_STATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
+            _fence(await cur.fetchone(), principal, body.lease_token)
+            raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
+        if body.safe_point_interval_ms is not None:
+            platform = await ctx.platforms.code(conn, row["ai_platform_id"])
+            ctx.safe_points.observe(platform, float(body.safe_point_interval_ms))
+    flags = row["control_flags"] or {}
+    interrupt = bool(flags.get("interrupt_requested", False))
+    generation = int(row["interrupt_generation"])
+    if interrupt:
+        generation = max(generation, int(flags.get("interrupt_generation") or 0))
+    return ExtendResponse(lease_expires_at=row["lease_expires_at"], interrupt_requested=interrupt,
+                          interrupt_generation=generation)
+
+
+# ---- cancel / interrupt-ack ---------------------------------------------------------------------
+
+
+def current_interrupt(row: dict[str, Any], *, now: datetime) -> TaskControl:
+    """The TaskControl a client must act on for an execution (re-sent after a stale callback)."""
+    flags = row["control_flags"] or {}
+    generation = max(int(row["interrupt_generation"]), int(flags.get("interrupt_generation", 0)))
+    request = flags.get("collect_request_id")
+    return TaskControl(kind=row["kind"], task_id=row["id"], target_client_id=row["target_client_id"],
+                       control="interrupt_requested", reason=row["interrupt_reason"] or PREEMPT_REASON,
+                       interrupt_generation=generation, updated_at=now,
+                       collect_request_id=uuid.UUID(str(request)) if request else None)
+
+
+async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest) -> (
+    CancelResponse
+):
+    async with ctx.pool.connection() as conn:
+        dispatch = await ctx.settings.get(conn)
+        preempt_age_ms: float | None = None
+        async with conn.transaction():
+            cur = await conn.execute(q.LEASE_STATE_FOR_UPDATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
+            row = _fence(await cur.fetchone(), principal, body.lease_token)
+            client = principal.client_id
+            if body.reason == PREEMPT_REASON:
+                if is_stale_generation(body.interrupt_generation, int(row["interrupt_generation"])):
+                    metrics.interrupt_generation_mismatch_count.inc()
+                    control = current_interrupt(row, now=datetime.now(UTC))
+                    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client}", message=control,
+                                  ordering_key=f"client:{client}", tenant_id=principal.tenant_id, notify=True)
+                    log.warning("stale preempt callback; current interrupt re-sent", extra={
+                        "task_id": str(task_id), "client_id": str(client), "tenant_id": principal.tenant_id,
+                        "callback_generation": body.interrupt_generation,
+                        "current_generation": int(row["interrupt_generation"])})
+                    stale = ApiError(409, "stale_generation",
+                                     "interrupt_generation is older than the task's; the current interrupt was re-sent",
+                                     "interrupt_generation", current_generation=int(row["interrupt_generation"]))
+                else:
+                    stale = None
+                    ended = await end_execution(conn, task_id=task_id, outcome="aborted",
+                                                lease_epoch=int(row["lease_epoch"]), reason=PREEMPT_REASON,
+                                                phase=body.execution_phase)
+                    if ended is not None:
+                        await yield_business_task(conn, ended.monitor_task_id)
+                        request = (row["control_flags"] or {}).get("collect_request_id")
+                        if request:
+                            cur = await conn.execute(q.PREEMPT_REQUEST_AGE_MS, {"request_id": request,
+                                                                               "tenant_id": principal.tenant_id})
+                            age = await cur.fetchone()
+                            preempt_age_ms = float(age["age_ms"]) if age else None
+                        await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=client,
+                                             task_id=task_id, monitor_task_id=ended.monitor_task_id,
+                                             ai_platform_id=ended.ai_platform_id, lane=ended.lane,
+                                             reason=PREEMPT_REASON, notify=True)
+            else:
+                stale = None
+                ended = await end_execution(conn, task_id=task_id, outcome="aborted",
+                                            lease_epoch=int(row["lease_epoch"]), reason=body.reason[:64],
+                                            phase=body.execution_phase)
+                if ended is not None:
+                    await retry_business_task(conn, ended.monitor_task_id, max_attempts=dispatch.max_dispatch_attempts,
+                                              error=f"cancelled by client: {body.reason}")
+                    await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=client,
+                                         task_id=task_id, monitor_task_id=ended.monitor_task_id,
+                                         ai_platform_id=ended.ai_platform_id, lane=ended.lane,
+                                         reason=body.reason[:64], notify=True)
+        if stale is not None:
+            raise stale
+        if body.safe_point_interval_ms is not None:
+            platform = await ctx.platforms.code(conn, row["ai_platform_id"])
+            ctx.safe_points.observe(platform, float(body.safe_point_interval_ms))
+    if body.reason == PREEMPT_REASON:
+        metrics.monitor_preempt_success_count.inc()
+        if preempt_age_ms is not None:
+            metrics.monitor_preempt_latency_ms.observe(preempt_age_ms)
+    log.info("task cancelled by client", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
+                                                "tenant_id": principal.tenant_id, "reason": body.reason,
+                                                "interrupt_generation": body.interrupt_generation})
+    return CancelResponse()
+
+
+# ---- result -----------------------------------------------------------------------------------
+
+
+async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: ResultRequest) -> (
+    ResultResponse
+):
+    async with ctx.pool.connection() as conn:
+        cur = await conn.execute(q.LEASE_STATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
+        row = _fence(await cur.fetchone(), principal, body.lease_token)
+        cur = await conn.execute(q.RESULT_CONTEXT, {"monitor_task_id": row["monitor_task_id"],
+                                                    "tenant_id": principal.tenant_id})
+        business = await cur.fetchone()
+    if business is None:
+        raise ApiError(404, "not_found", "the business task of this execution no longer exists")
+    shard = shard_for(int(business["tenant_id"]), int(business["brand_id"]), business["business_date"],
+                      ctx.ingest_shards)
+    message = MonitorResult(
+        result_id=uuid.uuid4(), task_id=task_id, monitor_task_id=int(row["monitor_task_id"]),
+        lease_epoch=int(row["lease_epoch"]), tenant_id=int(business["tenant_id"]),
+        workspace_id=int(business["workspace_id"]), brand_id=int(business["brand_id"]),
+        question_id=int(business["question_id"]), ai_platform_id=int(business["ai_platform_id"]),
+        collector_type=business["collector_type"], run_mode=business["run_mode"],
+        business_date=business["business_date"], client_id=principal.client_id, status=body.status,
+        answer_text=body.answer_text, citations=body.citations, brand_mentioned=body.brand_mentioned,
+        error=body.error, started_at=body.started_at, finished_at=body.finished_at, received_at=datetime.now(UTC),
+        collect_request_id=row["collect_request_id"], shard=shard)
+    try:
+        await ctx.publisher.publish(message, routing_key=f"shard.{shard}")
+    except BrokerUnavailable as exc:
+        raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
+                       retry_after_s=2) from exc
+    async with ctx.pool.connection() as conn:
+        await conn.execute(q.MARK_RESULT_RECEIVED, {"task_id": task_id, "tenant_id": principal.tenant_id,
+                                                    "epoch": int(row["lease_epoch"])})
+    log.info("result accepted", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
+                                       "tenant_id": principal.tenant_id, "result_id": str(message.result_id),
+                                       "shard": shard, "status": body.status})
+    return ResultResponse(accepted=True, result_id=message.result_id)

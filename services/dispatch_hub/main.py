@@ -1,0 +1,79 @@
+"""dispatch-hub: composition root. Resources open in cleanup_ctx; loops run via background()."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from libs.config import Settings
+from libs.db.pool import make_pool
+from libs.http import add_readiness_check, make_app
+from libs.mq.connection import connect as mq_connect
+from libs.mq.topology import Topology
+from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
+from services.dispatch_hub.auth import ClientAuthenticator
+from services.dispatch_hub.gateway import Gateway
+from services.dispatch_hub.http_api import AUTH, CONTEXT, GATEWAY, MAX_BODY, add_routes
+from services.dispatch_hub.leases import HubContext, PlatformCodes, SafePointStats, SettingsCache
+from services.dispatch_hub.results import AmqpResultPublisher
+
+POOL_MAX = 6
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return float(raw) if raw else default
+
+
+def build(settings: Settings) -> web.Application:
+    app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
+    app[MAX_BODY] = settings.max_body_bytes
+    add_routes(app)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        topology = Topology(settings.mq_prefix, settings.ingest_shards)
+        pool = make_pool(settings, name="dispatch-hub", min_size=2, max_size=POOL_MAX)
+        await pool.open(wait=True, timeout=30)
+        amqp = await mq_connect(settings.amqp_url, name=f"dispatch-hub-{settings.instance_id}")
+        publisher = AmqpResultPublisher(amqp, topology, timeout=_env_float("HUB_RESULT_CONFIRM_TIMEOUT_S", 5.0))
+        await publisher.start()
+        gateway = Gateway(
+            pool, amqp, topology, hub_id=settings.instance_id,
+            heartbeat_interval_s=_env_float("HUB_PING_INTERVAL_S", max(settings.heartbeat_timeout_seconds / 3, 1)),
+            heartbeat_timeout_s=settings.heartbeat_timeout_seconds,
+            heartbeat_flush_s=_env_float("HUB_HEARTBEAT_FLUSH_S", 2.0))
+        await gateway.start()
+        app[AUTH] = ClientAuthenticator(pool)
+        app[GATEWAY] = gateway
+        app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool), platforms=PlatformCodes(),
+                                  safe_points=SafePointStats(), publisher=publisher,
+                                  ingest_shards=settings.ingest_shards)
+        add_pool_check(app, pool)
+
+        async def broker() -> None:
+            if not (gateway.ready() and publisher.ready()):
+                raise ConnectionError("broker connection not ready")
+
+        add_readiness_check(app, "rabbitmq", broker)
+        yield
+        await gateway.heartbeats.flush()
+        await gateway.close()
+        await publisher.close()
+        await amqp.close()
+        await pool.close()
+
+    async def on_shutdown(app: web.Application) -> None:
+        await app[GATEWAY].close_all()
+
+    app.cleanup_ctx.append(resources)
+    app.on_shutdown.append(on_shutdown)
+    background(app, "heartbeat-writer", lambda stop: app[GATEWAY].heartbeats.run(stop))
+    background(app, "websocket-pinger", lambda stop: app[GATEWAY].run_pinger(stop))
+    return app
+
+
+def main() -> None:
+    serve("dispatch-hub", build)

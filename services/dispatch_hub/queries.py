@@ -1,0 +1,159 @@
+"""Every SQL statement of the hub, with named parameters. Each filters by the caller's tenant."""
+
+AUTHENTICATE_CLIENT = """
+SELECT id, tenant_id, workspace_id, user_id, disabled_at
+FROM desktop_clients WHERE token_hash = %(token_hash)s
+"""
+
+# Serialises concurrent lease calls of one client so the concurrency limit holds (no row lock on
+# desktop_clients, which heartbeats and collect-now update).
+LOCK_CLIENT_LEASES = "SELECT pg_advisory_xact_lock(hashtextextended('hub.lease:' || %(client_id)s::text, 0))"
+
+CLIENT_CAPACITY = """
+SELECT c.max_concurrent_monitor,
+       (SELECT count(*) FROM desktop_tasks d
+        WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress') AS in_progress
+FROM desktop_clients c
+WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
+"""
+
+# Contract 5: the best queued executions of this client in dispatch order.
+PICK_QUEUED = """
+SELECT d.id, d.monitor_task_id, d.lane, d.priority, d.lease_epoch, d.interrupt_generation, d.business_date,
+       d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags,
+       b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
+       p.code AS platform_code
+FROM desktop_tasks d
+JOIN brands b ON b.id = d.brand_id
+JOIN monitoring_questions q ON q.id = d.question_id
+JOIN ai_platforms p ON p.id = d.ai_platform_id
+WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s
+  AND d.status = 'queued' AND d.kind = 'monitor'
+ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
+LIMIT %(limit)s
+FOR UPDATE OF d SKIP LOCKED
+"""
+
+MARK_LEASED = """
+UPDATE desktop_tasks
+SET status = 'in_progress', lease_epoch = %(epoch)s, lease_token_hash = %(token_hash)s, leased_at = now(),
+    lease_expires_at = now() + make_interval(secs => %(ttl_s)s), execution_phase = 'PREPARING',
+    result_received_at = NULL, updated_at = now()
+WHERE id = %(task_id)s AND status = 'queued'
+RETURNING lease_expires_at
+"""
+
+INSERT_ATTEMPT = """
+INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status,
+                                   execution_phase, interrupt_generation)
+VALUES (%(task_id)s, %(monitor_task_id)s, %(tenant_id)s, %(client_id)s, %(epoch)s, 'in_progress',
+        'PREPARING', %(generation)s)
+"""
+
+REQUEST_RUNNING = """
+UPDATE monitoring_collect_requests SET status = 'running', updated_at = now()
+WHERE id = %(request_id)s AND tenant_id = %(tenant_id)s AND status IN ('accepted', 'dispatching')
+"""
+
+# Extend on the hot path: one statement that both checks the fence and extends.
+EXTEND_LEASE = """
+UPDATE desktop_tasks
+SET lease_expires_at = now() + make_interval(secs => %(ttl_s)s),
+    execution_phase = coalesce(%(phase)s::text, execution_phase),
+    started_at = CASE WHEN started_at IS NULL AND %(phase)s::text NOT IN ('PREPARING', 'NAVIGATING')
+                      THEN now() ELSE started_at END,
+    updated_at = now()
+WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND target_client_id = %(client_id)s
+  AND status = 'in_progress' AND lease_epoch = %(epoch)s AND lease_token_hash = %(token_hash)s
+RETURNING lease_expires_at, interrupt_generation, control_flags, ai_platform_id
+"""
+
+LEASE_STATE = """
+SELECT d.id, d.target_client_id, d.status, d.lease_epoch, d.lease_token_hash, d.interrupt_generation,
+       d.control_flags, d.monitor_task_id, d.tenant_id, d.workspace_id, d.ai_platform_id, d.lane, d.kind,
+       d.collect_request_id, d.brand_id, d.question_id, d.business_date, d.interrupt_reason
+FROM desktop_tasks d
+WHERE d.id = %(task_id)s AND d.tenant_id = %(tenant_id)s
+"""
+
+LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE"
+
+# What a result message needs from the business task.
+RESULT_CONTEXT = """
+SELECT t.collector_type, t.run_mode, t.tenant_id, t.workspace_id, t.brand_id, t.question_id, t.ai_platform_id,
+       t.business_date
+FROM monitoring_collect_tasks t
+WHERE t.id = %(monitor_task_id)s AND t.tenant_id = %(tenant_id)s
+"""
+
+MARK_RESULT_RECEIVED = """
+UPDATE desktop_tasks SET result_received_at = now(), execution_phase = 'POSTING', updated_at = now()
+WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
+"""
+
+PREEMPT_REQUEST_AGE_MS = """
+UPDATE monitoring_collect_requests
+SET first_preempt_at = coalesce(first_preempt_at, now()), updated_at = now()
+WHERE id = %(request_id)s AND tenant_id = %(tenant_id)s
+RETURNING extract(epoch FROM (clock_timestamp() - created_at)) * 1000 AS age_ms
+"""
+
+PLATFORM_CODES = "SELECT id, code FROM ai_platforms"
+
+# Replay on (re)connect: everything queued for the client, in lane order ...
+REPLAY_QUEUED = """
+SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.scheduler_group_key, d.business_date,
+       d.interrupt_generation, d.updated_at, d.monitor_task_id, d.collect_request_id
+FROM desktop_tasks d
+WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s AND d.status = 'queued'
+ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
+LIMIT %(limit)s
+"""
+
+# ... and every interrupt still outstanding on its running executions.
+REPLAY_INTERRUPTS = """
+SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags, d.interrupt_reason,
+       d.updated_at, d.collect_request_id
+FROM desktop_tasks d
+WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s AND d.status = 'in_progress'
+  AND coalesce((d.control_flags ->> 'interrupt_requested')::boolean, false)
+ORDER BY d.leased_at
+LIMIT %(limit)s
+"""
+
+CLIENT_ONLINE = """
+UPDATE desktop_clients c
+SET online = true, connected_hub = %(hub)s, last_heartbeat_at = now(), offline_since = NULL, updated_at = now()
+FROM (SELECT id, online AS was_online FROM desktop_clients WHERE id = %(client_id)s FOR UPDATE) p
+WHERE c.id = p.id
+RETURNING c.interrupt_generation, p.was_online
+"""
+
+CLIENT_OFFLINE = """
+UPDATE desktop_clients
+SET online = false, offline_since = now(), updated_at = now()
+WHERE id = %(client_id)s AND connected_hub = %(hub)s AND online
+RETURNING tenant_id
+"""
+
+# One statement per flush for every client that showed a sign of life (ids sorted: no deadlocks).
+HEARTBEAT_BATCH = """
+UPDATE desktop_clients c
+SET last_heartbeat_at = now(), online = true, connected_hub = %(hub)s, offline_since = NULL
+FROM (SELECT id, online AS was_online FROM desktop_clients
+      WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE) p
+WHERE c.id = p.id
+RETURNING c.id, c.tenant_id, p.was_online
+"""
+
+PLATFORM_HEALTH = """
+UPDATE desktop_clients SET platform_health = platform_health || %(health)s::jsonb, updated_at = now()
+WHERE id = %(client_id)s
+"""
+
+# On shutdown: this hub's clients are gone from here (another hub may already hold them).
+HUB_CLIENTS_OFFLINE = """
+UPDATE desktop_clients SET online = false, offline_since = now(), updated_at = now()
+WHERE id = ANY(%(ids)s) AND connected_hub = %(hub)s AND online
+RETURNING id, tenant_id
+"""
