@@ -1,0 +1,66 @@
+"""Reconciler decisions and wiring without I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.dispatch_settings import DispatchSettings
+from services.reconciler.config import DEFAULT_INTERVALS, ReconcilerConfig
+from services.reconciler.jobs import JOBS
+from services.reconciler.rules import UnknownEvidence, converge_unknown, parse_intervals, request_final_status
+
+
+@pytest.mark.parametrize(("run_status", "lease_alive", "verdict"), [
+    ("succeeded", False, "succeeded"),
+    ("succeeded", True, "succeeded"),
+    ("failed", True, "failed"),
+    ("failed", False, "failed"),
+    (None, False, "aborted"),
+    (None, True, "queued"),
+])
+def test_converge_unknown(run_status: str | None, lease_alive: bool, verdict: str) -> None:
+    assert converge_unknown(UnknownEvidence(run_status=run_status, lease_alive=lease_alive)) == verdict
+
+
+@pytest.mark.parametrize(("requested", "completed", "failed", "final"), [
+    (3, 3, 0, "succeeded"),
+    (3, 0, 3, "failed"),
+    (3, 2, 1, "partial"),
+    (3, 2, 0, None),
+    (0, 0, 0, None),
+    (2, 3, 0, "succeeded"),
+])
+def test_request_final_status(requested: int, completed: int, failed: int, final: str | None) -> None:
+    assert request_final_status(requested, completed, failed) == final
+
+
+def test_parse_intervals() -> None:
+    assert parse_intervals("expired_leases=1, offline_clients=0.5,") == {"expired_leases": 1.0,
+                                                                         "offline_clients": 0.5}
+    assert parse_intervals("") == {}
+    with pytest.raises(ValueError):
+        parse_intervals("expired_leases")
+    with pytest.raises(ValueError):
+        parse_intervals("expired_leases=0")
+
+
+def test_config_from_env_overrides_only_named_jobs() -> None:
+    config = ReconcilerConfig.from_env({"RECONCILER_INTERVALS": "request_ttl=0.5", "RECONCILER_BATCH_SIZE": "7"})
+    assert config.intervals["request_ttl"] == 0.5
+    assert config.intervals["expired_leases"] == DEFAULT_INTERVALS["expired_leases"]
+    assert config.batch_size == 7
+    with pytest.raises(ValueError):
+        ReconcilerConfig.from_env({"RECONCILER_BATCH_SIZE": "0"})
+
+
+def test_registry_has_every_job_with_its_interval() -> None:
+    assert list(JOBS) == ["expired_leases", "request_ttl", "offline_clients", "interrupt_timeouts",
+                          "unknown_executions", "business_day_expiry", "migration_reconcile"]
+    config = ReconcilerConfig()
+    settings = DispatchSettings(reconcile_interval_seconds=300)
+    for name, job in JOBS.items():
+        assert job.name == name and job.description
+        expected = 300.0 if name == "migration_reconcile" else DEFAULT_INTERVALS[name]
+        assert job.interval(config, settings) == expected
+    # §16.2.4 interval is hot-reloaded from dispatch_settings.
+    assert JOBS["migration_reconcile"].interval(config, DispatchSettings(reconcile_interval_seconds=5)) == 5.0
