@@ -72,10 +72,10 @@ async def read_body(request: web.Request, type_: type[T], *, max_bytes: int,
     if request.content_length is not None and request.content_length > max_bytes:
         raise ContractError("payload_too_large", f"body is {request.content_length} bytes; the limit is {max_bytes}")
     raw = await request.content.read(max_bytes + 1)
-    if allow_empty and not raw.strip():
-        raw = b"{}"
     if request.content_type not in ("application/json", "") and raw.strip():
         raise ApiError(415, "unsupported_media_type", "send the body as application/json")
+    if allow_empty and not raw.strip():
+        raw = b"{}"
     return decode_json(raw, type_, max_bytes=max_bytes, decoder=decoder)
 
 

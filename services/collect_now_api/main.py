@@ -1,0 +1,50 @@
+"""collect-now-api: composition root (pool, routes, OpenAPI document)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from libs.config import Settings
+from libs.db.pool import make_pool
+from libs.http import json_response, make_app
+from libs.runtime import SETTINGS, add_pool_check, base_app, serve
+from services.collect_now_api.handlers import (
+    POOL,
+    SETTINGS_CACHE,
+    SettingsCache,
+    get_collect_request,
+    post_collect_now,
+)
+from services.collect_now_api.openapi import COLLECT_NOW_PATH, REQUEST_STATUS_PATH, openapi_document
+
+
+async def get_openapi(_: web.Request) -> web.Response:
+    return json_response(openapi_document())
+
+
+def build(settings: Settings) -> web.Application:
+    app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
+    app[SETTINGS_CACHE] = SettingsCache()
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        # Sized so requests never queue for a connection: one per in-flight click plus status polls.
+        pool = make_pool(settings, name="collect-now-api", min_size=2, max_size=max(4, min(settings.db_pool_max, 6)))
+        await pool.open(wait=True, timeout=30)
+        app[POOL] = pool
+        add_pool_check(app, pool)
+        settings.jwt_key()  # warn at start-up, not on the first request, when the dev secret is in use
+        yield
+        await pool.close()
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_post(COLLECT_NOW_PATH, post_collect_now)
+    app.router.add_get(REQUEST_STATUS_PATH, get_collect_request)
+    app.router.add_get("/openapi.json", get_openapi)
+    return app
+
+
+def main() -> None:
+    serve("collect-now-api", build)

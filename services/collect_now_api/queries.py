@@ -1,0 +1,236 @@
+"""Every SQL statement of collect-now-api, with named parameters. Each one filters by the caller's tenant."""
+
+from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
+
+ACTIVE_REQUEST_STATUSES = ("accepted", "dispatching", "running")
+
+# Serialises collect-now within one tenant: idempotency, the active-request limit and the supersede
+# chain are then decided on committed data, and two clicks can never both create a request.
+LOCK_TENANT = "SELECT pg_advisory_xact_lock(hashtextextended('collect_now.tenant:' || %(tenant_id)s::text, 0))"
+
+BRAND = """
+SELECT b.id, b.workspace_id, t.time_zone, (now() AT TIME ZONE t.time_zone)::date AS business_date
+FROM brands b JOIN tenants t ON t.id = b.tenant_id
+WHERE b.id = %(brand_id)s AND b.tenant_id = %(tenant_id)s AND b.workspace_id = %(workspace_id)s
+"""
+
+KEYWORD_OF_BRAND = """
+SELECT 1 FROM monitoring_keywords WHERE id = %(keyword_id)s AND brand_id = %(brand_id)s AND tenant_id = %(tenant_id)s
+"""
+
+IDEMPOTENT_REQUEST = """
+SELECT * FROM monitoring_collect_requests
+WHERE requested_by_user_id = %(user_id)s AND brand_id = %(brand_id)s AND scope_hash = %(scope_hash)s
+  AND tenant_id = %(tenant_id)s AND status <> 'superseded'
+  AND created_at > now() - make_interval(secs => %(window_s)s)
+ORDER BY created_at DESC
+LIMIT 1
+"""
+
+# Eligible clients of the caller's tenant and workspace with what §10.6 ranks them by. Preemption
+# yields are not held against a client's abort rate: they are not its failures.
+CLIENT_CANDIDATES = """
+SELECT c.id, c.max_concurrent_monitor, c.platform_health,
+       extract(epoch FROM now() - c.last_heartbeat_at)::float8 AS heartbeat_age_s,
+       (SELECT count(*) FROM desktop_tasks d
+        WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress') AS in_progress,
+       a.attempts, a.aborts
+FROM desktop_clients c
+CROSS JOIN LATERAL (
+    SELECT count(*) AS attempts,
+           count(*) FILTER (WHERE x.status IN ('aborted', 'expired')
+                              AND x.abort_reason IS DISTINCT FROM 'collect_now_preempt') AS aborts
+    FROM desktop_task_attempts x
+    WHERE x.client_id = c.id AND x.finished_at > now() - interval '1 minute'
+) a
+WHERE c.tenant_id = %(tenant_id)s AND c.workspace_id = %(workspace_id)s AND """ + ELIGIBLE_CLIENT_SQL
+
+RATE_LIMIT_STATE = """
+SELECT
+  (SELECT count(*) FROM monitoring_collect_requests r
+   WHERE r.tenant_id = %(tenant_id)s AND r.status IN ('accepted', 'dispatching', 'running')
+     AND r.ttl_expires_at > now()
+     AND r.target_client_id IS DISTINCT FROM coalesce(%(client_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
+    AS active_requests,
+  (SELECT extract(epoch FROM min(r.ttl_expires_at) - now())::float8 FROM monitoring_collect_requests r
+   WHERE r.tenant_id = %(tenant_id)s AND r.status IN ('accepted', 'dispatching', 'running')
+     AND r.ttl_expires_at > now()) AS earliest_active_ttl_s,
+  (SELECT count(*) FROM monitoring_collect_requests r
+   WHERE r.tenant_id = %(tenant_id)s AND r.requested_by_user_id = %(user_id)s
+     AND r.created_at > now() - interval '1 hour') AS user_requests_last_hour,
+  (SELECT extract(epoch FROM now() - min(r.created_at))::float8 FROM monitoring_collect_requests r
+   WHERE r.tenant_id = %(tenant_id)s AND r.requested_by_user_id = %(user_id)s
+     AND r.created_at > now() - interval '1 hour') AS oldest_user_request_age_s
+"""
+
+# The scope: the brand's enabled questions (or the keyword's) x the tenant's enabled platforms.
+SCOPE = """
+SELECT q.id AS question_id, p.id AS ai_platform_id, pl.id AS plan_id
+FROM monitoring_questions q
+JOIN tenant_platforms tp ON tp.tenant_id = q.tenant_id AND tp.enabled
+JOIN ai_platforms p ON p.id = tp.ai_platform_id AND p.enabled
+LEFT JOIN monitoring_plans pl
+       ON pl.tenant_id = q.tenant_id AND pl.brand_id = q.brand_id AND pl.question_id = q.id
+      AND pl.ai_platform_id = p.id AND pl.collector_type = 'desktop' AND pl.run_mode = 'daily'
+WHERE q.tenant_id = %(tenant_id)s AND q.brand_id = %(brand_id)s AND q.enabled
+  AND (%(keyword_id)s::bigint IS NULL OR q.keyword_id = %(keyword_id)s::bigint)
+  AND (%(question_ids)s::bigint[] IS NULL OR q.id = ANY(%(question_ids)s::bigint[]))
+  AND (%(platform_ids)s::bigint[] IS NULL OR p.id = ANY(%(platform_ids)s::bigint[]))
+ORDER BY q.id, p.id
+"""
+
+INCREMENT_GENERATION = """
+UPDATE desktop_clients SET interrupt_generation = interrupt_generation + 1, updated_at = now()
+WHERE id = %(client_id)s AND tenant_id = %(tenant_id)s
+RETURNING interrupt_generation
+"""
+
+# Contract 4: the client's queued scheduled executions are cancelled at once. The set-based twin of
+# transitions.end_execution(outcome='aborted') for executions that were never leased (no attempt to
+# close), in one statement to keep the request's transaction short.
+CANCEL_QUEUED_SCHEDULED = """
+UPDATE desktop_tasks
+SET status = 'aborted', finished_at = now(), updated_at = now(), lease_token_hash = NULL,
+    interrupt_reason = 'collect_now_preempt', interrupted_at = now(), interrupt_generation = %(generation)s,
+    control_flags = control_flags || jsonb_build_object('cancelled', true, 'interrupt_generation', %(generation)s,
+                                                        'collect_request_id', %(request_id)s::text)
+WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
+  AND source = 'daily_schedule' AND status = 'queued'
+RETURNING id, monitor_task_id, ai_platform_id, lane
+"""
+
+# The set-based twin of transitions.yield_business_task: a cancelled queued execution gives its
+# dispatch attempt back; lane and enqueued_at are kept.
+YIELD_BUSINESS_TASKS = """
+UPDATE monitoring_collect_tasks
+SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
+WHERE id = ANY(%(ids)s::bigint[]) AND tenant_id = %(tenant_id)s AND status = 'pending'
+"""
+
+# Contract 4: the client's running scheduled executions are asked to yield at their next safe point.
+MARK_INTERRUPT_REQUESTED = """
+UPDATE desktop_tasks
+SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
+                                                        'interrupt_generation', %(generation)s,
+                                                        'collect_request_id', %(request_id)s::text),
+    interrupt_generation = %(generation)s, interrupted_at = coalesce(interrupted_at, now()),
+    interrupt_reason = 'collect_now_preempt', updated_at = now()
+WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
+  AND source = 'daily_schedule' AND status = 'in_progress' AND interrupt_generation < %(generation)s
+RETURNING id, monitor_task_id, ai_platform_id, lane
+"""
+
+# Tasks the scanner has not created yet: one row per business key, never a second one.
+CREATE_MISSING_TASKS = """
+INSERT INTO monitoring_collect_tasks
+    (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date, plan_id, trigger_source,
+     dispatch_priority, dispatch_lane, target_client_id, dispatch_after, interrupt_generation,
+     collect_request_id, ingest_shard_key, execution_owner)
+SELECT %(tenant_id)s, %(workspace_id)s, %(brand_id)s, s.question_id, s.ai_platform_id, %(business_date)s,
+       s.plan_id, 'manual', %(priority)s, 'high', %(client_id)s, now(), %(generation)s, %(request_id)s,
+       %(shard_key)s, 'desktop_tasks'
+FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(plan_ids)s::bigint[])
+     AS s(question_id, ai_platform_id, plan_id)
+ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date)
+DO NOTHING
+RETURNING id
+"""
+
+# Promotion (contract 4): pending tasks, and finished ones reset for a fresh collection, move to the
+# high lane bound to the client and the request. Legacy rows a legacy executor holds (leased /
+# received) are in the scope but left alone. Returns every scope task with whether it was promoted.
+PROMOTE_SCOPE = """
+WITH scope AS (
+    SELECT * FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[]) AS s(question_id, ai_platform_id)
+), scope_tasks AS (
+    SELECT t.id, t.status
+    FROM monitoring_collect_tasks t JOIN scope s
+      ON t.question_id = s.question_id AND t.ai_platform_id = s.ai_platform_id
+    WHERE t.tenant_id = %(tenant_id)s AND t.brand_id = %(brand_id)s AND t.business_date = %(business_date)s
+      AND t.collector_type = 'desktop' AND t.run_mode = 'daily'
+    FOR UPDATE OF t
+), promoted AS (
+    UPDATE monitoring_collect_tasks t
+    SET status = 'pending', dispatch_lane = 'high', dispatch_priority = %(priority)s,
+        target_client_id = %(client_id)s, interrupt_generation = %(generation)s,
+        collect_request_id = %(request_id)s, superseded_by_request_id = NULL, dispatch_after = now(),
+        execution_owner = 'desktop_tasks',
+        dispatch_attempts = CASE WHEN t.status = 'pending' THEN t.dispatch_attempts ELSE 0 END,
+        completed_at = CASE WHEN t.status = 'pending' THEN t.completed_at END,
+        last_error = CASE WHEN t.status = 'pending' THEN t.last_error END,
+        updated_at = now()
+    FROM scope_tasks s
+    WHERE t.id = s.id AND s.status IN ('pending', 'completed', 'failed', 'expired', 'skipped')
+    RETURNING t.id
+)
+SELECT s.id, (p.id IS NOT NULL) AS promoted FROM scope_tasks s LEFT JOIN promoted p ON p.id = s.id ORDER BY s.id
+"""
+
+ACTIVE_REQUESTS_OF_CLIENT = """
+SELECT id FROM monitoring_collect_requests
+WHERE tenant_id = %(tenant_id)s AND target_client_id = %(client_id)s
+  AND status IN ('accepted', 'dispatching', 'running')
+"""
+
+MARK_TASKS_SUPERSEDED = """
+UPDATE monitoring_collect_tasks SET superseded_by_request_id = %(request_id)s, updated_at = now()
+WHERE tenant_id = %(tenant_id)s AND collect_request_id = ANY(%(old_ids)s::uuid[])
+"""
+
+SUPERSEDE_REQUESTS = """
+UPDATE monitoring_collect_requests
+SET status = 'superseded', superseded_by_request_id = %(request_id)s, finished_at = now(), updated_at = now()
+WHERE id = ANY(%(old_ids)s::uuid[]) AND tenant_id = %(tenant_id)s AND status IN ('accepted', 'dispatching', 'running')
+RETURNING id
+"""
+
+INSERT_REQUEST = """
+INSERT INTO monitoring_collect_requests
+    (id, tenant_id, workspace_id, brand_id, keyword_id, requested_by_user_id, target_client_id, scope_hash,
+     request_scope, status, preempt, interrupt_generation, requested_task_count, aborted_queued_count,
+     interrupt_requested_count, ttl_expires_at)
+VALUES (%(id)s, %(tenant_id)s, %(workspace_id)s, %(brand_id)s, %(keyword_id)s, %(user_id)s, %(client_id)s,
+        %(scope_hash)s, %(scope)s, 'accepted', %(preempt)s, %(generation)s, %(requested)s, %(aborted_queued)s,
+        %(interrupt_requested)s, now() + make_interval(secs => %(ttl_s)s))
+RETURNING *
+"""
+
+NOTIFY = "SELECT pg_notify(%(dispatch_channel)s, ''), pg_notify(%(outbox_channel)s, '')"
+
+REQUEST_PROGRESS = """
+SELECT status, first_dispatched_at, dispatched_task_count FROM monitoring_collect_requests
+WHERE id = %(request_id)s AND tenant_id = %(tenant_id)s
+"""
+
+# ---- GET /collect-requests/{id} (§13.5) --------------------------------------------------------
+
+REQUEST_STATUS = """
+SELECT r.*,
+       greatest(0, floor(extract(epoch FROM r.ttl_expires_at - now()) * 1000))::bigint AS ttl_remaining_ms,
+       EXISTS (SELECT 1 FROM desktop_tasks d
+               WHERE d.tenant_id = r.tenant_id AND d.status = 'aborted'
+                 AND d.interrupt_reason = 'collect_now_preempt'
+                 AND d.control_flags ->> 'collect_request_id' = r.id::text) AS preempt_observed,
+       EXISTS (SELECT 1 FROM desktop_tasks d
+               WHERE d.tenant_id = r.tenant_id AND d.collect_request_id = r.id
+                 AND d.leased_at IS NOT NULL) AS execution_leased
+FROM monitoring_collect_requests r
+WHERE r.id = %(request_id)s AND r.tenant_id = %(tenant_id)s
+"""
+
+# Per-task status with its active execution (or, when none is active, this request's latest one).
+REQUEST_TASKS = """
+SELECT t.id AS monitor_task_id, t.question_id, t.ai_platform_id, t.status, t.dispatch_lane AS lane,
+       e.status AS execution_status, e.execution_phase
+FROM monitoring_collect_tasks t
+LEFT JOIN LATERAL (
+    SELECT d.status, d.execution_phase
+    FROM desktop_tasks d
+    WHERE d.monitor_task_id = t.id AND d.tenant_id = t.tenant_id
+      AND (d.status IN ('queued', 'in_progress', 'unknown') OR d.collect_request_id = %(request_id)s)
+    ORDER BY (d.status IN ('queued', 'in_progress', 'unknown')) DESC, d.created_at DESC
+    LIMIT 1
+) e ON true
+WHERE t.tenant_id = %(tenant_id)s AND t.id = ANY(%(task_ids)s::bigint[])
+ORDER BY t.id
+"""

@@ -1,0 +1,311 @@
+"""Collect-now in one short transaction (contract 4, seed §17.1): no broker call, effects via the outbox."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+from typing import Any
+
+import msgspec
+from psycopg import errors as pg_errors
+from psycopg_pool import AsyncConnectionPool
+
+from libs.auth import TenantPrincipal
+from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, CollectRequestTask
+from libs.contracts.wire import TaskControl
+from libs.db.pool import Conn
+from libs.dispatch_settings import DispatchSettings
+from libs.domain.lanes import HIGH_PRIORITY
+from libs.domain.shard import ingest_shard_key
+from libs.http import ApiError
+from libs.mq.topology import DISPATCH
+from libs.outbox import NOTIFY_CHANNEL, enqueue
+from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
+from libs.telemetry import metrics
+from services.collect_now_api import queries as q
+from services.collect_now_api.logic import (
+    ClientCandidate,
+    accept_message,
+    check_rate_limits,
+    choose_target_client,
+    scope_hash,
+)
+
+log = logging.getLogger("collect_now")
+
+PREEMPT_REASON = "collect_now_preempt"
+DEADLOCK_RETRIES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    response: CollectNowResponse
+    replay: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Execution:
+    task_id: uuid.UUID
+    monitor_task_id: int
+    ai_platform_id: int | None
+    lane: str
+
+
+async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
+                      body: CollectNowRequest, settings: DispatchSettings, *,
+                      first_dispatch_wait_s: float = 5.0) -> Accepted:
+    """Accept (or replay) a collect-now request; optionally wait for its first dispatch."""
+    for attempt in range(DEADLOCK_RETRIES):
+        try:
+            async with pool.connection() as conn:
+                accepted = await _collect_now_tx(conn, principal, brand_id, body, settings)
+            break
+        except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure):
+            if attempt == DEADLOCK_RETRIES - 1:
+                raise
+            log.warning("collect-now transaction conflicted; retrying",
+                        extra={"tenant_id": principal.tenant_id, "brand_id": brand_id, "attempt": attempt + 1})
+    if body.wait_for_first_dispatch and not accepted.replay and accepted.response.status == "accepted":
+        accepted = await _wait_for_first_dispatch(pool, principal, accepted, first_dispatch_wait_s)
+    return accepted
+
+
+async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int, body: CollectNowRequest,
+                          settings: DispatchSettings) -> Accepted:
+    tenant_id = principal.tenant_id
+    async with conn.transaction():
+        brand = await _fetch_one(conn, q.BRAND, {"brand_id": brand_id, "tenant_id": tenant_id,
+                                                  "workspace_id": principal.workspace_id})
+        if brand is None:
+            raise ApiError(404, "not_found", "brand not found", "brand_id")
+        if body.keyword_id is not None and await _fetch_one(conn, q.KEYWORD_OF_BRAND, {
+                "keyword_id": body.keyword_id, "brand_id": brand_id, "tenant_id": tenant_id}) is None:
+            raise ApiError(400, "invalid_field", f"keyword {body.keyword_id} does not belong to brand {brand_id}",
+                           "keyword_id")
+        business_date: date = brand["business_date"]
+        hashed = scope_hash(brand_id=brand_id, keyword_id=body.keyword_id, question_ids=body.question_ids,
+                            ai_platform_ids=body.ai_platform_ids, business_date=business_date)
+
+        await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
+        existing = await _fetch_one(conn, q.IDEMPOTENT_REQUEST, {
+            "user_id": principal.user_id, "brand_id": brand_id, "scope_hash": hashed, "tenant_id": tenant_id,
+            "window_s": settings.idempotency_window_seconds})
+        if existing is not None:
+            return Accepted(_replay_response(existing), replay=True)
+
+        candidates = [_candidate(row) for row in await _fetch_all(conn, q.CLIENT_CANDIDATES, {
+            "tenant_id": tenant_id, "workspace_id": principal.workspace_id,
+            "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})]
+        choice = choose_target_client(candidates, requested=body.target_client_id,
+                                      heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
+        client_id = choice.client_id
+
+        limits = await _fetch_one(conn, q.RATE_LIMIT_STATE, {"tenant_id": tenant_id, "user_id": principal.user_id,
+                                                              "client_id": client_id})
+        assert limits is not None
+        limited = check_rate_limits(
+            active_requests=limits["active_requests"], max_active_requests=settings.max_active_requests_per_tenant,
+            earliest_active_ttl_s=limits["earliest_active_ttl_s"],
+            user_requests_last_hour=limits["user_requests_last_hour"],
+            max_user_requests_per_hour=settings.max_requests_per_user_per_hour,
+            oldest_user_request_age_s=limits["oldest_user_request_age_s"])
+        if limited is not None:
+            raise ApiError(429, limited.code, limited.message, retry_after_s=limited.retry_after_s)
+
+        scope = await _fetch_all(conn, q.SCOPE, {
+            "tenant_id": tenant_id, "brand_id": brand_id, "keyword_id": body.keyword_id,
+            "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
+        _check_scope(scope, body)
+        question_ids = [r["question_id"] for r in scope]
+        platform_ids = [r["ai_platform_id"] for r in scope]
+
+        request_id = uuid.uuid4()
+        generation = 0
+        cancelled: list[_Execution] = []
+        interrupted: list[_Execution] = []
+        if client_id is not None:
+            generation = await _increment_generation(conn, client_id, tenant_id)
+            if body.preempt:
+                params = {"client_id": client_id, "tenant_id": tenant_id, "generation": generation,
+                          "request_id": request_id}
+                cancelled = [_execution(r) for r in await _fetch_all(conn, q.CANCEL_QUEUED_SCHEDULED, params)]
+                if cancelled:
+                    await conn.execute(q.YIELD_BUSINESS_TASKS, {
+                        "ids": [e.monitor_task_id for e in cancelled], "tenant_id": tenant_id})
+                interrupted = [_execution(r) for r in await _fetch_all(conn, q.MARK_INTERRUPT_REQUESTED, params)]
+
+        task_params: dict[str, Any] = {
+            "tenant_id": tenant_id, "workspace_id": brand["workspace_id"], "brand_id": brand_id,
+            "business_date": business_date, "client_id": client_id, "generation": generation,
+            "request_id": request_id, "priority": HIGH_PRIORITY, "question_ids": question_ids,
+            "platform_ids": platform_ids, "shard_key": ingest_shard_key(tenant_id, brand_id, business_date)}
+        created = await _fetch_all(conn, q.CREATE_MISSING_TASKS,
+                                   {**task_params, "plan_ids": [r["plan_id"] for r in scope]})
+        scope_tasks = await _fetch_all(conn, q.PROMOTE_SCOPE, task_params)
+        promoted_ids = [int(r["id"]) for r in scope_tasks if r["promoted"]]
+
+        old_ids: list[uuid.UUID] = []
+        if client_id is not None:
+            old_ids = [r["id"] for r in await _fetch_all(conn, q.ACTIVE_REQUESTS_OF_CLIENT,
+                                                         {"tenant_id": tenant_id, "client_id": client_id})]
+            if old_ids:
+                await conn.execute(q.MARK_TASKS_SUPERSEDED, {"request_id": request_id, "tenant_id": tenant_id,
+                                                             "old_ids": old_ids})
+        request_scope = {
+            "brand_id": brand_id, "keyword_id": body.keyword_id, "question_ids": body.question_ids,
+            "ai_platform_ids": body.ai_platform_ids, "business_date": business_date.isoformat(),
+            "affected_task_count": len(scope_tasks), "created_task_count": len(created),
+            "monitor_task_ids": promoted_ids, "client_choice": choice.reason,
+        }
+        row = await _fetch_one(conn, q.INSERT_REQUEST, {
+            "id": request_id, "tenant_id": tenant_id, "workspace_id": principal.workspace_id, "brand_id": brand_id,
+            "keyword_id": body.keyword_id, "user_id": principal.user_id, "client_id": client_id,
+            "scope_hash": hashed, "scope": msgspec.json.encode(request_scope).decode(), "preempt": body.preempt,
+            "generation": generation, "requested": len(promoted_ids), "aborted_queued": len(cancelled),
+            "interrupt_requested": len(interrupted), "ttl_s": settings.request_ttl_seconds})
+        assert row is not None
+        superseded: list[uuid.UUID] = []
+        if old_ids:
+            superseded = [r["id"] for r in await _fetch_all(conn, q.SUPERSEDE_REQUESTS, {
+                "request_id": request_id, "tenant_id": tenant_id, "old_ids": old_ids})]
+
+        await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=request_id,
+                            generation=generation, cancelled=cancelled, interrupted=interrupted)
+        await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL})
+
+    metrics.collect_now_accept_count.inc()
+    if interrupted:
+        metrics.monitor_preempt_request_count.inc(len(interrupted))
+    log.info("collect_now.accepted", extra={
+        "tenant_id": tenant_id, "user_id": principal.user_id, "brand_id": brand_id, "request_id": str(request_id),
+        "client_id": str(client_id) if client_id else None, "interrupt_generation": generation,
+        "affected": len(scope_tasks), "promoted": len(promoted_ids), "created": len(created),
+        "aborted_queued": len(cancelled), "interrupt_requested": len(interrupted),
+        "superseded": [str(s) for s in superseded]})
+    response = CollectNowResponse(
+        request_id=request_id, target_client_id=client_id, affected_task_count=len(scope_tasks),
+        promoted_task_count=len(promoted_ids), aborted_queued_count=len(cancelled),
+        interrupt_requested_count=len(interrupted), interrupt_generation=generation,
+        ttl_expires_at=row["ttl_expires_at"], status="accepted",
+        superseded_request_id=superseded[0] if superseded else None,
+        message=accept_message(client_id=client_id, reason=choice.reason, promoted=len(promoted_ids),
+                               aborted_queued=len(cancelled), interrupt_requested=len(interrupted)))
+    return Accepted(response, replay=False)
+
+
+async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | None, request_id: uuid.UUID,
+                        generation: int, cancelled: list[_Execution], interrupted: list[_Execution]) -> None:
+    """TaskControl per cancelled / interrupted execution and the lifecycle event, pipelined (one round trip)."""
+    now = datetime.now(UTC)
+    async with conn.pipeline():
+        if client_id is not None:
+            for executions, control in ((cancelled, "cancelled"), (interrupted, "interrupt_requested")):
+                for execution in executions:
+                    message = TaskControl(kind="monitor", task_id=execution.task_id, target_client_id=client_id,
+                                          control=control, reason=PREEMPT_REASON,  # type: ignore[arg-type]
+                                          interrupt_generation=generation, updated_at=now,
+                                          collect_request_id=request_id)
+                    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}",
+                                  message=message, ordering_key=f"client:{client_id}", tenant_id=tenant_id)
+        await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id,
+                             lane="high", collect_request_id=request_id, reason=PREEMPT_REASON if cancelled
+                             or interrupted else None)
+
+
+async def _increment_generation(conn: Conn, client_id: uuid.UUID, tenant_id: int) -> int:
+    row = await _fetch_one(conn, q.INCREMENT_GENERATION, {"client_id": client_id, "tenant_id": tenant_id})
+    assert row is not None, "the chosen client belongs to the tenant"
+    return int(row["interrupt_generation"])
+
+
+def _check_scope(scope: list[dict[str, Any]], body: CollectNowRequest) -> None:
+    if body.question_ids:
+        missing = sorted(set(body.question_ids) - {r["question_id"] for r in scope})
+        if missing:
+            raise ApiError(400, "invalid_field", f"question(s) {missing} are not enabled questions of this brand "
+                           "(for this keyword and the tenant's enabled platforms)", "question_ids")
+    if body.ai_platform_ids:
+        missing = sorted(set(body.ai_platform_ids) - {r["ai_platform_id"] for r in scope})
+        if missing:
+            raise ApiError(400, "invalid_field", f"platform(s) {missing} are not enabled for this tenant",
+                           "ai_platform_ids")
+    if not scope:
+        raise ApiError(422, "empty_scope", "nothing to collect: the brand (or keyword) has no enabled questions "
+                       "or the tenant has no enabled platforms")
+
+
+def _candidate(row: dict[str, Any]) -> ClientCandidate:
+    return ClientCandidate(client_id=row["id"], max_concurrent_monitor=row["max_concurrent_monitor"],
+                           in_progress=row["in_progress"], attempts_last_minute=row["attempts"],
+                           aborts_last_minute=row["aborts"], heartbeat_age_s=row["heartbeat_age_s"],
+                           platform_health=row["platform_health"] or {})
+
+
+def _execution(row: dict[str, Any]) -> _Execution:
+    return _Execution(task_id=row["id"], monitor_task_id=row["monitor_task_id"],
+                      ai_platform_id=row["ai_platform_id"], lane=row["lane"])
+
+
+def _replay_response(row: dict[str, Any]) -> CollectNowResponse:
+    scope = row["request_scope"] or {}
+    return CollectNowResponse(
+        request_id=row["id"], target_client_id=row["target_client_id"],
+        affected_task_count=int(scope.get("affected_task_count", row["requested_task_count"])),
+        promoted_task_count=row["requested_task_count"], aborted_queued_count=row["aborted_queued_count"],
+        interrupt_requested_count=row["interrupt_requested_count"], interrupt_generation=row["interrupt_generation"],
+        ttl_expires_at=row["ttl_expires_at"], status=row["status"], idempotent_replay=True,
+        message="the same collection was requested moments ago; this is that request")
+
+
+async def _wait_for_first_dispatch(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, accepted: Accepted,
+                                   timeout_s: float) -> Accepted:
+    """`wait_for_first_dispatch`: poll the request until the coordinator dispatched its first task."""
+    response = accepted.response
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        async with pool.connection() as conn:
+            row = await _fetch_one(conn, q.REQUEST_PROGRESS, {"request_id": response.request_id,
+                                                               "tenant_id": principal.tenant_id})
+        if row is not None and row["first_dispatched_at"] is not None:
+            return Accepted(msgspec.structs.replace(response, status=row["status"]), replay=False)
+        await asyncio.sleep(0.02)
+    return accepted
+
+
+async def request_status(conn: Conn, principal: TenantPrincipal, request_id: uuid.UUID) -> CollectRequestStatus:
+    """§13.5: progress of one request of the caller's tenant (another tenant's request is not found)."""
+    row = await _fetch_one(conn, q.REQUEST_STATUS, {"request_id": request_id, "tenant_id": principal.tenant_id})
+    if row is None:
+        raise ApiError(404, "not_found", "collect request not found", "request_id")
+    task_ids = [int(i) for i in (row["request_scope"] or {}).get("monitor_task_ids", [])]
+    tasks = await _fetch_all(conn, q.REQUEST_TASKS, {"request_id": request_id, "tenant_id": principal.tenant_id,
+                                                      "task_ids": task_ids})
+    started_statuses = {"running", "partial", "succeeded", "failed"}
+    return CollectRequestStatus(
+        request_id=row["id"], status=row["status"], brand_id=row["brand_id"], keyword_id=row["keyword_id"],
+        target_client_id=row["target_client_id"], interrupt_generation=row["interrupt_generation"],
+        requested_task_count=row["requested_task_count"], dispatched_task_count=row["dispatched_task_count"],
+        completed_task_count=row["completed_task_count"], failed_task_count=row["failed_task_count"],
+        aborted_queued_count=row["aborted_queued_count"], interrupt_requested_count=row["interrupt_requested_count"],
+        preempted=bool(row["aborted_queued_count"] > 0 or row["first_preempt_at"] is not None
+                       or row["preempt_observed"]),
+        started=bool(row["status"] in started_statuses or row["execution_leased"]),
+        first_dispatched_at=row["first_dispatched_at"], first_result_at=row["first_result_at"],
+        ttl_expires_at=row["ttl_expires_at"], ttl_remaining_ms=int(row["ttl_remaining_ms"]),
+        superseded_by_request_id=row["superseded_by_request_id"], created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        tasks=[CollectRequestTask(**t) for t in tasks])
+
+
+async def _fetch_one(conn: Conn, query: str, params: dict[str, Any]) -> dict[str, Any] | None:
+    cur = await conn.execute(query, params)
+    return await cur.fetchone()
+
+
+async def _fetch_all(conn: Conn, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    cur = await conn.execute(query, params)
+    return await cur.fetchall()
