@@ -64,10 +64,20 @@ class Gateway:
         self.closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    def spawn_cleanup(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
+        return self._spawn(coro, name="ws-cleanup")
+
+    async def drain(self, timeout: float = 10.0) -> None:
+        """Wait for socket clean-ups (unbind, offline) still running, before resources close."""
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     # ---- broker ------------------------------------------------------------------------------
     async def start(self) -> None:

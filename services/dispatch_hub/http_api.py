@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -75,6 +77,16 @@ async def openapi_handler(_: web.Request) -> web.Response:
     return json_response(openapi_document())
 
 
+class _Typed(msgspec.Struct):
+    type: str
+
+
+def decode_client_message(data: str) -> Heartbeat:
+    """Client -> server messages must name their `type` (a bare object is not taken as a heartbeat)."""
+    decode_json(data, _Typed, max_bytes=MAX_WS_MESSAGE)
+    return decode_json(data, Heartbeat, max_bytes=MAX_WS_MESSAGE, decoder=client_message_decoder)
+
+
 def _error_event(exc: ContractError | None = None, *, code: str = "", message: str = "",
                  field: str | None = None) -> str:
     if exc is not None:
@@ -100,8 +112,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
             conn.touch()
             if msg.type == WSMsgType.TEXT:
                 try:
-                    heartbeat = decode_json(msg.data, Heartbeat, max_bytes=MAX_WS_MESSAGE,
-                                            decoder=client_message_decoder)
+                    heartbeat = decode_client_message(msg.data)
                 except ContractError as exc:
                     conn.deliver(_error_event(exc))
                     continue
@@ -120,11 +131,18 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                 log.info("websocket error", extra={"client_id": str(client_id), "error": str(ws.exception())})
                 break
     finally:
-        await conn.stop()
-        if not ws.closed:
-            await ws.close()
-        await gateway.detach(conn)
+        # aiohttp cancels the handler when the peer goes away: the cleanup runs as its own task so
+        # unbinding and marking offline always complete (shutdown waits for it before closing the pool).
+        await asyncio.shield(gateway.spawn_cleanup(_close_and_detach(gateway, conn)))
     return ws
+
+
+async def _close_and_detach(gateway: Gateway, conn: Connection) -> None:
+    await conn.stop()
+    if not conn.ws.closed:
+        with contextlib.suppress(Exception):
+            await conn.ws.close()
+    await gateway.detach(conn)
 
 
 def add_routes(app: web.Application) -> None:

@@ -59,6 +59,7 @@ def build(settings: Settings) -> web.Application:
 
         add_readiness_check(app, "rabbitmq", broker)
         yield
+        await gateway.drain()
         await gateway.heartbeats.flush()
         await gateway.close()
         await publisher.close()

@@ -1,0 +1,213 @@
+"""dispatch-hub WebSocket on real Postgres and RabbitMQ: hello + replay, per-client forwarding,
+bindings per connected client, heartbeats, malformed messages, online/offline, going-away on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+import aio_pika
+import aiohttp
+import msgspec
+import pytest
+from aio_pika.abc import AbstractRobustConnection
+from aiohttp.test_utils import TestServer
+from psycopg_pool import AsyncConnectionPool
+
+from libs.config import Settings
+from libs.contracts.wire import TaskAvailable, TaskControl
+from libs.db.pool import Conn
+from libs.demo import seed_demo
+from libs.mq.topology import Topology
+from tests.support.desktop import dispatch_execution, request_interrupt, running_hub
+from tests.support.wait import eventually
+
+
+@pytest.fixture
+async def seed(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
+    async with pool.connection() as conn:
+        return await seed_demo(conn, tenants=2, brands=1, questions=4, clients=1, due=False)
+
+
+@pytest.fixture
+async def hub(settings: Settings, amqp: AbstractRobustConnection) -> AsyncIterator[TestServer]:
+    async with running_hub(settings, heartbeat_timeout_seconds=30) as server:
+        yield server
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def connect(http: aiohttp.ClientSession, hub: TestServer, token: str) -> aiohttp.ClientWebSocketResponse:
+    return await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers={"Authorization": f"Bearer {token}"})
+
+
+async def receive(ws: aiohttp.ClientWebSocketResponse, timeout: float = 5.0) -> dict[str, Any]:
+    msg = await ws.receive(timeout=timeout)
+    assert msg.type == aiohttp.WSMsgType.TEXT, msg
+    event: dict[str, Any] = msgspec.json.decode(msg.data)
+    return event
+
+
+async def publish(amqp: AbstractRobustConnection, topology: Topology, routing_key: str,
+                  message: msgspec.Struct) -> None:
+    channel = await amqp.channel()
+    exchange = await channel.declare_exchange(topology.dispatch_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
+    await exchange.publish(aio_pika.Message(msgspec.json.encode(message)), routing_key=routing_key)
+    await channel.close()
+
+
+def available(client: str, lane: str = "high") -> TaskAvailable:
+    return TaskAvailable(kind="monitor", task_id=uuid.uuid4(), target_client_id=uuid.UUID(client), priority=5000,
+                         lane=lane, interrupt_generation=1, updated_at=datetime.now(UTC))  # type: ignore[arg-type]
+
+
+async def client_row(pool: AsyncConnectionPool[Conn], client: str) -> dict[str, Any]:
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT online, connected_hub, last_heartbeat_at, platform_health "
+                                 "FROM desktop_clients WHERE id = %s", (client,))
+        row = await cur.fetchone()
+    assert row is not None
+    return row
+
+
+async def test_hello_then_replay_in_lane_order_then_live_events(
+        hub: TestServer, http: aiohttp.ClientSession, pool: AsyncConnectionPool[Conn], seed: dict[str, Any],
+        amqp: AbstractRobustConnection, topology: Topology) -> None:
+    tenant = seed["tenants"][0]
+    client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
+    platform = seed["platforms"][0]["ai_platform_id"]
+    async with pool.connection() as conn:
+        normal = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client, age_s=60)
+        running = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client,
+                                           question_index=1)
+        await conn.execute("UPDATE desktop_tasks SET status = 'in_progress' WHERE id = %s", (running["task_id"],))
+        await request_interrupt(conn, task_id=running["task_id"], generation=4)
+        high = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client, lane="high",
+                                        question_index=2, generation=4)
+    ws = await connect(http, hub, token)
+    hello = await receive(ws)
+    assert hello["type"] == "hello" and hello["client_id"] == client and hello["replayed_available"] == 2
+    assert hello["replayed_controls"] == 1
+    replay = [await receive(ws) for _ in range(3)]
+    assert [(e["type"], e["task_id"]) for e in replay] == [
+        ("task_available", str(high["task_id"])), ("task_available", str(normal["task_id"])),
+        ("task_control", str(running["task_id"]))]
+    assert replay[0]["interrupt_generation"] == 4 and replay[0]["lane"] == "high"
+    control = msgspec.json.decode(msgspec.json.encode(replay[2]), type=TaskControl)
+    assert control.control == "interrupt_requested" and control.interrupt_generation == 4
+    assert (await client_row(pool, client))["online"] is True
+
+    # Live: an event for this client arrives unchanged; one for another client does not.
+    other = seed["tenants"][1]["clients"][0]["client_id"]
+    await publish(amqp, topology, f"monitor.high.{other}", available(other))
+    event = available(client)
+    await publish(amqp, topology, f"monitor.high.{client}", event)
+    live = await receive(ws)
+    assert live == msgspec.json.decode(msgspec.json.encode(event))
+    await ws.close()
+
+
+async def test_reconnect_replays_what_was_published_while_away(
+        hub: TestServer, http: aiohttp.ClientSession, pool: AsyncConnectionPool[Conn], seed: dict[str, Any],
+        amqp: AbstractRobustConnection, topology: Topology) -> None:
+    tenant = seed["tenants"][0]
+    client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
+    platform = seed["platforms"][0]["ai_platform_id"]
+    ws = await connect(http, hub, token)
+    assert (await receive(ws))["type"] == "hello"
+    await ws.close()
+
+    async def offline() -> bool:
+        return (await client_row(pool, client))["online"] is False
+
+    await eventually(offline, message="client marked offline after its last socket closed")
+    # While away: the coordinator dispatches (its broker event finds no binding and is dropped).
+    async with pool.connection() as conn:
+        missed = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client, lane="high",
+                                          generation=2)
+    await publish(amqp, topology, f"monitor.high.{client}", available(client))
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT routing_key FROM outbox WHERE routing_key LIKE 'client.%%' ORDER BY id")
+        assert [r["routing_key"] for r in await cur.fetchall()] == ["client.online", "client.offline"]
+    ws = await connect(http, hub, token)
+    hello = await receive(ws)
+    assert hello["replayed_available"] == 1
+    replayed = await receive(ws)
+    assert replayed["type"] == "task_available" and replayed["task_id"] == str(missed["task_id"])
+    await ws.close()
+
+
+async def test_two_sockets_of_one_client_share_a_binding(
+        hub: TestServer, http: aiohttp.ClientSession, seed: dict[str, Any], amqp: AbstractRobustConnection,
+        topology: Topology, pool: AsyncConnectionPool[Conn]) -> None:
+    tenant = seed["tenants"][0]
+    client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
+    first, second = await connect(http, hub, token), await connect(http, hub, token)
+    for ws in (first, second):
+        assert (await receive(ws))["type"] == "hello"
+    await first.close()
+    # The binding stays while one socket is left, and the client stays online.
+    event = available(client)
+    await publish(amqp, topology, f"monitor.control.{client}", event)
+    assert (await receive(second))["task_id"] == str(event.task_id)
+    assert (await client_row(pool, client))["online"] is True
+    await second.close()
+
+
+async def test_heartbeats_malformed_messages_and_pings(
+        hub: TestServer, http: aiohttp.ClientSession, pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
+    tenant = seed["tenants"][0]
+    client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
+    ws = await connect(http, hub, token)
+    assert (await receive(ws))["type"] == "hello"
+    connected_at = (await client_row(pool, client))["last_heartbeat_at"]
+    cases = [
+        (b"not json", "invalid_json", None),
+        (b'{"type": "dance"}', "unknown_type", "type"),
+        (b'{"sent_at": "2026-01-01T00:00:00Z"}', "missing_field", "type"),
+        (b'{"type": "heartbeat", "local_queue_depth": -3}', "invalid_field", "local_queue_depth"),
+    ]
+    for raw, code, field in cases:
+        await ws.send_str(raw.decode())
+        error = await receive(ws)
+        assert (error["type"], error["error"], error.get("field")) == ("error", code, field), raw
+    await ws.send_bytes(b"\x00")
+    assert (await receive(ws))["type"] == "error"
+    await ws.send_str('{"type": "heartbeat", "platform_health": {"openai": "login_required"}}')
+    assert (await receive(ws))["type"] == "heartbeat_ack"
+    await ws.ping(b"x")
+
+    async def refreshed() -> dict[str, Any] | None:
+        row = await client_row(pool, client)
+        return row if row["last_heartbeat_at"] > connected_at and row["platform_health"] else None
+
+    row = await eventually(refreshed, timeout=10, message="batched heartbeat write")
+    assert row["platform_health"] == {"openai": "login_required"} and row["online"] is True
+    await ws.close()
+
+
+async def test_unauthenticated_socket_is_refused(hub: TestServer, http: aiohttp.ClientSession) -> None:
+    with pytest.raises(aiohttp.WSServerHandshakeError) as info:
+        await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers={"Authorization": "Bearer nope"})
+    assert info.value.status == 401
+
+
+async def test_shutdown_closes_sockets_going_away_and_marks_offline(
+        settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
+        pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
+    tenant = seed["tenants"][0]
+    client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
+    async with running_hub(settings) as hub:
+        ws = await connect(http, hub, token)
+        assert (await receive(ws))["type"] == "hello"
+        closing = asyncio.create_task(ws.receive(timeout=10))
+    msg = await closing
+    assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1001
+    assert (await client_row(pool, client))["online"] is False
