@@ -1,0 +1,261 @@
+"""Seed §15.1 metrics and §15.2 alerts: every metric is registered and exposed under its exact name,
+every alert exists in the PrometheusRule with the seed's metric / aggregation / window / threshold /
+duration, and every metric a rule or a dashboard panel queries is one the services expose."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import REGISTRY, Gauge, Histogram, generate_latest
+
+from libs.telemetry import metrics
+from libs.telemetry.metrics import ExactCounter
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+
+# Seed §15.1, every metric with its type and the labels alerts and dashboards group by.
+SEED_15_1_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # existing metrics
+    "collect_now_accept_count": ("counter", ()),
+    "collect_now_first_dispatch_latency_ms": ("histogram", ()),
+    "collect_now_first_result_latency_ms": ("histogram", ()),
+    "monitor_dispatch_high_backlog": ("gauge", ()),
+    "monitor_dispatch_normal_backlog": ("gauge", ()),
+    "monitor_result_ingest_lag_ms": ("gauge", ("shard",)),
+    "monitor_projection_rebuild_lag_ms": ("gauge", ()),
+    "monitor_preempt_request_count": ("counter", ()),
+    "monitor_preempt_success_count": ("counter", ()),
+    "monitor_preempt_timeout_count": ("counter", ("client_id",)),
+    "desktop_client_monitor_queue_depth": ("gauge", ("client_id",)),
+    "monitoring_pg_write_qps": ("gauge", ()),
+    # added in V1.1
+    "collect_now_preempt_induced_retry_count": ("counter", ()),
+    "monitor_normal_starvation_age_p99": ("gauge", ()),
+    "safe_point_interval_ms_p95": ("gauge", ("platform",)),
+    "monitor_dispatch_reject_by_reason_count": ("counter", ("reason",)),
+    "interrupt_generation_mismatch_count": ("counter", ()),
+    "collect_request_ttl_expired_count": ("counter", ()),
+    "execution_owner_legacy_count": ("gauge", ()),
+    "execution_owner_desktop_tasks_count": ("gauge", ()),
+    "phase2_reconcile_fixed_count": ("counter", ()),
+    "monitor_dispatch_high_oldest_age_ms": ("gauge", ()),
+    "tenant_monitor_normal_backlog": ("gauge", ("tenant_id",)),
+}
+
+# Seed §15.2 (+ note 2 and the outbox backstop): alert -> (metric, expression patterns, `for`).
+# Patterns are matched against the expression with whitespace collapsed.
+SEED_15_2_ALERTS: dict[str, tuple[str, list[str], str | None]] = {
+    "MonitorHighLaneBacklog": (
+        "monitor_dispatch_high_oldest_age_ms",
+        [r"^max\(monitor_dispatch_high_oldest_age_ms\) > 60000$"], "2m"),
+    "CollectNowFirstResultSlow": (
+        "collect_now_first_result_latency_ms_bucket",
+        [r"^histogram_quantile\(0\.99, sum by \(le\) \(rate\(collect_now_first_result_latency_ms_bucket\[5m\]\)\)\)"
+         r" > 180000$"], "10m"),
+    "MonitorProjectionLagHigh": (
+        "monitor_projection_rebuild_lag_ms",
+        [r"^max\(max_over_time\(monitor_projection_rebuild_lag_ms\[5m\]\)\) > 300000$"], "10m"),
+    "MonitorClientPreemptTimeouts": (
+        "monitor_preempt_timeout_count",
+        [r"^sum by \(client_id\) \(increase\(monitor_preempt_timeout_count\[1h\]\)\) >= 3$"], None),
+    "TenantNormalBacklogNotDecreasing": (
+        "tenant_monitor_normal_backlog",
+        [r"\(max by \(tenant_id\) \(min_over_time\(tenant_monitor_normal_backlog\[30m\]\)\) > 100\)",
+         r"\) and on \(tenant_id\) \(",
+         r"\(max by \(tenant_id\) \(delta\(tenant_monitor_normal_backlog\[30m\]\)\) >= 0\)$"], None),
+    "InterruptGenerationMismatchSpike": (
+        "interrupt_generation_mismatch_count",
+        [r"^sum\(increase\(interrupt_generation_mismatch_count\[10m\]\)\) >= 10$"], "20m"),
+    # Three consecutive 5-minute reconcile runs (15 min), each with fixed > 0.
+    "Phase2ReconcileInconsistent": (
+        "phase2_reconcile_fixed_count",
+        [r"^\(sum\(increase\(phase2_reconcile_fixed_count\[5m\]\)\) > 0\)",
+         r" and \(sum\(increase\(phase2_reconcile_fixed_count\[5m\] offset 5m\)\) > 0\)",
+         r" and \(sum\(increase\(phase2_reconcile_fixed_count\[5m\] offset 10m\)\) > 0\)$"], None),
+    "CollectRequestTtlExpired": (
+        "collect_request_ttl_expired_count",
+        [r"^sum\(increase\(collect_request_ttl_expired_count\[5m\]\)\) > 0$"], None),
+    "OutboxDeadLetters": (
+        "outbox_dead_letter_count",
+        [r"^sum\(increase\(outbox_dead_letter_count\[10m\]\)\) > 0$"], None),
+}
+
+PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
+                "bool", "offset", "inf", "nan"}
+TEST_LABEL_VALUE = "observability-test"
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (not functions, keywords or label names)."""
+    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    text = re.sub(r"\boffset\s+-?\d+[smhdwy]", " ", text)
+    names = set()
+    for match in re.finditer(r"(?<![\w.])[A-Za-z_:][A-Za-z0-9_:]*", text):
+        following = text[match.end():].lstrip()
+        if following.startswith("(") or match.group(0).lower() in PROMQL_WORDS:
+            continue
+        names.add(match.group(0))
+    return names
+
+
+def _labelnames(collector: object) -> tuple[str, ...]:
+    if isinstance(collector, ExactCounter):
+        return collector.labelnames
+    names: tuple[str, ...] = getattr(collector, "_labelnames", ())
+    return names
+
+
+@pytest.fixture(scope="module")
+def exposition() -> Iterator[str]:
+    """`generate_latest()` of the default registry with one child of every labelled metric
+    (a labelled metric without children exposes no sample)."""
+    touched: list[tuple[Gauge | Histogram, tuple[str, ...]]] = []
+    for name in vars(metrics):
+        collector = getattr(metrics, name)
+        labels = _labelnames(collector)
+        if not labels:
+            continue
+        values = {label: TEST_LABEL_VALUE for label in labels}
+        if isinstance(collector, ExactCounter):
+            collector.inc(0, **values)
+        elif isinstance(collector, Gauge | Histogram):
+            collector.labels(**values)
+            touched.append((collector, tuple(values.values())))
+    yield generate_latest(REGISTRY).decode()
+    for collector, label_values in touched:
+        collector.remove(*label_values)
+
+
+def _sample_names(text: str) -> set[str]:
+    return {m.group(1) for m in re.finditer(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{|\s)", text, re.M)}
+
+
+def _types(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+
+
+def _rules() -> dict[str, dict[str, Any]]:
+    rule = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())
+    assert rule["kind"] == "PrometheusRule"
+    return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
+
+
+def _dashboard() -> dict[str, Any]:
+    configmap = yaml.safe_load((K8S / "grafana-dashboard.yaml").read_text())
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (body,) = configmap["data"].values()
+    dashboard: dict[str, Any] = json.loads(body)
+    return dashboard
+
+
+def _panel_exprs() -> list[str]:
+    return [t["expr"] for p in _dashboard()["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def _collapse(expr: str) -> str:
+    return re.sub(r"\s+", " ", expr).replace("( ", "(").strip()
+
+
+# ---- §15.1 ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(SEED_15_1_METRICS))
+def test_seed_metric_is_defined_under_its_exact_name(name: str) -> None:
+    kind, labels = SEED_15_1_METRICS[name]
+    collector = getattr(metrics, name, None)
+    assert collector is not None, f"libs/telemetry/metrics.py must define {name}"
+    expected_class = {"counter": ExactCounter, "gauge": Gauge, "histogram": Histogram}[kind]
+    assert isinstance(collector, expected_class)
+    assert set(labels) <= set(_labelnames(collector))
+    (family,) = list(collector.describe())
+    assert family.name == name
+
+
+@pytest.mark.parametrize("name", sorted(SEED_15_1_METRICS))
+def test_seed_metric_is_exposed_with_its_exact_sample_name(name: str, exposition: str) -> None:
+    kind, _ = SEED_15_1_METRICS[name]
+    samples = _sample_names(exposition)
+    if kind == "histogram":
+        assert _types(exposition).get(name) == "histogram"
+        assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= samples
+    else:
+        assert name in samples
+        assert f"{name}_total" not in samples, "alerts use the seed's bare counter names"
+    if kind == "gauge":
+        assert _types(exposition).get(name) == "gauge"
+
+
+# prometheus_client's generate_latest() writes `# TYPE <name>_total counter` for every counter
+# family, so an ExactCounter's samples (<name>) carry no TYPE metadata and Prometheus stores them
+# as untyped (queries and alerts are unaffected). Drop the xfail once /metrics emits matching TYPE lines.
+@pytest.mark.xfail(strict=True, reason="counter TYPE line is <name>_total (metadata only)")
+@pytest.mark.parametrize("name", sorted(n for n, (kind, _) in SEED_15_1_METRICS.items() if kind == "counter"))
+def test_counter_type_metadata_matches_its_samples(name: str, exposition: str) -> None:
+    assert _types(exposition).get(name) == "counter"
+
+
+def test_metric_name_extraction() -> None:
+    expr = ('histogram_quantile(0.99, sum by (le, platform) (rate(a_ms_bucket{platform="x y"}[5m]))) > 1e3 '
+            "and on (tenant_id) (max by (tenant_id) (delta(b[30m] offset 5m)) >= 0) or vector(0) unless c")
+    assert metric_names(expr) == {"a_ms_bucket", "b", "c"}
+
+
+# ---- §15.2 ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alert", sorted(SEED_15_2_ALERTS))
+def test_seed_alert_matches_the_seed(alert: str) -> None:
+    metric, patterns, duration = SEED_15_2_ALERTS[alert]
+    rules = _rules()
+    assert alert in rules, f"PrometheusRule lacks {alert}"
+    rule = rules[alert]
+    expr = _collapse(str(rule["expr"]))
+    assert metric in metric_names(expr)
+    for pattern in patterns:
+        assert re.search(pattern, expr), f"{alert}: {expr!r} does not match {pattern!r}"
+    assert rule.get("for") == duration
+    assert rule["labels"]["severity"] in {"critical", "warning"}
+    assert rule["annotations"]["summary"]
+
+
+def test_every_queried_metric_is_exposed(exposition: str) -> None:
+    exposed = _sample_names(exposition)
+    queries = [str(r["expr"]) for r in _rules().values()] + _panel_exprs()
+    assert queries
+    for expr in queries:
+        unknown = metric_names(expr) - exposed
+        assert not unknown, f"{expr!r} queries metrics nobody exposes: {sorted(unknown)}"
+
+
+# ---- dashboard -----------------------------------------------------------------------------------
+
+def test_dashboard_has_a_panel_for_every_seed_metric() -> None:
+    queried = set().union(*(metric_names(e) for e in _panel_exprs()))
+    for name, (kind, _) in SEED_15_1_METRICS.items():
+        sample = f"{name}_bucket" if kind == "histogram" else name
+        assert sample in queried, f"no dashboard panel shows {name}"
+
+
+def test_dashboard_is_well_formed() -> None:
+    dashboard = _dashboard()
+    assert dashboard["uid"] and dashboard["title"]
+    panels = dashboard["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    datasource_vars = {v["name"] for v in dashboard["templating"]["list"] if v["type"] == "datasource"}
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"]["uid"].strip("${}") in datasource_vars
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert len(ref_ids) == len(set(ref_ids)) and ref_ids
