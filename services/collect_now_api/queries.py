@@ -208,10 +208,6 @@ REQUEST_STATUS = """
 SELECT r.*,
        greatest(0, floor(extract(epoch FROM r.ttl_expires_at - now()) * 1000))::bigint AS ttl_remaining_ms,
        EXISTS (SELECT 1 FROM desktop_tasks d
-               WHERE d.tenant_id = r.tenant_id AND d.status = 'aborted'
-                 AND d.interrupt_reason = 'collect_now_preempt'
-                 AND d.control_flags ->> 'collect_request_id' = r.id::text) AS preempt_observed,
-       EXISTS (SELECT 1 FROM desktop_tasks d
                WHERE d.tenant_id = r.tenant_id AND d.collect_request_id = r.id
                  AND d.leased_at IS NOT NULL) AS execution_leased
 FROM monitoring_collect_requests r

@@ -16,7 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import TenantPrincipal
 from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, CollectRequestTask
-from libs.contracts.wire import TaskControl
+from libs.contracts.wire import ControlKind, TaskControl
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.lanes import HIGH_PRIORITY
@@ -203,10 +203,12 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
     now = datetime.now(UTC)
     async with conn.pipeline():
         if client_id is not None:
-            for executions, control in ((cancelled, "cancelled"), (interrupted, "interrupt_requested")):
+            batches: tuple[tuple[list[_Execution], ControlKind], ...] = (
+                (cancelled, "cancelled"), (interrupted, "interrupt_requested"))
+            for executions, control in batches:
                 for execution in executions:
                     message = TaskControl(kind="monitor", task_id=execution.task_id, target_client_id=client_id,
-                                          control=control, reason=PREEMPT_REASON,  # type: ignore[arg-type]
+                                          control=control, reason=PREEMPT_REASON,
                                           interrupt_generation=generation, updated_at=now,
                                           collect_request_id=request_id)
                     await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}",
@@ -291,8 +293,8 @@ async def request_status(conn: Conn, principal: TenantPrincipal, request_id: uui
         requested_task_count=row["requested_task_count"], dispatched_task_count=row["dispatched_task_count"],
         completed_task_count=row["completed_task_count"], failed_task_count=row["failed_task_count"],
         aborted_queued_count=row["aborted_queued_count"], interrupt_requested_count=row["interrupt_requested_count"],
-        preempted=bool(row["aborted_queued_count"] > 0 or row["first_preempt_at"] is not None
-                       or row["preempt_observed"]),
+        # The hub stamps first_preempt_at when a preempted execution acknowledges the interrupt.
+        preempted=bool(row["aborted_queued_count"] > 0 or row["first_preempt_at"] is not None),
         started=bool(row["status"] in started_statuses or row["execution_leased"]),
         first_dispatched_at=row["first_dispatched_at"], first_result_at=row["first_result_at"],
         ttl_expires_at=row["ttl_expires_at"], ttl_remaining_ms=int(row["ttl_remaining_ms"]),
