@@ -29,7 +29,7 @@ LEADER_ELECTED = {"dispatch-coordinator", "reconciler"}
 AUTOSCALED = {"collect-now-api", "dispatch-hub", "ingest-shard-workers", "projection-worker", "outbox-pump"}
 SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET"}
 # deploy/k8s/README.md: the production Postgres must allow this many connections.
-POSTGRES_MAX_CONNECTIONS = 150
+POSTGRES_MAX_CONNECTIONS = 200
 POSTGRES_RESERVED = 3  # superuser_reserved_connections
 OPERATOR_HEADROOM = 20  # monitorctl, psql, rollout surge
 DEDICATED_CONNECTIONS_PER_POD = 2  # LISTEN + leader advisory lock, outside the pool
