@@ -183,9 +183,9 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
     log.info("collect_now.accepted", extra={
         "tenant_id": tenant_id, "user_id": principal.user_id, "brand_id": brand_id, "request_id": str(request_id),
         "client_id": str(client_id) if client_id else None, "interrupt_generation": generation,
-        "affected": len(scope_tasks), "promoted": len(promoted_ids), "created": len(created),
+        "affected_tasks": len(scope_tasks), "promoted_tasks": len(promoted_ids), "created_tasks": len(created),
         "aborted_queued": len(cancelled), "interrupt_requested": len(interrupted),
-        "superseded": [str(s) for s in superseded]})
+        "superseded_requests": [str(s) for s in superseded]})
     response = CollectNowResponse(
         request_id=request_id, target_client_id=client_id, affected_task_count=len(scope_tasks),
         promoted_task_count=len(promoted_ids), aborted_queued_count=len(cancelled),

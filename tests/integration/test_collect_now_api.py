@@ -28,6 +28,7 @@ from tests.support.collect_now import (
     set_online,
     today,
 )
+from tests.support.wait import eventually
 
 Json = dict[str, Any]
 
@@ -438,3 +439,24 @@ async def test_request_status_reports_progress(settings: Settings, pool: AsyncCo
     assert after["status"] == "running" and after["started"] is True and after["first_dispatched_at"] is not None
     assert (after["tasks"][0]["execution_status"], after["tasks"][0]["execution_phase"]) == ("in_progress", "INPUTTING")
     assert after["tasks"][1]["execution_status"] is None
+
+
+async def test_wait_for_first_dispatch_returns_once_the_coordinator_dispatched(settings: Settings, pool) -> None:
+    async with pool.connection() as conn:
+        world = await make_world(conn, questions=1)
+    async with api_client(settings) as http:
+        click = asyncio.create_task(http.post(collect_path(world.brand_id), json={"wait_for_first_dispatch": True},
+                                              headers=world.auth()))
+
+        async def request_row() -> list[dict[str, Any]]:
+            async with pool.connection() as conn:
+                return await fetch_all(conn, "SELECT id FROM monitoring_collect_requests")
+
+        await eventually(request_row, message="the request committed")
+        assert not click.done()  # still waiting for the dispatch
+        async with pool.connection() as conn:  # as the coordinator does (contract 2)
+            await conn.execute("UPDATE monitoring_collect_requests SET status = 'dispatching', "
+                               "dispatched_task_count = 1, first_dispatched_at = now()")
+        resp = await asyncio.wait_for(click, 10)
+        body = await resp.json()
+    assert resp.status == 202 and body["status"] == "dispatching"
