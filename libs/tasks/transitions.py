@@ -133,6 +133,102 @@ async def finish_business_task(conn: Conn, monitor_task_id: int, *, status: Lite
     return await cur.fetchone() is not None
 
 
+@dataclass(frozen=True, slots=True)
+class ExecutionEnd:
+    """One execution to end in a batch (`end_executions`)."""
+
+    task_id: uuid.UUID
+    outcome: ExecutionOutcome
+    lease_epoch: int | None = None
+    reason: str | None = None
+    error: str | None = None
+
+
+_END_EXECUTIONS = """
+WITH wanted AS (
+    SELECT * FROM unnest(%(task_ids)s::uuid[], %(statuses)s::text[], %(epochs)s::int[], %(reasons)s::text[],
+                         %(errors)s::text[]) AS w(task_id, status, lease_epoch, reason, error)
+), prev AS (
+    SELECT d.id, d.status AS previous_status
+    FROM desktop_tasks d JOIN wanted w ON w.task_id = d.id
+    WHERE d.status IN ('queued', 'in_progress', 'unknown')
+      AND (w.lease_epoch IS NULL OR d.lease_epoch = w.lease_epoch)
+    ORDER BY d.id
+    FOR UPDATE OF d
+)
+UPDATE desktop_tasks d
+SET status = w.status,
+    finished_at = now(),
+    updated_at = now(),
+    error = coalesce(w.error, d.error),
+    interrupt_reason = coalesce(w.reason, d.interrupt_reason),
+    lease_token_hash = NULL
+FROM prev JOIN wanted w ON w.task_id = prev.id
+WHERE d.id = prev.id
+RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.ai_platform_id, d.lane, d.lease_epoch,
+          prev.previous_status
+"""
+
+_END_ATTEMPTS = """
+UPDATE desktop_task_attempts a
+SET status = w.outcome, finished_at = now(), error = w.error, abort_reason = w.reason
+FROM unnest(%(task_ids)s::uuid[], %(epochs)s::int[], %(outcomes)s::text[], %(errors)s::text[], %(reasons)s::text[])
+     AS w(task_id, lease_epoch, outcome, error, reason)
+WHERE a.task_id = w.task_id AND a.lease_epoch = w.lease_epoch AND a.status = 'in_progress'
+"""
+
+_FINISH_BUSINESS_MANY = """
+UPDATE monitoring_collect_tasks
+SET status = %(status)s, completed_at = now(), last_error = NULL, updated_at = now()
+WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('completed', 'skipped', 'expired')
+  AND NOT (status = 'failed' AND %(status)s = 'failed')
+RETURNING id
+"""
+
+
+async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExecution]:
+    """`end_execution` for many executions in two statements (same rules, rows locked in id order).
+
+    A task id given twice is ended by its first entry. Returns the executions that were active.
+    """
+    unique: dict[uuid.UUID, ExecutionEnd] = {}
+    for end in ends:
+        unique.setdefault(end.task_id, end)
+    if not unique:
+        return []
+    items = list(unique.values())
+    cur = await conn.execute(_END_EXECUTIONS, {
+        "task_ids": [e.task_id for e in items],
+        "statuses": ["aborted" if e.outcome == "expired" else e.outcome for e in items],
+        "epochs": [e.lease_epoch for e in items],
+        "reasons": [e.reason for e in items],
+        "errors": [e.error for e in items],
+    })
+    ended = [EndedExecution(task_id=row["id"], monitor_task_id=row["monitor_task_id"], tenant_id=row["tenant_id"],
+                            client_id=row["target_client_id"], ai_platform_id=row["ai_platform_id"],
+                            lane=row["lane"], lease_epoch=row["lease_epoch"], previous_status=row["previous_status"])
+             for row in await cur.fetchall()]
+    if ended:
+        by_id = {e.task_id: unique[e.task_id] for e in ended}
+        await conn.execute(_END_ATTEMPTS, {
+            "task_ids": [e.task_id for e in ended],
+            "epochs": [e.lease_epoch for e in ended],
+            "outcomes": [by_id[e.task_id].outcome for e in ended],
+            "errors": [by_id[e.task_id].error for e in ended],
+            "reasons": [by_id[e.task_id].reason for e in ended],
+        })
+    return ended
+
+
+async def finish_business_tasks(conn: Conn, monitor_task_ids: list[int], *,
+                                status: Literal["completed", "failed"]) -> set[int]:
+    """`finish_business_task` for many tasks in one statement; returns the ids that moved."""
+    if not monitor_task_ids:
+        return set()
+    cur = await conn.execute(_FINISH_BUSINESS_MANY, {"ids": sorted(set(monitor_task_ids)), "status": status})
+    return {int(row["id"]) for row in await cur.fetchall()}
+
+
 async def emit_lifecycle(conn: Conn, event: LifecycleKind, *, tenant_id: int, client_id: uuid.UUID | None = None,
                          task_id: uuid.UUID | None = None, monitor_task_id: int | None = None,
                          ai_platform_id: int | None = None, lane: str | None = None, reason: str | None = None,

@@ -155,3 +155,30 @@ reconciler_migration_orphan_tasks = Gauge(
 # ---- dispatch-hub -----------------------------------------------------------------------------
 monitor_preempt_latency_ms = _hist(
     "monitor_preempt_latency_ms", "Collect-now click to the preempted task yielding (cancel acknowledged, ms).")
+
+# ---- ingest-shard-workers ---------------------------------------------------------------------
+ingest_results_applied_count = ExactCounter(
+    "ingest_results_applied_count", "MonitorResults applied by ingest, by result status.", ["status"])
+ingest_results_duplicate_count = ExactCounter(
+    "ingest_results_duplicate_count", "Redelivered MonitorResults already applied (acked, nothing changed).")
+ingest_dead_letter_count = ExactCounter(
+    "ingest_dead_letter_count", "MonitorResults sent to the ingest DLQ, by reason.", ["reason"])
+ingest_transient_error_count = ExactCounter(
+    "ingest_transient_error_count", "Ingest batches that hit a transient database error (requeued).")
+ingest_shard_yield_count = ExactCounter(
+    "ingest_shard_yield_count", "Shards this replica handed to the live member they are assigned to.")
+ingest_batch_size = Histogram(
+    "ingest_batch_size", "MonitorResults applied per ingest transaction.",
+    buckets=(1, 2, 5, 10, 25, 50, 100, 200, 500, 1000))
+ingest_batch_duration_ms = _hist("ingest_batch_duration_ms", "Duration of one ingest batch transaction (ms).")
+ingest_active_shards = Gauge("ingest_active_shards", "Shard queues this replica received results from recently.")
+
+# ---- projection-worker ------------------------------------------------------------------------
+projection_rebuild_count = ExactCounter(
+    "projection_rebuild_count", "Projection rebuilds done, by trigger (event | sweep).", ["trigger"])
+projection_rebuild_rerequested_count = ExactCounter(
+    "projection_rebuild_rerequested_count", "Rebuilds whose key was requested again meanwhile (row kept).")
+projection_rebuild_failed_count = ExactCounter(
+    "projection_rebuild_failed_count", "Projection rebuild attempts that failed.")
+projection_rebuild_duration_ms = _hist("projection_rebuild_duration_ms", "Duration of one projection rebuild (ms).")
+projection_queue_depth = Gauge("projection_queue_depth", "Rows waiting in projection_rebuild_queue.")

@@ -1,0 +1,314 @@
+"""Applying a batch of MonitorResults of one shard in one transaction (contract #8, seed §12).
+
+The batch is applied with set-based statements but with the outcome of applying its results one
+by one in delivery order: redelivered result ids are skipped (ledger), the run of each business key
+is folded with the success-priority rule before the upsert, an execution is ended by its first
+result only, failures are applied before successes (a success in the same batch wins either way).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+
+from libs.contracts.amqp import MonitorResult, ProjectionRebuild
+from libs.contracts.wire import TaskControl
+from libs.db.pool import Conn
+from libs.dispatch_settings import load_settings
+from libs.ingest.citations import ParsedCitation, parse_citations
+from libs.ingest.progress import CountDelta, request_count_delta, request_status_after
+from libs.ingest.runs import fold_latest_effective
+from libs.mq.topology import DISPATCH, PROJECTION
+from libs.outbox import enqueue
+from libs.tasks.transitions import (
+    EndedExecution,
+    ExecutionEnd,
+    emit_lifecycle,
+    end_execution,
+    end_executions,
+    finish_business_tasks,
+    retry_business_task,
+)
+from services.ingest_shard_workers import queries as q
+
+log = logging.getLogger("ingest.apply")
+
+RunKey = tuple[int, int, int, int, str, str, date]
+SUPERSEDED_BY_RESULT = "superseded_by_result"
+
+
+def run_key(r: MonitorResult) -> RunKey:
+    return (r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.collector_type, r.run_mode,
+            r.business_date)
+
+
+@dataclass(slots=True)
+class BatchOutcome:
+    applied: list[MonitorResult] = field(default_factory=list)
+    duplicates: int = 0
+    # result_id -> reason: results refused as poison (the caller dead-letters them).
+    rejected: dict[uuid.UUID, str] = field(default_factory=dict)
+    rows_written: int = 0
+    rebuilds_requested: int = 0
+    # collect_now_first_result_latency_ms observations, recorded by the caller after commit.
+    first_result_latencies_ms: list[float] = field(default_factory=list)
+
+
+class SettingsCache:
+    """max_dispatch_attempts from the hot-reloaded settings, read at most every `ttl_s`."""
+
+    def __init__(self, ttl_s: float = 5.0) -> None:
+        self.ttl_s = ttl_s
+        self._value: int | None = None
+        self._read_at = 0.0
+
+    async def max_attempts(self, conn: Conn) -> int:
+        now = time.monotonic()
+        if self._value is None or now - self._read_at > self.ttl_s:
+            self._value = (await load_settings(conn)).max_dispatch_attempts
+            self._read_at = now
+        return self._value
+
+
+def _validate(result: MonitorResult, task: dict[str, object] | None) -> str | None:
+    """Why a result cannot be applied to its business task (poison), or None."""
+    if task is None:
+        return "unknown_business_task"
+    expected = (task["tenant_id"], task["brand_id"], task["question_id"], task["ai_platform_id"],
+                task["collector_type"], task["run_mode"], task["business_date"])
+    if run_key(result) != expected:
+        return "business_key_mismatch"
+    return None
+
+
+async def apply_batch(conn: Conn, results: list[MonitorResult], *, applied_by: str,
+                      settings: SettingsCache) -> BatchOutcome:
+    """Apply `results` (delivery order) in one transaction; poison results are returned, not applied."""
+    outcome = BatchOutcome()
+    unique: dict[uuid.UUID, MonitorResult] = {}
+    for r in results:
+        if r.result_id in unique:
+            outcome.duplicates += 1
+        else:
+            unique[r.result_id] = r
+    async with conn.transaction():
+        await _apply(conn, list(unique.values()), outcome, applied_by=applied_by, settings=settings)
+    return outcome
+
+
+async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome, *, applied_by: str,
+                 settings: SettingsCache) -> None:
+    cur = await conn.execute(q.LOCK_BUSINESS_TASKS, {"ids": sorted({r.monitor_task_id for r in results})})
+    tasks = {int(row["id"]): row for row in await cur.fetchall()}
+    valid: list[MonitorResult] = []
+    for r in results:
+        reason = _validate(r, tasks.get(r.monitor_task_id))
+        if reason is None:
+            valid.append(r)
+        else:
+            outcome.rejected[r.result_id] = reason
+    if not valid:
+        return
+    cur = await conn.execute(q.RECORD_APPLIED, {
+        "applied_by": applied_by,
+        "result_ids": [r.result_id for r in valid],
+        "tenant_ids": [r.tenant_id for r in valid],
+        "shards": [r.shard for r in valid],
+        "task_ids": [r.task_id for r in valid],
+        "monitor_task_ids": [r.monitor_task_id for r in valid],
+        "statuses": [r.status for r in valid],
+    })
+    fresh_ids = {row["result_id"] for row in await cur.fetchall()}
+    fresh = [r for r in valid if r.result_id in fresh_ids]
+    outcome.duplicates += len(valid) - len(fresh)
+    if not fresh:
+        return
+    outcome.applied = fresh
+    written = len(fresh)
+
+    won_keys = await _upsert_runs(conn, fresh, outcome)
+    written += len(won_keys)
+
+    ended = await end_executions(conn, [
+        ExecutionEnd(task_id=r.task_id, outcome=r.status, lease_epoch=r.lease_epoch, error=r.error) for r in fresh])
+    ended_by_task = {e.task_id: e for e in ended}
+    written += 2 * len(ended)
+    # The first result of an execution ends it; later ones of the same execution only update facts.
+    first_of_task: dict[uuid.UUID, uuid.UUID] = {}
+    for r in fresh:
+        first_of_task.setdefault(r.task_id, r.result_id)
+    enders = [r for r in fresh if r.task_id in ended_by_task and first_of_task[r.task_id] == r.result_id]
+
+    business_before = {tid: str(row["status"]) for tid, row in tasks.items()}
+    business_after = dict(business_before)
+    # Failures first: a success of the same business task later in the batch still completes it.
+    failed_now = [r for r in enders if r.status == "failed"]
+    if failed_now:
+        max_attempts = await settings.max_attempts(conn)
+        for r in failed_now:
+            new_status = await retry_business_task(conn, r.monitor_task_id, max_attempts=max_attempts, error=r.error)
+            if new_status is not None:
+                business_after[r.monitor_task_id] = new_status
+                written += 1
+    succeeded_ids = sorted({r.monitor_task_id for r in fresh if r.status == "succeeded"})
+    completed = await finish_business_tasks(conn, succeeded_ids, status="completed")
+    for tid in completed:
+        business_after[tid] = "completed"
+    written += len(completed)
+    if succeeded_ids:
+        written += await _abort_other_executions(conn, succeeded_ids, [r.task_id for r in fresh])
+
+    await _request_progress(conn, fresh, tasks, business_before, business_after, outcome)
+
+    # Lifecycle and projection events: no result needed, so they go in one pipeline round trip.
+    async with conn.pipeline():
+        written += await _request_projections(conn, fresh, won_keys, outcome)
+        for r in enders:
+            await _emit_result_lifecycle(conn, r, ended_by_task[r.task_id])
+            written += 1
+    outcome.rows_written = written
+
+
+async def _upsert_runs(conn: Conn, fresh: list[MonitorResult], outcome: BatchOutcome) -> set[RunKey]:
+    """Upsert the effective result of each business key; write citations of the runs that changed."""
+    winners = list(fold_latest_effective(fresh, run_key).values())
+    parsed: dict[uuid.UUID, list[ParsedCitation]] = {
+        r.result_id: parse_citations(r.citations) if r.status == "succeeded" else [] for r in winners}
+    cur = await conn.execute(q.UPSERT_RUNS, {
+        "tenant_ids": [r.tenant_id for r in winners],
+        "workspace_ids": [r.workspace_id for r in winners],
+        "brand_ids": [r.brand_id for r in winners],
+        "question_ids": [r.question_id for r in winners],
+        "platform_ids": [r.ai_platform_id for r in winners],
+        "collector_types": [r.collector_type for r in winners],
+        "run_modes": [r.run_mode for r in winners],
+        "dates": [r.business_date for r in winners],
+        "statuses": [r.status for r in winners],
+        "answers": [r.answer_text for r in winners],
+        "mentioned": [r.brand_mentioned and r.status == "succeeded" for r in winners],
+        "citation_counts": [len(parsed[r.result_id]) for r in winners],
+        "errors": [r.error for r in winners],
+        "task_ids": [r.task_id for r in winners],
+        "client_ids": [r.client_id for r in winners],
+        "result_ids": [r.result_id for r in winners],
+        "started": [r.started_at for r in winners],
+        "finished": [r.finished_at for r in winners],
+    })
+    run_ids = {row["result_id"]: int(row["id"]) for row in await cur.fetchall()}
+    if not run_ids:
+        return set()
+    won = [r for r in winners if r.result_id in run_ids]
+    cites = [(run_ids[r.result_id], r, c) for r in won for c in parsed[r.result_id]]
+    params = {
+        "run_ids": sorted(run_ids.values()),
+        "c_run_ids": [rid for rid, _, _ in cites],
+        "c_tenant_ids": [r.tenant_id for _, r, _ in cites],
+        "c_brand_ids": [r.brand_id for _, r, _ in cites],
+        "c_question_ids": [r.question_id for _, r, _ in cites],
+        "c_platform_ids": [r.ai_platform_id for _, r, _ in cites],
+        "c_dates": [r.business_date for _, r, _ in cites],
+        "c_fps": [c.fingerprint for _, _, c in cites],
+        "c_urls": [c.url for _, _, c in cites],
+        "c_titles": [c.title for _, _, c in cites],
+        "c_positions": [c.position for _, _, c in cites],
+        "c_domains": [c.domain for _, _, c in cites],
+    }
+    async with conn.pipeline():
+        await conn.execute(q.DELETE_STALE_PARSE_RESULTS, params)
+        await conn.execute(q.DELETE_STALE_CITATION_FACTS, params)
+        if cites:
+            await conn.execute(q.UPSERT_PARSE_RESULTS, params)
+            await conn.execute(q.UPSERT_CITATION_FACTS, params)
+    outcome.rows_written += 2 * len(cites)
+    return {run_key(r) for r in won}
+
+
+async def _abort_other_executions(conn: Conn, monitor_task_ids: list[int], own_task_ids: list[uuid.UUID]) -> int:
+    cur = await conn.execute(q.OTHER_ACTIVE_EXECUTIONS, {"monitor_task_ids": monitor_task_ids,
+                                                         "task_ids": own_task_ids})
+    rows = await cur.fetchall()
+    aborted = 0
+    for row in rows:
+        ended = await end_execution(conn, task_id=row["id"], outcome="aborted", reason=SUPERSEDED_BY_RESULT)
+        if ended is None:
+            continue
+        aborted += 1
+        client_id = row["target_client_id"]
+        control = TaskControl(kind="monitor", task_id=row["id"], target_client_id=client_id, control="cancelled",
+                              reason=SUPERSEDED_BY_RESULT, interrupt_generation=int(row["interrupt_generation"]),
+                              updated_at=datetime.now(UTC), collect_request_id=row["collect_request_id"])
+        await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}", message=control,
+                      ordering_key=f"client:{client_id}", tenant_id=int(row["tenant_id"]))
+        await emit_lifecycle(conn, "task.aborted", tenant_id=int(row["tenant_id"]), client_id=client_id,
+                             task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]),
+                             ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason=SUPERSEDED_BY_RESULT,
+                             collect_request_id=row["collect_request_id"])
+        log.info("active execution aborted: business task already completed",
+                 extra={"task_id": str(row["id"]), "monitor_task_id": row["monitor_task_id"],
+                        "tenant_id": row["tenant_id"], "client_id": str(client_id)})
+    return 3 * aborted
+
+
+async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[int, dict[str, object]],
+                            before: dict[int, str], after: dict[int, str], outcome: BatchOutcome) -> None:
+    """first_result_at and terminal counters of the collect-now requests these results belong to."""
+    deltas: dict[tuple[uuid.UUID, int], CountDelta] = {}
+    counted: set[int] = set()
+    for r in fresh:
+        request_id = tasks[r.monitor_task_id]["collect_request_id"] or r.collect_request_id
+        if not isinstance(request_id, uuid.UUID):
+            continue
+        key = (request_id, r.tenant_id)
+        delta = deltas.get(key, CountDelta())
+        if r.monitor_task_id not in counted:
+            counted.add(r.monitor_task_id)
+            change = request_count_delta(before[r.monitor_task_id], after[r.monitor_task_id])
+            delta = CountDelta(completed=delta.completed + change.completed, failed=delta.failed + change.failed)
+        deltas[key] = delta
+    for (request_id, tenant_id), delta in sorted(deltas.items(), key=lambda item: str(item[0][0])):
+        cur = await conn.execute(q.REQUEST_PROGRESS, {"id": request_id, "tenant_id": tenant_id,
+                                                      "completed": delta.completed, "failed": delta.failed})
+        row = await cur.fetchone()
+        if row is None:
+            continue
+        if row["first_result"]:
+            outcome.first_result_latencies_ms.append(max(0.0, float(row["since_created_ms"])))
+        status = request_status_after(str(row["status"]), requested=int(row["requested_task_count"]),
+                                      completed=int(row["completed_task_count"]), failed=int(row["failed_task_count"]))
+        if status != row["status"]:
+            await conn.execute(q.FINISH_REQUEST, {"id": request_id, "status": status})
+            log.info("collect request finished", extra={"collect_request_id": str(request_id),
+                                                        "tenant_id": tenant_id, "status": status})
+        outcome.rows_written += 1
+
+
+async def _request_projections(conn: Conn, fresh: list[MonitorResult], won_keys: set[RunKey],
+                               outcome: BatchOutcome) -> int:
+    keys = sorted({(k[0], k[1], k[6]) for k in won_keys})
+    if not keys:
+        return 0
+    cur = await conn.execute(q.REQUEST_PROJECTION, {"tenant_ids": [k[0] for k in keys],
+                                                    "brand_ids": [k[1] for k in keys],
+                                                    "dates": [k[2] for k in keys]})
+    rows = await cur.fetchall()
+    now = datetime.now(UTC)
+    for row in rows:
+        if row["inserted"]:
+            event = ProjectionRebuild(tenant_id=int(row["tenant_id"]), brand_id=int(row["brand_id"]),
+                                      business_date=row["business_date"], requested_at=now)
+            await enqueue(conn, exchange=PROJECTION, routing_key="rebuild", message=event,
+                          tenant_id=event.tenant_id)
+            outcome.rebuilds_requested += 1
+    return len(rows) + outcome.rebuilds_requested
+
+
+async def _emit_result_lifecycle(conn: Conn, r: MonitorResult, execution: EndedExecution) -> None:
+    await emit_lifecycle(conn, "task.completed" if r.status == "succeeded" else "task.failed",
+                         tenant_id=r.tenant_id, client_id=r.client_id, task_id=r.task_id,
+                         monitor_task_id=r.monitor_task_id, ai_platform_id=r.ai_platform_id, lane=execution.lane,
+                         reason=None if r.status == "succeeded" else "result_failed",
+                         collect_request_id=r.collect_request_id)
+

@@ -1,0 +1,367 @@
+"""Shard consumers: every replica consumes every shard queue; single active consumer makes one replica
+active per shard, and each shard's deliveries are applied serially, in batches, in delivery order.
+
+Acknowledgement: a batch is acked (one `multiple` ack) after its transaction committed; poison
+messages are copied to the ingest DLQ with the reason first. A transient database error requeues
+everything outstanding on the shard's channel (the quorum delivery limit bounds the retries, then
+the broker dead-letters). A shard is never processed by two loops at once: handing it over
+(shutdown, yielding to another replica) closes its channel after the in-flight batch, which returns
+the unapplied deliveries to the head of the queue for the next consumer in line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import msgspec
+import psycopg
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
+from psycopg_pool import AsyncConnectionPool
+
+from libs.contracts.amqp import MonitorResult, result_decoder
+from libs.db.pool import Conn
+from libs.ingest.shards import assign_shards, lag_ms
+from libs.mq.connection import dead_letter
+from libs.mq.topology import Topology
+from libs.telemetry import metrics as m
+from services.ingest_shard_workers import queries as q
+from services.ingest_shard_workers.apply import BatchOutcome, SettingsCache, apply_batch
+
+log = logging.getLogger("ingest.consumer")
+
+TRANSIENT_RETRIES = (0.2, 0.5, 1.0)
+BROKER_ERRORS = (AMQPError, ChannelInvalidStateError, ConnectionError, asyncio.TimeoutError)
+# Data the database refuses (NUL bytes, out-of-range values, ...): a property of the message, not of the moment.
+POISON_DB_ERRORS: tuple[type[Exception], ...] = (psycopg.DataError, psycopg.IntegrityError)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestConfig:
+    instance_id: str
+    batch_size: int = 200
+    prefetch: int = 400
+    member_heartbeat_s: float = 2.0
+    member_timeout_s: float = 10.0
+    retention_hours: int = 168
+
+
+class WriteRate:
+    """Rows written per second over a sliding window (monitoring_pg_write_qps)."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+
+    def add(self, rows: int) -> None:
+        self._events.append((time.monotonic(), rows))
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        while self._events and now - self._events[0][0] > self.window_s:
+            self._events.popleft()
+        return sum(rows for _, rows in self._events) / self.window_s
+
+
+def _alive(message: AbstractIncomingMessage) -> bool:
+    try:
+        return not message.channel.is_closed
+    except ChannelInvalidStateError:
+        return False
+
+
+def _decode(message: AbstractIncomingMessage) -> MonitorResult | str:
+    try:
+        return result_decoder.decode(message.body)
+    except msgspec.ValidationError as exc:
+        return f"invalid_message: {exc}"
+    except msgspec.DecodeError as exc:
+        return f"malformed_json: {exc}"
+
+
+class ShardConsumer:
+    """The consumer of one shard queue in this replica, with its own channel and serial loop."""
+
+    def __init__(self, shard: int, connection: AbstractRobustConnection, topology: Topology,
+                 pool: AsyncConnectionPool[Conn], config: IngestConfig, settings: SettingsCache,
+                 write_rate: WriteRate) -> None:
+        self.shard = shard
+        self.connection = connection
+        self.topology = topology
+        self.pool = pool
+        self.config = config
+        self.settings = settings
+        self.write_rate = write_rate
+        self.channel: AbstractChannel | None = None
+        self.buffer: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        self.last_delivery_at = 0.0
+        self.yield_requested = False
+        self._subscriptions = 0
+        self._stop = asyncio.Event()
+
+    @property
+    def queue_name(self) -> str:
+        return self.topology.ingest_queue(self.shard)
+
+    async def subscribe(self) -> None:
+        channel = await self.connection.channel(publisher_confirms=True)
+        await channel.set_qos(prefetch_count=self.config.prefetch)
+        queue = await channel.get_queue(self.queue_name, ensure=False)
+        self._subscriptions += 1
+        await queue.consume(self._on_message, consumer_tag=f"{self.config.instance_id}.s{self.shard}."
+                                                           f"{self._subscriptions}")
+        self.channel = channel
+
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        self.last_delivery_at = time.monotonic()
+        self.buffer.put_nowait(message)
+
+    async def close(self) -> None:
+        """Closing the channel returns every unacked delivery to the head of the queue."""
+        channel, self.channel = self.channel, None
+        if channel is not None and not channel.is_closed:
+            with contextlib.suppress(Exception):
+                await channel.close()
+        while not self.buffer.empty():
+            self.buffer.get_nowait()
+        m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop
+        lag = m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard))
+        lag.set(0)
+        while not stop.is_set():
+            if self.yield_requested:
+                await self._hand_over()
+                continue
+            first = await self._next(stop)
+            if first is None:
+                continue
+            batch = [first]
+            while len(batch) < self.config.batch_size and not self.buffer.empty():
+                batch.append(self.buffer.get_nowait())
+            batch = [message for message in batch if _alive(message)]
+            if batch:
+                await self._process(batch)
+            if self.buffer.empty():
+                lag.set(0)
+
+    async def _next(self, stop: asyncio.Event) -> AbstractIncomingMessage | None:
+        if not self.buffer.empty():
+            return self.buffer.get_nowait()
+        getter = asyncio.ensure_future(self.buffer.get())
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            # Wake up regularly to honour yield requests on an idle shard.
+            done, _ = await asyncio.wait({getter, stopper}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            if not getter.done():
+                getter.cancel()
+        if getter in done and not getter.cancelled():
+            return getter.result()
+        return None
+
+    async def _hand_over(self) -> None:
+        self.yield_requested = False
+        log.info("yielding shard to its assigned replica", extra={"shard": self.shard})
+        m.ingest_shard_yield_count.inc()
+        await self.close()
+        await self.subscribe()
+
+    async def _process(self, batch: list[AbstractIncomingMessage]) -> None:
+        started = time.monotonic()
+        decoded: list[tuple[AbstractIncomingMessage, MonitorResult]] = []
+        poison: list[tuple[AbstractIncomingMessage, str]] = []
+        for message in batch:
+            value = _decode(message)
+            if isinstance(value, str):
+                poison.append((message, value))
+            elif value.shard != self.shard:
+                poison.append((message, f"wrong_shard: result for shard {value.shard} on shard {self.shard}"))
+            else:
+                decoded.append((message, value))
+        if decoded:
+            oldest = min(r.received_at.timestamp() for _, r in decoded) * 1000
+            m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(lag_ms(time.time() * 1000, oldest))
+        try:
+            outcome = await self._apply_with_retries([r for _, r in decoded])
+        except _Requeue:
+            await self._requeue_outstanding(batch[-1])
+            return
+        by_id = {r.result_id: message for message, r in decoded}
+        poison += [(by_id[rid], reason) for rid, reason in outcome.rejected.items()]
+        try:
+            for message, reason in poison:
+                await self._dead_letter(message, reason)
+            await batch[-1].ack(multiple=True)
+        except BROKER_ERRORS as exc:
+            # Committed but not acked: the redelivery is recognised by the ledger and changes nothing.
+            log.warning("ack failed after commit; the broker will redeliver",
+                        extra={"shard": self.shard, "error": str(exc)})
+            return
+        self._record(outcome, len(batch), time.monotonic() - started)
+
+    async def _apply_with_retries(self, results: list[MonitorResult]) -> BatchOutcome:
+        if not results:
+            return BatchOutcome()
+        for attempt, backoff in enumerate((*TRANSIENT_RETRIES, None)):
+            try:
+                return await self._apply(results)
+            except POISON_DB_ERRORS:
+                return await self._apply_one_by_one(results)
+            except Exception as exc:
+                # Transient (connection, deadlock, pool timeout) or unexpected: retried here, then
+                # requeued, so the quorum delivery limit bounds it — never a crash loop.
+                m.ingest_transient_error_count.inc()
+                log.warning("error applying a batch", exc_info=not isinstance(exc, psycopg.Error | OSError),
+                            extra={"shard": self.shard, "attempt": attempt + 1, "error": str(exc)[:300]})
+                if backoff is None:
+                    raise _Requeue from exc
+                await self._pause(backoff)
+        raise AssertionError("unreachable")
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+
+    async def _apply(self, results: list[MonitorResult]) -> BatchOutcome:
+        async with self.pool.connection() as conn:
+            return await apply_batch(conn, results, applied_by=self.config.instance_id, settings=self.settings)
+
+    async def _apply_one_by_one(self, results: list[MonitorResult]) -> BatchOutcome:
+        """Isolate the result the database refuses: each in its own transaction, in order."""
+        total = BatchOutcome()
+        for r in results:
+            try:
+                one = await self._apply([r])
+            except POISON_DB_ERRORS as exc:
+                total.rejected[r.result_id] = f"db_rejected: {type(exc).__name__}: {exc}"[:500]
+                continue
+            total.applied += one.applied
+            total.duplicates += one.duplicates
+            total.rejected.update(one.rejected)
+            total.rows_written += one.rows_written
+            total.rebuilds_requested += one.rebuilds_requested
+            total.first_result_latencies_ms += one.first_result_latencies_ms
+        return total
+
+    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
+        if self.channel is None:
+            raise ChannelInvalidStateError("shard channel closed")
+        await dead_letter(self.channel, self.topology, self.topology.ingest_dlq, message, reason)
+        m.ingest_dead_letter_count.inc(reason=reason.split(":", 1)[0])
+
+    async def _requeue_outstanding(self, last: AbstractIncomingMessage) -> None:
+        """Return the batch and everything buffered behind it, in order, for a later delivery.
+
+        Backs off first (longer for messages already redelivered), so a database outage spends the
+        delivery limit over tens of seconds rather than in a burst.
+        """
+        count = (last.headers or {}).get("x-delivery-count")
+        redeliveries = count if isinstance(count, int) else 0
+        await self._pause(min(2.0 ** redeliveries, 15.0))
+        while not self.buffer.empty():
+            queued = self.buffer.get_nowait()
+            if _alive(queued):
+                last = queued
+        with contextlib.suppress(*BROKER_ERRORS):
+            await last.nack(multiple=True, requeue=True)
+
+    def _record(self, outcome: BatchOutcome, delivered: int, elapsed_s: float) -> None:
+        for r in outcome.applied:
+            m.ingest_results_applied_count.inc(status=r.status)
+        if outcome.duplicates:
+            m.ingest_results_duplicate_count.inc(outcome.duplicates)
+        for latency in outcome.first_result_latencies_ms:
+            m.collect_now_first_result_latency_ms.observe(latency)
+        m.ingest_batch_size.observe(delivered)
+        m.ingest_batch_duration_ms.observe(elapsed_s * 1000)
+        self.write_rate.add(outcome.rows_written)
+
+
+class _Requeue(Exception):
+    """Transient failure that outlived the in-process retries."""
+
+
+class IngestWorker:
+    """All shard consumers of this replica, plus membership (shard spreading) and housekeeping."""
+
+    def __init__(self, connection: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
+                 config: IngestConfig) -> None:
+        self.connection = connection
+        self.topology = topology
+        self.pool = pool
+        self.config = config
+        self.write_rate = WriteRate()
+        settings = SettingsCache()
+        self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate)
+                       for k in range(topology.ingest_shards)]
+        self.subscribed = asyncio.Event()
+        self._assigned: dict[int, str] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        for shard in self.shards:
+            await shard.subscribe()
+        # Join only once subscribed everywhere: peers yield shards to members that can take them.
+        await self._heartbeat()
+        self.subscribed.set()
+        loops = [asyncio.create_task(shard.run(stop), name=f"shard-{shard.shard}") for shard in self.shards]
+        housekeeping = asyncio.create_task(self._housekeeping(stop), name="ingest-housekeeping")
+        try:
+            done, _ = await asyncio.wait([*loops, housekeeping], return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            stop.set()
+            await asyncio.gather(*loops, housekeeping, return_exceptions=True)
+            for shard in self.shards:
+                await shard.close()
+            with contextlib.suppress(Exception):
+                async with self.pool.connection() as conn:
+                    await conn.execute(q.LEAVE_MEMBERS, {"instance_id": self.config.instance_id})
+            log.info("ingest worker stopped", extra={"instance_id": self.config.instance_id})
+
+    async def _heartbeat(self) -> None:
+        async with self.pool.connection() as conn:
+            await conn.execute(q.HEARTBEAT_MEMBER, {"instance_id": self.config.instance_id})
+
+    async def _housekeeping(self, stop: asyncio.Event) -> None:
+        last_purge = 0.0
+        while not stop.is_set():
+            try:
+                await self._rebalance()
+                if time.monotonic() - last_purge > 600:
+                    last_purge = time.monotonic()
+                    async with self.pool.connection() as conn:
+                        await conn.execute(q.PURGE_APPLIED, {"hours": self.config.retention_hours, "limit": 10_000})
+            except (psycopg.Error, OSError) as exc:
+                log.warning("ingest housekeeping failed; retrying", extra={"error": str(exc)[:300]})
+            m.monitoring_pg_write_qps.set(self.write_rate.rate())
+            recent = time.monotonic() - 5.0
+            m.ingest_active_shards.set(sum(1 for s in self.shards if s.last_delivery_at > recent))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.config.member_heartbeat_s)
+
+    async def _rebalance(self) -> None:
+        """Heartbeat, then yield the shards that are assigned to another live member (once per change)."""
+        async with self.pool.connection() as conn:
+            await conn.execute(q.HEARTBEAT_MEMBER, {"instance_id": self.config.instance_id})
+            await conn.execute(q.FORGET_STALE_MEMBERS, {"timeout_s": self.config.member_timeout_s})
+            cur = await conn.execute(q.LIVE_MEMBERS, {"timeout_s": self.config.member_timeout_s})
+            members = [str(row["instance_id"]) for row in await cur.fetchall()]
+        if self.config.instance_id not in members:
+            members.append(self.config.instance_id)
+        assignment = assign_shards(members, self.topology.ingest_shards)
+        for shard in self.shards:
+            owner = assignment[shard.shard]
+            if self._assigned.get(shard.shard) != owner:
+                self._assigned[shard.shard] = owner
+                if owner != self.config.instance_id:
+                    shard.yield_requested = True

@@ -1,0 +1,161 @@
+"""SQL of result ingest. Arrays of one batch go in through unnest(); rows are locked in key order."""
+
+# The business tasks of a batch, locked in id order (the lock order of every ingest transaction).
+LOCK_BUSINESS_TASKS = """
+SELECT id, tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
+       status, collect_request_id, execution_owner
+FROM monitoring_collect_tasks
+WHERE id = ANY(%(ids)s::bigint[])
+ORDER BY id
+FOR UPDATE
+"""
+
+# Applied-result ledger: a result_id that is already there was applied before and changes nothing.
+RECORD_APPLIED = """
+INSERT INTO ingest_applied_results (result_id, tenant_id, shard, task_id, monitor_task_id, status, applied_by)
+SELECT r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status, %(applied_by)s
+FROM unnest(%(result_ids)s::uuid[], %(tenant_ids)s::bigint[], %(shards)s::int[], %(task_ids)s::uuid[],
+            %(monitor_task_ids)s::bigint[], %(statuses)s::text[])
+     WITH ORDINALITY AS r(result_id, tenant_id, shard, task_id, monitor_task_id, status, ord)
+ORDER BY r.ord
+ON CONFLICT (result_id) DO NOTHING
+RETURNING result_id
+"""
+
+# Success-priority upsert (seed §12.3): new succeeded overwrites; new failed overwrites only failed.
+UPSERT_RUNS = """
+INSERT INTO question_monitor_runs AS q (
+    tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
+    status, answer_text, brand_mentioned, citation_count, error, desktop_task_id, client_id, result_id,
+    started_at, finished_at)
+SELECT * FROM unnest(
+    %(tenant_ids)s::bigint[], %(workspace_ids)s::bigint[], %(brand_ids)s::bigint[], %(question_ids)s::bigint[],
+    %(platform_ids)s::bigint[], %(collector_types)s::text[], %(run_modes)s::text[], %(dates)s::date[],
+    %(statuses)s::text[], %(answers)s::text[], %(mentioned)s::boolean[], %(citation_counts)s::int[],
+    %(errors)s::text[], %(task_ids)s::uuid[], %(client_ids)s::uuid[], %(result_ids)s::uuid[],
+    %(started)s::timestamptz[], %(finished)s::timestamptz[])
+ORDER BY 1, 3, 8, 4, 5
+ON CONFLICT ON CONSTRAINT uk_monitor_run_idempotent DO UPDATE
+SET workspace_id = EXCLUDED.workspace_id,
+    status = EXCLUDED.status,
+    answer_text = EXCLUDED.answer_text,
+    brand_mentioned = EXCLUDED.brand_mentioned,
+    citation_count = EXCLUDED.citation_count,
+    error = EXCLUDED.error,
+    desktop_task_id = EXCLUDED.desktop_task_id,
+    client_id = EXCLUDED.client_id,
+    result_id = EXCLUDED.result_id,
+    started_at = EXCLUDED.started_at,
+    finished_at = EXCLUDED.finished_at,
+    updated_at = now()
+WHERE q.status = 'failed' OR EXCLUDED.status = 'succeeded'
+RETURNING id, result_id
+"""
+
+# Citations of the runs just (over)written: drop the ones the effective result no longer has ...
+DELETE_STALE_PARSE_RESULTS = """
+DELETE FROM question_monitor_parse_results p
+WHERE p.run_id = ANY(%(run_ids)s::bigint[])
+  AND NOT EXISTS (SELECT 1 FROM unnest(%(c_run_ids)s::bigint[], %(c_fps)s::text[]) AS n(run_id, fp)
+                  WHERE n.run_id = p.run_id AND n.fp = p.citation_fingerprint)
+"""
+DELETE_STALE_CITATION_FACTS = """
+DELETE FROM monitoring_citation_facts f
+WHERE f.run_id = ANY(%(run_ids)s::bigint[])
+  AND NOT EXISTS (SELECT 1 FROM unnest(%(c_run_ids)s::bigint[], %(c_fps)s::text[]) AS n(run_id, fp)
+                  WHERE n.run_id = f.run_id AND n.fp = f.citation_fingerprint)
+"""
+# ... and upsert the current ones, idempotent on (run_id, citation_fingerprint).
+UPSERT_PARSE_RESULTS = """
+INSERT INTO question_monitor_parse_results (run_id, tenant_id, citation_fingerprint, url, title, position, domain)
+SELECT * FROM unnest(%(c_run_ids)s::bigint[], %(c_tenant_ids)s::bigint[], %(c_fps)s::text[], %(c_urls)s::text[],
+                     %(c_titles)s::text[], %(c_positions)s::int[], %(c_domains)s::text[])
+ORDER BY 1, 3
+ON CONFLICT (run_id, citation_fingerprint) DO UPDATE
+SET url = EXCLUDED.url, title = EXCLUDED.title, position = EXCLUDED.position, domain = EXCLUDED.domain
+WHERE (question_monitor_parse_results.url, question_monitor_parse_results.title,
+       question_monitor_parse_results.position, question_monitor_parse_results.domain)
+      IS DISTINCT FROM (EXCLUDED.url, EXCLUDED.title, EXCLUDED.position, EXCLUDED.domain)
+"""
+UPSERT_CITATION_FACTS = """
+INSERT INTO monitoring_citation_facts (run_id, tenant_id, brand_id, question_id, ai_platform_id, business_date,
+                                       citation_fingerprint, url, domain, position)
+SELECT * FROM unnest(%(c_run_ids)s::bigint[], %(c_tenant_ids)s::bigint[], %(c_brand_ids)s::bigint[],
+                     %(c_question_ids)s::bigint[], %(c_platform_ids)s::bigint[], %(c_dates)s::date[],
+                     %(c_fps)s::text[], %(c_urls)s::text[], %(c_domains)s::text[], %(c_positions)s::int[])
+ORDER BY 1, 7
+ON CONFLICT (run_id, citation_fingerprint) DO UPDATE
+SET url = EXCLUDED.url, domain = EXCLUDED.domain, position = EXCLUDED.position
+WHERE (monitoring_citation_facts.url, monitoring_citation_facts.domain, monitoring_citation_facts.position)
+      IS DISTINCT FROM (EXCLUDED.url, EXCLUDED.domain, EXCLUDED.position)
+"""
+
+# Another active execution of a business task a success just completed (the result came from an
+# execution that was already ended, e.g. expired and re-dispatched): it is no longer needed.
+OTHER_ACTIVE_EXECUTIONS = """
+SELECT id, tenant_id, target_client_id, monitor_task_id, ai_platform_id, lane, interrupt_generation,
+       collect_request_id
+FROM desktop_tasks
+WHERE kind = 'monitor' AND monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
+  AND status IN ('queued', 'in_progress', 'unknown') AND NOT (id = ANY(%(task_ids)s::uuid[]))
+ORDER BY id
+"""
+
+# Collect-now request progress: first result, terminal-task counters (the status follows in Python).
+REQUEST_PROGRESS = """
+WITH prev AS (
+    SELECT id, first_result_at AS previous_first_result_at
+    FROM monitoring_collect_requests WHERE id = %(id)s AND tenant_id = %(tenant_id)s
+    FOR UPDATE
+)
+UPDATE monitoring_collect_requests r
+SET first_result_at = coalesce(r.first_result_at, now()),
+    completed_task_count = greatest(r.completed_task_count + %(completed)s, 0),
+    failed_task_count = greatest(r.failed_task_count + %(failed)s, 0),
+    updated_at = now()
+FROM prev
+WHERE r.id = prev.id
+RETURNING r.status, r.requested_task_count, r.completed_task_count, r.failed_task_count,
+          prev.previous_first_result_at IS NULL AS first_result,
+          extract(epoch FROM now() - r.created_at) * 1000 AS since_created_ms
+"""
+FINISH_REQUEST = """
+UPDATE monitoring_collect_requests
+SET status = %(status)s, finished_at = coalesce(finished_at, now()), updated_at = now()
+WHERE id = %(id)s AND status IN ('accepted', 'dispatching', 'running')
+"""
+
+# Coalesced projection rebuild request per (tenant_id, brand_id, business_date); `inserted` tells
+# whether this transaction created the row (only then is a ProjectionRebuild event needed).
+REQUEST_PROJECTION = """
+INSERT INTO projection_rebuild_queue AS q (tenant_id, brand_id, business_date, requested_at, last_requested_at)
+SELECT k.tenant_id, k.brand_id, k.business_date, clock_timestamp(), clock_timestamp()
+FROM unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[])
+     AS k(tenant_id, brand_id, business_date)
+ORDER BY 1, 2, 3
+ON CONFLICT (tenant_id, brand_id, business_date) DO UPDATE
+SET last_requested_at = clock_timestamp(), request_count = q.request_count + 1
+RETURNING tenant_id, brand_id, business_date, (xmax = 0) AS inserted
+"""
+
+# Membership of live replicas (shard spreading).
+HEARTBEAT_MEMBER = """
+INSERT INTO ingest_shard_members (instance_id) VALUES (%(instance_id)s)
+ON CONFLICT (instance_id) DO UPDATE SET heartbeat_at = now()
+"""
+LIVE_MEMBERS = """
+SELECT instance_id FROM ingest_shard_members
+WHERE heartbeat_at > now() - make_interval(secs => %(timeout_s)s)
+ORDER BY instance_id
+"""
+FORGET_STALE_MEMBERS = """
+DELETE FROM ingest_shard_members WHERE heartbeat_at < now() - make_interval(secs => %(timeout_s)s * 10)
+"""
+LEAVE_MEMBERS = "DELETE FROM ingest_shard_members WHERE instance_id = %(instance_id)s"
+
+PURGE_APPLIED = """
+DELETE FROM ingest_applied_results
+WHERE result_id IN (SELECT result_id FROM ingest_applied_results
+                    WHERE applied_at < now() - make_interval(hours => %(hours)s)
+                    LIMIT %(limit)s)
+"""
