@@ -92,4 +92,4 @@ def interval(_: ReconcilerConfig, settings: DispatchSettings) -> float:
 
 
 JOB = Job(NAME, "§16.2.4: legacy zombie leases cleared, stalled ready tasks woken, orphan tasks alerted",
-          run, interval)
+          run, interval, phase2_consistency=True)
