@@ -9,10 +9,11 @@ from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import ErrorBody
+from libs.telemetry.metrics import exposition
 
 log = logging.getLogger("http")
 T = TypeVar("T")
@@ -98,7 +99,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_handler(_: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def add_ops_routes(app: web.Application) -> None:

@@ -7,15 +7,33 @@ text exposition: the `_total` suffix is a convention of OpenMetrics, not of form
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable, Sequence
 
-from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_MS = (1, 2, 5, 10, 15, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000,
                       180000, 600000)
+
+
+EXACT_COUNTER_NAMES: set[str] = set()
+_COUNTER_META = re.compile(rb"^# (HELP|TYPE) ([A-Za-z_:][A-Za-z0-9_:]*)_total ", re.M)
+
+
+def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
+    """The Prometheus text exposition, with HELP/TYPE lines of exact-name counters naming the
+    samples they describe (generate_latest() writes `<name>_total` for every counter family)."""
+
+    def fix(match: re.Match[bytes]) -> bytes:
+        name = match.group(2)
+        if name.decode() in EXACT_COUNTER_NAMES:
+            return b"# " + match.group(1) + b" " + name + b" "
+        return match.group(0)
+
+    return _COUNTER_META.sub(fix, generate_latest(registry))
 
 
 class ExactCounter(Collector):
@@ -28,6 +46,7 @@ class ExactCounter(Collector):
         self.labelnames = tuple(labelnames)
         self._values: dict[tuple[str, ...], float] = {}
         self._lock = threading.Lock()
+        EXACT_COUNTER_NAMES.add(name)
         if registry is not None:
             registry.register(self)
 
@@ -182,3 +201,20 @@ projection_rebuild_failed_count = ExactCounter(
     "projection_rebuild_failed_count", "Projection rebuild attempts that failed.")
 projection_rebuild_duration_ms = _hist("projection_rebuild_duration_ms", "Duration of one projection rebuild (ms).")
 projection_queue_depth = Gauge("projection_queue_depth", "Rows waiting in projection_rebuild_queue.")
+
+# ---- dispatch-coordinator ---------------------------------------------------------------------
+dispatch_decisions_count = ExactCounter(
+    "dispatch_decisions_count", "Executions created by the dispatch coordinator, by lane.", ["lane"])
+dispatch_pass_duration_ms = _hist("dispatch_pass_duration_ms", "Duration of one dispatch pass (ms).")
+dispatch_auto_slowdown_active = Gauge(
+    "dispatch_auto_slowdown_active", "1 while auto slow-down (seed §12.4) pauses normal and retry dispatch.")
+dispatch_auto_slowdown_signal = Gauge(
+    "dispatch_auto_slowdown_signal",
+    "Auto slow-down inputs: ingest_lag_ms, projection_lag_ms, db_write_p95_ms, conflict_rate.", ["signal"])
+dispatch_scanner_plans_count = ExactCounter(
+    "dispatch_scanner_plans_count", "Due plans the schedule scanner processed.")
+dispatch_scanner_tasks_created_count = ExactCounter(
+    "dispatch_scanner_tasks_created_count", "Business tasks created by the schedule scanner, by execution owner.",
+    ["execution_owner"])
+dispatch_aging_boosted_count = ExactCounter(
+    "dispatch_aging_boosted_count", "Ready normal tasks boosted by aging (seed §9.4).")

@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
-from prometheus_client import REGISTRY, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, Gauge, Histogram
 
 from libs.telemetry import metrics
 from libs.telemetry.metrics import ExactCounter
+from libs.telemetry.metrics import exposition as render_exposition
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -131,7 +132,7 @@ def exposition() -> Iterator[str]:
         elif isinstance(collector, Gauge | Histogram):
             collector.labels(**values)
             touched.append((collector, tuple(values.values())))
-    yield generate_latest(REGISTRY).decode()
+    yield render_exposition(REGISTRY).decode()
     for collector, label_values in touched:
         collector.remove(*label_values)
 
@@ -194,10 +195,7 @@ def test_seed_metric_is_exposed_with_its_exact_sample_name(name: str, exposition
         assert _types(exposition).get(name) == "gauge"
 
 
-# prometheus_client's generate_latest() writes `# TYPE <name>_total counter` for every counter
-# family, so an ExactCounter's samples (<name>) carry no TYPE metadata and Prometheus stores them
-# as untyped (queries and alerts are unaffected). Drop the xfail once /metrics emits matching TYPE lines.
-@pytest.mark.xfail(strict=True, reason="counter TYPE line is <name>_total (metadata only)")
+# /metrics (libs.telemetry.metrics.exposition) names the TYPE line after the exact counter samples.
 @pytest.mark.parametrize("name", sorted(n for n, (kind, _) in SEED_15_1_METRICS.items() if kind == "counter"))
 def test_counter_type_metadata_matches_its_samples(name: str, exposition: str) -> None:
     assert _types(exposition).get(name) == "counter"
