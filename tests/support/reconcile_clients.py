@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -56,10 +57,16 @@ class ScriptedClient:
     async def start(self) -> ScriptedClient:
         self._session = aiohttp.ClientSession(headers=self.headers)
         self._ws = await self._session.ws_connect(self.hub_url + "/api/desktop/ws", heartbeat=None)
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._heartbeat())]
+        self._tasks = [asyncio.create_task(self._guard(self._read())),
+                       asyncio.create_task(self._guard(self._heartbeat()))]
         if self.lease:
-            self._tasks.append(asyncio.create_task(self._work()))
+            self._tasks.append(asyncio.create_task(self._guard(self._work())))
         return self
+
+    async def _guard(self, loop: Coroutine[Any, Any, None]) -> None:
+        """A loop ends quietly when the hub goes away (the client is as good as dead then)."""
+        with contextlib.suppress(aiohttp.ClientError, ConnectionError, RuntimeError):
+            await loop
 
     async def kill(self) -> None:
         """Die abruptly: every loop stops mid-step, the socket is dropped without a goodbye."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,9 @@ from libs.config import Settings
 from libs.db.pool import Conn
 from libs.dispatch_settings import set_setting
 from tests.support.procs import ServiceProcess, service_env
+
+# >= 32 bytes: PyJWT warns about shorter HMAC keys (and warnings are errors in the suite).
+JWT_SECRET = "reconciler-e2e-gateway-secret-0123456789"
 
 SERVICES = ("outbox-pump", "dispatch-coordinator", "dispatch-hub", "collect-now-api", "ingest-shard-workers",
             "reconciler")
@@ -84,11 +87,13 @@ async def configure(conn: Conn, **overrides: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running_stack(settings: Settings, log_dir: Path, **env: str | int) -> AsyncIterator[Stack]:
+async def running_stack(settings: Settings, log_dir: Path, *, services: tuple[str, ...] = SERVICES,
+                        **env: str | int) -> AsyncIterator[Stack]:
+    settings = replace(settings, gateway_jwt_secret=JWT_SECRET)
     stack = Stack(settings)
     base = service_env(settings, **{**FAST_ENV, **env})
     try:
-        for name in SERVICES:
+        for name in services:
             proc = ServiceProcess(name, base, log_dir=log_dir)
             stack.procs[name] = proc
             await asyncio.to_thread(proc.start)
