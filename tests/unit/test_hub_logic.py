@@ -1,0 +1,78 @@
+"""dispatch-hub pure logic: lease tokens and fencing, generations, routing keys, bearer parsing, p95."""
+
+from __future__ import annotations
+
+import uuid
+
+from libs.auth import hash_token
+from services.dispatch_hub.logic import (
+    LeaseCheck,
+    LeaseState,
+    RollingWindow,
+    bearer_token,
+    check_lease,
+    client_id_from_routing_key,
+    is_stale_generation,
+    lease_token_epoch,
+    new_lease_token,
+    percentile,
+    routing_keys_for_client,
+)
+
+CLIENT = uuid.uuid4()
+
+
+def state(token: str, epoch: int, status: str = "in_progress", client: uuid.UUID = CLIENT) -> LeaseState:
+    return LeaseState(target_client_id=client, status=status, lease_epoch=epoch, lease_token_hash=hash_token(token))
+
+
+def test_lease_tokens_carry_their_epoch_and_are_unique() -> None:
+    token = new_lease_token(7)
+    assert lease_token_epoch(token) == 7
+    assert new_lease_token(7) != token
+    for bad in ("", "lt1", "lt1.x.abc", "lt1.3.", "zz.3.abc", "dct_whatever"):
+        assert lease_token_epoch(bad) is None
+
+
+def test_fencing_requires_owner_status_epoch_and_hash() -> None:
+    token = new_lease_token(2)
+    assert check_lease(state(token, 2), caller=CLIENT, token=token) is LeaseCheck.OK
+    assert check_lease(None, caller=CLIENT, token=token) is LeaseCheck.NOT_FOUND
+    # Another client's task is indistinguishable from a missing one.
+    assert check_lease(state(token, 2, client=uuid.uuid4()), caller=CLIENT, token=token) is LeaseCheck.NOT_FOUND
+    assert check_lease(state(token, 3), caller=CLIENT, token=token) is LeaseCheck.STALE
+    assert check_lease(state(token, 2, status="aborted"), caller=CLIENT, token=token) is LeaseCheck.STALE
+    forged = token.rsplit(".", 1)[0] + ".forged"
+    assert check_lease(state(token, 2), caller=CLIENT, token=forged) is LeaseCheck.STALE
+    released = LeaseState(target_client_id=CLIENT, status="in_progress", lease_epoch=2, lease_token_hash=None)
+    assert check_lease(released, caller=CLIENT, token=token) is LeaseCheck.STALE
+
+
+def test_stale_generation_is_strictly_older() -> None:
+    assert is_stale_generation(4, 5)
+    assert not is_stale_generation(5, 5)
+    assert not is_stale_generation(6, 5)
+
+
+def test_routing_keys_and_back() -> None:
+    monitor, publish = routing_keys_for_client(CLIENT)
+    assert (monitor, publish) == (f"monitor.*.{CLIENT}", f"publish.{CLIENT}")
+    for key in (f"monitor.high.{CLIENT}", f"monitor.control.{CLIENT}", f"publish.{CLIENT}"):
+        assert client_id_from_routing_key(key) == CLIENT
+    assert client_id_from_routing_key("monitor.high.not-a-uuid") is None
+
+
+def test_bearer_token_parsing() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer   abc ") == "abc"
+    for bad in (None, "", "Basic abc", "Bearer", "Bearer  "):
+        assert bearer_token(bad) is None
+
+
+def test_percentile_and_rolling_window() -> None:
+    assert percentile([], 95) is None
+    assert percentile(range(1, 101), 95) == 95
+    window = RollingWindow(size=10)
+    for value in range(100):
+        window.add(float(value))
+    assert len(window) == 10 and window.p95() == 99.0
