@@ -23,6 +23,16 @@ class DispatchSettings:
     tenant_dispatch_per_minute: int = 30
     # Share of dispatches kept for normal work while high is busy (seed §9.3: 10-20%).
     normal_background_share: float = 0.15
+    # Length of a budget window (seed: one minute); the budgets above are per window.
+    budget_window_seconds: int = 60
+    # Share of each window's cluster budget only high work may use (collect-now headroom).
+    high_reserved_share: float = 0.10
+    # Retry lane enters only while high and the tenant's normal backlog are at or below this (seed §9.3).
+    retry_low_watermark: int = 100
+    # Coordinator pacing: executions per dispatch transaction, plans per scanner batch, safety-net tick.
+    dispatch_batch_size: int = 500
+    scan_batch_size: int = 2000
+    dispatch_tick_ms: int = 1000
     paused_lanes: tuple[str, ...] = ()
     # Auto slow-down thresholds (seed §12.4)
     auto_slowdown_enabled: bool = True

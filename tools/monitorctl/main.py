@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "cmd_token",
     "cmd_seed",
     "cmd_reconcile",
+    "cmd_dispatch",
 )
 
 

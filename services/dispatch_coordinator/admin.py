@@ -1,0 +1,181 @@
+"""Operator actions on dispatch (used by `monitorctl` and the coordinator's ops endpoints)."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from libs.contracts.wire import TaskControl
+from libs.db.pool import Conn
+from libs.dispatch_settings import as_dict, load_settings, set_setting
+from libs.domain.dispatch import window_start
+from libs.mq.topology import DISPATCH
+from libs.outbox import OutboxEvent, enqueue_many
+from libs.outbox import admin as outbox_admin
+from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL, end_execution
+from services.dispatch_coordinator import queries as q
+from services.dispatch_coordinator.explain import read_coordinator_state
+
+ROLLBACK_REASON = "phase2_emergency_rollback"
+
+_PLATFORMS = """
+SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
+       coalesce(s.interrupt_soft_timeout_ms, 15000) AS interrupt_soft_timeout_ms,
+       coalesce(s.interrupt_hard_timeout_ms, 45000) AS interrupt_hard_timeout_ms, coalesce(s.paused, false) AS paused,
+       s.updated_at
+FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
+WHERE %(code)s::text IS NULL OR p.code = %(code)s
+ORDER BY p.id
+"""
+_UPSERT_PLATFORM = """
+INSERT INTO platform_settings (ai_platform_id, max_concurrent, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms,
+                               paused, updated_at)
+SELECT p.id, coalesce(%(max_concurrent)s, s.max_concurrent, 1),
+       coalesce(%(soft)s, s.interrupt_soft_timeout_ms, 15000), coalesce(%(hard)s, s.interrupt_hard_timeout_ms, 45000),
+       coalesce(%(paused)s, s.paused, false), now()
+FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
+WHERE p.code = %(code)s
+ON CONFLICT (ai_platform_id) DO UPDATE
+SET max_concurrent = EXCLUDED.max_concurrent, interrupt_soft_timeout_ms = EXCLUDED.interrupt_soft_timeout_ms,
+    interrupt_hard_timeout_ms = EXCLUDED.interrupt_hard_timeout_ms, paused = EXCLUDED.paused, updated_at = now()
+RETURNING ai_platform_id
+"""
+_LANE_BACKLOG = f"""
+SELECT t.dispatch_lane AS lane, count(*) AS ready, coalesce(max(extract(epoch FROM (now() - t.enqueued_at))), 0)
+       * 1000 AS oldest_ms
+FROM monitoring_collect_tasks t WHERE {q.READY} GROUP BY 1
+"""
+_EXECUTIONS = """
+SELECT status, count(*) AS n FROM desktop_tasks
+WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown') GROUP BY 1
+"""
+_CLIENTS_ONLINE = f"""
+SELECT count(*) FILTER (WHERE {ELIGIBLE_CLIENT_SQL}) AS eligible, count(*) FILTER (WHERE c.online) AS online,
+       count(*) AS registered
+FROM desktop_clients c
+"""
+_ACTIVE_MONITOR = """
+SELECT id, target_client_id, tenant_id, interrupt_generation FROM desktop_tasks
+WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
+ORDER BY id
+"""
+_ROLLBACK_BUSINESS = """
+UPDATE monitoring_collect_tasks
+SET execution_owner = 'legacy', status = 'pending', lease_token_hash = NULL, leased_to_executor = NULL,
+    leased_at = NULL, lease_expires_at = NULL, updated_at = now()
+WHERE execution_owner = 'desktop_tasks' AND status = 'pending'
+"""
+
+
+class AdminError(ValueError):
+    pass
+
+
+async def get_budgets(conn: Conn) -> dict[str, Any]:
+    return as_dict(await load_settings(conn))
+
+
+async def set_budget(conn: Conn, key: str, value: Any) -> Any:
+    async with conn.transaction():
+        return await set_setting(conn, key, value)
+
+
+async def set_lane_paused(conn: Conn, lane: str, paused: bool) -> list[str]:
+    async with conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock(7401552112)")  # read-modify-write of paused_lanes
+        current = set((await load_settings(conn)).paused_lanes)
+        current = current | {lane} if paused else current - {lane}
+        stored: tuple[str, ...] = await set_setting(conn, "paused_lanes", sorted(current))
+    return list(stored)
+
+
+async def get_platforms(conn: Conn, code: str | None = None) -> list[dict[str, Any]]:
+    cur = await conn.execute(_PLATFORMS, {"code": code})
+    return list(await cur.fetchall())
+
+
+async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = None, soft_timeout_ms: int | None = None,
+                       hard_timeout_ms: int | None = None, paused: bool | None = None) -> dict[str, Any]:
+    if max_concurrent is not None and max_concurrent < 0:
+        raise AdminError("--max-concurrent must be >= 0")
+    for name, value in (("--soft-timeout-ms", soft_timeout_ms), ("--hard-timeout-ms", hard_timeout_ms)):
+        if value is not None and value <= 0:
+            raise AdminError(f"{name} must be > 0")
+    async with conn.transaction():
+        cur = await conn.execute(_UPSERT_PLATFORM, {"code": code, "max_concurrent": max_concurrent,
+                                                    "soft": soft_timeout_ms, "hard": hard_timeout_ms,
+                                                    "paused": paused})
+        if await cur.fetchone() is None:
+            raise AdminError(f"no platform with code {code!r}")
+    rows = await get_platforms(conn, code)
+    return rows[0]
+
+
+async def set_rollout(conn: Conn, percentage: int) -> int:
+    async with conn.transaction():
+        value: int = await set_setting(conn, "rollout_percentage", percentage)
+    return value
+
+
+async def emergency_rollback(conn: Conn, *, force_in_flight: bool) -> dict[str, Any]:
+    """Seed §16.2.3. Step 1 always: rollout to 0% (new tasks take the legacy path). With
+    `force_in_flight`: abort every active monitor execution (clients told through TaskControl
+    'cancelled') and hand pending desktop_tasks-path business tasks back to legacy, in one transaction."""
+    async with conn.transaction():
+        await set_setting(conn, "rollout_percentage", 0)
+        aborted = 0
+        moved = 0
+        if force_in_flight:
+            await conn.execute(q.PASS_LOCK)  # no dispatch pass interleaves with the rollback
+            cur = await conn.execute(_ACTIVE_MONITOR)
+            events = []
+            now = datetime.now(UTC)
+            for row in await cur.fetchall():
+                ended = await end_execution(conn, task_id=row["id"], outcome="aborted", reason=ROLLBACK_REASON)
+                if ended is None:
+                    continue
+                aborted += 1
+                events.append(OutboxEvent(
+                    exchange=DISPATCH, routing_key=f"monitor.control.{row['target_client_id']}",
+                    message=TaskControl(kind="monitor", task_id=row["id"], target_client_id=row["target_client_id"],
+                                        control="cancelled", reason=ROLLBACK_REASON,
+                                        interrupt_generation=row["interrupt_generation"], updated_at=now),
+                    ordering_key=f"client:{row['target_client_id']}", tenant_id=row["tenant_id"]))
+            await enqueue_many(conn, events, notify=bool(events))
+            cur = await conn.execute(_ROLLBACK_BUSINESS)
+            moved = cur.rowcount
+    return {"rollout_percentage": 0, "aborted_executions": aborted, "business_tasks_to_legacy": moved,
+            "forced": force_in_flight}
+
+
+async def status(conn: Conn) -> dict[str, Any]:
+    """Lane backlogs, active executions, clients online, outbox depth and dead letters, coordinator state."""
+    settings = await load_settings(conn)
+    cur = await conn.execute(_LANE_BACKLOG)
+    lanes = {r["lane"]: {"ready": int(r["ready"]), "oldest_ms": int(r["oldest_ms"])} for r in await cur.fetchall()}
+    for lane in ("high", "normal_boosted", "normal", "retry"):
+        lanes.setdefault(lane, {"ready": 0, "oldest_ms": 0})
+        lanes[lane]["paused"] = lane in settings.paused_lanes  # type: ignore[assignment]
+    cur = await conn.execute(_EXECUTIONS)
+    executions = {r["status"]: int(r["n"]) for r in await cur.fetchall()}
+    cur = await conn.execute(_CLIENTS_ONLINE, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+    clients = dict(await cur.fetchone() or {})
+    depth = await outbox_admin.depth(conn)
+    window = max(1, settings.budget_window_seconds)
+    start = window_start(time.time(), window)
+    cur = await conn.execute(q.BUDGET_USED, {"window_start": start, "window_end": start + window})
+    used = [dict(r) for r in await cur.fetchall()]
+    state = await read_coordinator_state(conn)
+    return {
+        "lanes": lanes,
+        "executions": executions,
+        "clients": clients,
+        "outbox": {status: v["count"] for status, v in depth.items()},
+        "dead_letters": depth.get("dead_letter", {}).get("count", 0),
+        "budget_window": {"seconds": window, "cluster_used": sum(r["n"] for r in used),
+                          "cluster_limit": settings.cluster_dispatch_per_minute,
+                          "tenant_limit": settings.tenant_dispatch_per_minute},
+        "rollout_percentage": settings.rollout_percentage,
+        "coordinator": {k: {**v["value"], "age_s": round(v["age_s"], 1)} for k, v in state.items()},
+    }

@@ -1,0 +1,271 @@
+"""The leader's work: wake-ups, the dispatch loop, the schedule scanner and maintenance (aging, metrics, slow-down).
+
+Only the replica holding the `dispatch-coordinator` advisory lock runs `lead()`; standbys wait. Dispatch
+wakes on `NOTIFY dispatch_wakeup` (collect-now, in its transaction), on `monitor.lifecycle` events
+(completions, releases, clients coming online, accepted collect-now requests), on new tasks from the
+scanner, at the start of every budget window, and on a periodic tick as a safety net.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from psycopg_pool import AsyncConnectionPool
+
+from libs.contracts.amqp import lifecycle_decoder
+from libs.db.pool import Conn, connect
+from libs.dispatch_settings import DispatchSettings, as_dict, load_settings
+from libs.mq.connection import dead_letter
+from libs.mq.topology import Topology, declare_lifecycle
+from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
+from libs.telemetry import metrics
+from services.dispatch_coordinator.dispatcher import Dispatcher, is_transient
+from services.dispatch_coordinator.maintenance import (
+    SlowdownState,
+    measure_signals,
+    observe_backlog,
+    publish_state,
+    run_aging,
+    update_slowdown,
+)
+from services.dispatch_coordinator.scanner import scan_once
+
+log = logging.getLogger("dispatch.coordinator")
+
+# Lifecycle events after which a dispatch pass may find room (cross-service contract 3).
+WAKE_EVENTS = frozenset({"task.completed", "task.failed", "task.aborted", "task.released", "client.online",
+                         "collect_now.accepted"})
+SETTINGS_MAX_AGE_S = 1.0
+MAINTENANCE_INTERVAL_S = 2.0
+SCAN_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    database_url: str
+    topology: Topology
+    instance_id: str
+    listen: bool = True
+
+
+class Coordinator:
+    def __init__(self, pool: AsyncConnectionPool[Conn], config: CoordinatorConfig,
+                 amqp: AbstractRobustConnection | None = None) -> None:
+        self._pool = pool
+        self.pool = pool
+        self._config = config
+        self._amqp = amqp
+        self.dispatcher = Dispatcher(pool)
+        self.slowdown = SlowdownState()
+        self._wake = asyncio.Event()
+        self._settings: DispatchSettings | None = None
+        self._settings_at = 0.0
+        self._last_aging = time.monotonic()
+        self.listening = asyncio.Event()
+        self.consuming = asyncio.Event()
+        self.dispatched_total = 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def settings(self) -> DispatchSettings:
+        """Hot-reloaded `dispatch_settings`, at most `SETTINGS_MAX_AGE_S` old."""
+        if self._settings is None or time.monotonic() - self._settings_at > SETTINGS_MAX_AGE_S:
+            async with self._pool.connection() as conn:
+                fresh = await load_settings(conn)
+            if self._settings is not None and fresh != self._settings:
+                changed = {k: v for k, v in as_dict(fresh).items() if as_dict(self._settings).get(k) != v}
+                log.info("dispatch settings changed", extra={"changed": changed})
+            self._settings, self._settings_at = fresh, time.monotonic()
+        return self._settings
+
+    # ---- leading ----------------------------------------------------------------------------------
+    async def lead(self, stop: asyncio.Event) -> None:
+        """Run every leader loop until `stop`; any loop dying ends the leadership (the lock is released)."""
+        log.info("coordinator leading", extra={"instance_id": self._config.instance_id})
+        loops: list[tuple[str, Callable[[asyncio.Event], Coroutine[Any, Any, None]]]] = [
+            ("dispatch", self._dispatch_loop), ("scanner", self._scan_loop), ("maintenance", self._maintenance_loop),
+        ]
+        if self._config.listen:
+            loops.append(("listen", self._listen_loop))
+        if self._amqp is not None:
+            loops.append(("lifecycle", self._lifecycle_loop))
+        tasks = [asyncio.create_task(fn(stop), name=f"coordinator-{name}") for name, fn in loops]
+        stop_waiter = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait([*tasks, stop_waiter], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop_waiter and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            self.wake()
+            stop_waiter.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, stop_waiter, return_exceptions=True)
+            self.listening.clear()
+            self.consuming.clear()
+
+    async def _wait(self, stop: asyncio.Event, event: asyncio.Event | None, timeout: float) -> None:
+        waiters = [asyncio.ensure_future(stop.wait())]
+        if event is not None:
+            waiters.append(asyncio.ensure_future(event.wait()))
+        try:
+            await asyncio.wait(waiters, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def _dispatch_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self._wake.clear()
+            settings = await self._guarded_settings(stop)
+            if settings is None:
+                continue
+            started = time.perf_counter()
+            try:
+                outcome = await self.dispatcher.run_pass(settings)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("dispatch pass failed; database unavailable?", extra={"error": str(exc)[:300]})
+                await self._wait(stop, None, 1.0)
+                continue
+            metrics.dispatch_pass_duration_ms.observe((time.perf_counter() - started) * 1000)
+            self.dispatched_total += outcome.dispatched
+            if outcome.conflicted or outcome.full_batch:
+                continue
+            timeout = min(max(0.05, settings.dispatch_tick_ms / 1000), outcome.seconds_to_next_window + 0.005)
+            await self._wait(stop, self._wake, timeout)
+
+    async def _guarded_settings(self, stop: asyncio.Event) -> DispatchSettings | None:
+        try:
+            return await self.settings()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            log.warning("settings reload failed; database unavailable?", extra={"error": str(exc)[:300]})
+            await self._wait(stop, None, 1.0)
+            return None
+
+    async def _scan_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            settings = await self._guarded_settings(stop)
+            if settings is None:
+                continue
+            batch = max(1, settings.scan_batch_size)
+            try:
+                result = await scan_once(self._pool, batch_size=batch, rollout_percentage=settings.rollout_percentage)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("schedule scan failed; database unavailable?", extra={"error": str(exc)[:300]})
+                await self._wait(stop, None, 1.0)
+                continue
+            if result.created:
+                self.dispatcher.add_pairs(sorted(result.pairs))
+                self.wake()
+                log.info("scheduled tasks created", extra={"plans": result.plans, "created": result.created})
+            if result.plans >= batch:
+                continue
+            await self._wait(stop, None, SCAN_INTERVAL_S)
+
+    async def _maintenance_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.maintain_once()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("maintenance failed; database unavailable?", extra={"error": str(exc)[:300]})
+            await self._wait(stop, None, MAINTENANCE_INTERVAL_S)
+
+    async def maintain_once(self) -> None:
+        settings = await self.settings()
+        async with self._pool.connection() as conn:
+            backlog = await observe_backlog(conn)
+            signals = await measure_signals(conn, self.dispatcher.write_stats)
+        self.dispatcher.cluster_high_backlog = backlog.high
+        self.dispatcher.tenant_normal_backlog = backlog.tenant_normal
+        was_paused = self.dispatcher.slowdown
+        self.dispatcher.slowdown = update_slowdown(self.slowdown, signals, settings)
+        if was_paused and not self.dispatcher.slowdown:
+            self.wake()
+        if time.monotonic() - self._last_aging >= max(1, settings.aging_interval_seconds):
+            self._last_aging = time.monotonic()
+            if await run_aging(self._pool, settings):
+                self.wake()
+        async with self._pool.connection() as conn:
+            await publish_state(conn, "slowdown", {
+                "active": self.slowdown.active, "reasons": self.slowdown.reasons, "since": self.slowdown.since,
+                "signals": dataclasses.asdict(self.slowdown.signals)})
+            await publish_state(conn, "leader", {"instance_id": self._config.instance_id,
+                                                 "host": socket.gethostname(), "passes": self.dispatcher.passes,
+                                                 "dispatched_total": self.dispatched_total})
+
+    async def _listen_loop(self, stop: asyncio.Event) -> None:
+        """LISTEN dispatch_wakeup on a dedicated connection (reconnects; a pass runs after every reconnect)."""
+        delay = 0.2
+        while not stop.is_set():
+            conn: Conn | None = None
+            try:
+                conn = await connect(self._config.database_url, name="dispatch-coordinator-listen")
+                await conn.execute(f"LISTEN {DISPATCH_WAKE_CHANNEL}")
+                self.listening.set()
+                delay = 0.2
+                self.wake()
+                async for _ in conn.notifies():
+                    self.wake()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.listening.clear()
+                log.warning("LISTEN connection lost; relying on ticks until it is back", extra={"error": str(exc)})
+                await self._wait(stop, None, delay)
+                delay = min(delay * 2, 5.0)
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        await conn.close()
+
+    async def _lifecycle_loop(self, stop: asyncio.Event) -> None:
+        """Consume `monitor.lifecycle` (shared coordinator queue) while leading; wake dispatch on completions."""
+        assert self._amqp is not None
+        topology = self._config.topology
+        dlq = topology.lifecycle_dlq("coordinator")
+        while not stop.is_set():
+            try:
+                channel = await self._amqp.channel()
+                await channel.set_qos(prefetch_count=200)
+                queue = await declare_lifecycle(channel, topology, "coordinator")
+                self.consuming.set()
+                async with queue.iterator() as messages:
+                    async for message in messages:
+                        await self._on_lifecycle(channel, dlq, message)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.consuming.clear()
+                log.warning("lifecycle consumer failed; retrying", extra={"error": str(exc)[:300]})
+                await self._wait(stop, None, 1.0)
+
+    async def _on_lifecycle(self, channel: object, dlq: str, message: AbstractIncomingMessage) -> None:
+        try:
+            event = lifecycle_decoder.decode(message.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            await dead_letter(channel, self._config.topology, dlq, message, f"undecodable lifecycle event: {exc}")  # type: ignore[arg-type]
+            await message.ack()
+            return
+        if event.event in WAKE_EVENTS:
+            self.wake()
+        await message.ack()

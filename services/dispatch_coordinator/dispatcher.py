@@ -1,0 +1,342 @@
+"""One dispatch pass: read a snapshot, decide with the pure planner, write every execution in one transaction.
+
+Hot path per pass (whatever the number of tasks): a pass lock, the window's budget use, platform
+settings and active counts, eligible clients with their load, high candidates, per-(tenant, platform)
+candidates, then one INSERT..SELECT for the executions, one INSERT for the outbox events and (for
+collect-now work) one UPDATE of the requests. Everything runs in one transaction under a transaction
+advisory lock, so the budgets read are exactly the budgets spent, even across a leader failover.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg_pool import AsyncConnectionPool
+
+from libs.contracts.wire import TaskAvailable
+from libs.db.pool import Conn
+from libs.dispatch_settings import DispatchSettings
+from libs.domain.dispatch import (
+    LANE_ORDER,
+    Candidate,
+    ClientState,
+    Ledger,
+    PassLimits,
+    PassResult,
+    pair_fetch_limit,
+    plan_pass,
+    retry_allowed,
+    window_start,
+)
+from libs.domain.lanes import lane_weight
+from libs.domain.slowdown import WriteStats
+from libs.mq.topology import DISPATCH
+from libs.outbox import OutboxEvent, enqueue_many
+from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
+from libs.telemetry import metrics
+from services.dispatch_coordinator import queries as q
+
+log = logging.getLogger("dispatch.pass")
+
+CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL)
+CONFLICT_ERRORS: tuple[type[Exception], ...] = (
+    pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
+    pg_errors.LockNotAvailable,
+)
+PAIRS_MAX_AGE_S = 1.0
+PER_PAIR_CAP = 50
+
+
+class WindowRolledOver(Exception):
+    """The budget window changed while the pass was reading; it is redone at once in the new window."""
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """What one pass reads (also what `explain` reads)."""
+
+    now: float
+    window_start: float
+    window_seconds: int
+    ledger: Ledger
+    clients: list[ClientState]
+    platform_codes: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PassOutcome:
+    dispatched: int = 0
+    high_dispatched: int = 0
+    considered: int = 0
+    rejections: dict[str, int] = field(default_factory=dict)
+    cluster_exhausted: bool = False
+    conflicted: bool = False
+    full_batch: bool = False
+    seconds_to_next_window: float = 0.0
+
+
+def routing_key(lane: str, client_id: uuid.UUID) -> str:
+    """`monitor.{lane}.{client}`; normal_boosted travels as normal."""
+    return f"monitor.{'normal' if lane == 'normal_boosted' else lane}.{client_id}"
+
+
+def limits_from(settings: DispatchSettings, *, slowdown: bool) -> PassLimits:
+    return PassLimits(
+        cluster_per_window=settings.cluster_dispatch_per_minute,
+        tenant_per_window=settings.tenant_dispatch_per_minute,
+        normal_background_share=settings.normal_background_share,
+        high_reserved_share=settings.high_reserved_share,
+        paused_lanes=frozenset(settings.paused_lanes),
+        slowdown=slowdown,
+        retry_low_watermark=settings.retry_low_watermark,
+    )
+
+
+async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
+    """Budget use of the current window, platform limits and activity, eligible clients and their load."""
+    cur = await conn.execute(q.NOW)
+    row = await cur.fetchone()
+    assert row is not None
+    now = float(row["now"])
+    window = max(1, settings.budget_window_seconds)
+    start = window_start(now, window)
+    ledger = Ledger()
+    cur = await conn.execute(q.BUDGET_USED, {"window_start": start, "window_end": start + window})
+    for r in await cur.fetchall():
+        ledger.cluster_used += r["n"]
+        if not r["high"]:
+            ledger.non_high_used += r["n"]
+            ledger.tenant_used[r["tenant_id"]] = ledger.tenant_used.get(r["tenant_id"], 0) + r["n"]
+    cur = await conn.execute(q.PLATFORM_SETTINGS)
+    codes: dict[int, str] = {}
+    paused: set[int] = set()
+    for r in await cur.fetchall():
+        codes[r["ai_platform_id"]] = r["code"]
+        ledger.platform_limit[r["ai_platform_id"]] = r["max_concurrent"]
+        if r["paused"] or not r["enabled"]:
+            paused.add(r["ai_platform_id"])
+    ledger.paused_platforms = frozenset(paused)
+    cur = await conn.execute(q.PLATFORM_ACTIVE)
+    ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"] for r in await cur.fetchall()}
+    cur = await conn.execute(CLIENTS_SQL, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+    clients = [
+        ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
+                    max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
+                    in_progress=r["in_progress"], queued=r["queued"], pending_high=r["pending_high"],
+                    interrupt_overdue=r["interrupt_overdue"], interrupt_generation=r["interrupt_generation"])
+        for r in await cur.fetchall()
+    ]
+    return Snapshot(now=now, window_start=start, window_seconds=window, ledger=ledger, clients=clients,
+                    platform_codes=codes)
+
+
+def _candidate(r: dict[str, Any]) -> Candidate:
+    return Candidate(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
+                     ai_platform_id=r["ai_platform_id"], lane=r["lane"], priority=r["priority"],
+                     enqueued_at=float(r["enqueued_at"]), target_client_id=r["target_client_id"])
+
+
+class Dispatcher:
+    """Stateful across passes only for fairness rotation, the pending-pair cache and write statistics."""
+
+    def __init__(self, pool: AsyncConnectionPool[Conn]) -> None:
+        self._pool = pool
+        self.last_served: dict[str, int] = {}
+        self.pairs: set[tuple[int, int]] = set()
+        self._pairs_at = 0.0
+        self.write_stats = WriteStats()
+        self.slowdown = False
+        # Refreshed by the maintenance loop: ready backlog, for the retry low-water rule.
+        self.cluster_high_backlog = 0
+        self.tenant_normal_backlog: dict[int, int] = {}
+        self.passes = 0
+
+    def add_pairs(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """New work the scanner just created (so the pass need not wait for the next pair refresh)."""
+        self.pairs.update(pairs)
+
+    async def _refresh_pairs(self, conn: Conn) -> None:
+        cur = await conn.execute(q.PENDING_PAIRS)
+        self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()}
+        self._pairs_at = time.monotonic()
+
+    async def _candidates(self, conn: Conn, snap: Snapshot, limits: PassLimits,
+                          settings: DispatchSettings) -> dict[str, list[Candidate]]:
+        batch = max(1, settings.dispatch_batch_size)
+        found: dict[str, list[Candidate]] = defaultdict(list)
+        if "high" not in limits.paused_lanes:
+            cur = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
+            for r in await cur.fetchall():
+                found["high"].append(_candidate(r))
+        if limits.slowdown or snap.ledger.non_high_used >= limits.non_high_cap:
+            return found  # non-high cannot go this pass: no need to read its candidates
+        lanes = [lane for lane in LANE_ORDER if lane != "high" and lane not in limits.paused_lanes]
+        tenants: list[int] = []
+        platforms: list[int] = []
+        pair_lanes: list[str] = []
+        ks: list[int] = []
+        for tenant_id, platform_id in sorted(self.pairs):
+            room = snap.ledger.platform_room(tenant_id, platform_id)
+            tenant_room = limits.tenant_per_window - snap.ledger.tenant_used.get(tenant_id, 0)
+            if platform_id in snap.ledger.paused_platforms:
+                continue
+            for lane in lanes:
+                if lane == "retry" and not retry_allowed(
+                        tenant_id, cluster_high_backlog=self.cluster_high_backlog,
+                        tenant_normal_backlog=self.tenant_normal_backlog, watermark=limits.retry_low_watermark):
+                    continue
+                k = pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch))
+                if k > 0:
+                    tenants.append(tenant_id)
+                    platforms.append(platform_id)
+                    pair_lanes.append(lane)
+                    ks.append(k)
+        if tenants:
+            cur = await conn.execute(q.PAIR_CANDIDATES, {"tenants": tenants, "platforms": platforms,
+                                                         "lanes": pair_lanes, "limits": ks})
+            for r in await cur.fetchall():
+                found[r["lane"]].append(_candidate(r))
+        return found
+
+    async def run_pass(self, settings: DispatchSettings) -> PassOutcome:
+        for _ in range(3):
+            try:
+                return await self._run_pass(settings)
+            except WindowRolledOver:
+                continue
+        return PassOutcome()
+
+    async def _run_pass(self, settings: DispatchSettings) -> PassOutcome:
+        outcome = PassOutcome()
+        limits = limits_from(settings, slowdown=self.slowdown)
+        async with self._pool.connection() as conn:
+            if time.monotonic() - self._pairs_at > PAIRS_MAX_AGE_S:
+                await self._refresh_pairs(conn)
+            write_started = 0.0
+            try:
+                async with conn.transaction():
+                    await conn.execute(q.PASS_LOCK)
+                    snap = await read_snapshot(conn, settings)
+                    candidates = await self._candidates(conn, snap, limits, settings)
+                    outcome.considered = sum(len(v) for v in candidates.values())
+                    plan = plan_pass(candidates, snap.clients, snap.ledger, limits, last_served=self.last_served,
+                                     cluster_high_backlog=self.cluster_high_backlog,
+                                     tenant_normal_backlog=self.tenant_normal_backlog,
+                                     max_dispatches=max(1, settings.dispatch_batch_size))
+                    self._count_blocked_without_candidates(plan, snap, limits, candidates)
+                    outcome.seconds_to_next_window = snap.window_start + snap.window_seconds - snap.now
+                    if plan.decisions:
+                        cur = await conn.execute(q.NOW)
+                        stamp = await cur.fetchone()
+                        assert stamp is not None
+                        if window_start(float(stamp["now"]), snap.window_seconds) != snap.window_start:
+                            raise WindowRolledOver
+                        write_started = time.perf_counter()
+                        rows = await self._write(conn, plan, stamp["ts"])
+                        outcome.dispatched = len(rows)
+                        outcome.high_dispatched = sum(1 for r in rows if r["lane"] == "high")
+            except CONFLICT_ERRORS as exc:
+                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
+                                        if write_started else 0.0, True)
+                log.warning("dispatch pass hit a write conflict; redoing it", extra={"error": str(exc)[:300]})
+                outcome.conflicted = True
+                return outcome
+            if write_started:
+                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000, False)
+        self.passes += 1
+        self.last_served.update(plan.last_served)
+        for reason, n in plan.rejections.items():
+            metrics.monitor_dispatch_reject_by_reason_count.inc(n, reason=reason)
+        outcome.rejections = dict(plan.rejections)
+        outcome.cluster_exhausted = plan.cluster_exhausted
+        outcome.full_batch = len(plan.decisions) >= max(1, settings.dispatch_batch_size)
+        if outcome.dispatched:
+            log.debug("dispatched", extra={"count": outcome.dispatched, "high": outcome.high_dispatched})
+        return outcome
+
+    def _count_blocked_without_candidates(self, plan: PassResult, snap: Snapshot, limits: PassLimits,
+                                          candidates: dict[str, list[Candidate]]) -> None:
+        """Work the pass did not even read (no platform room, slow-down, spent budget) is still a rejection:
+        counted once per blocked (tenant, platform) pair and pass, not once per waiting task."""
+        if any(candidates.get(lane) for lane in LANE_ORDER if lane != "high"):
+            return
+        if not self.pairs or not self.tenant_normal_backlog:
+            return
+        if limits.slowdown:
+            plan.rejections["auto_slowdown"] += 1
+            return
+        if snap.ledger.non_high_used >= limits.non_high_cap:
+            plan.rejections["cluster_budget"] += 1
+            plan.cluster_exhausted = True
+            return
+        for tenant_id, platform_id in self.pairs:
+            if self.tenant_normal_backlog.get(tenant_id, 0) <= 0:
+                continue
+            if snap.ledger.tenant_used.get(tenant_id, 0) >= limits.tenant_per_window:
+                plan.rejections["tenant_budget"] += 1
+            elif snap.ledger.platform_room(tenant_id, platform_id) <= 0:
+                plan.rejections["platform_concurrency"] += 1
+
+    async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> list[dict[str, Any]]:
+        decisions = plan.decisions
+        cur = await conn.execute(q.DISPATCH, {
+            "task_ids": [d.task.id for d in decisions],
+            "exec_ids": [uuid.uuid4() for _ in decisions],
+            "clients": [d.client_id for d in decisions],
+            "lanes": [d.task.lane for d in decisions],
+            "generations": [d.interrupt_generation for d in decisions],
+            "weights": [lane_weight("monitor", d.task.lane) for d in decisions],
+            "ts": ts,
+        })
+        rows = list(await cur.fetchall())
+        if len(rows) < len(decisions):
+            log.info("some decided tasks changed before the write (e.g. promoted by collect-now); skipped",
+                     extra={"decided": len(decisions), "written": len(rows)})
+        events = [
+            OutboxEvent(
+                exchange=DISPATCH, routing_key=routing_key(r["lane"], r["target_client_id"]),
+                message=TaskAvailable(kind="monitor", task_id=r["id"], target_client_id=r["target_client_id"],
+                                      priority=r["priority"], lane=r["lane"],
+                                      scheduler_group_key=r["scheduler_group_key"],
+                                      business_date=r["business_date"],
+                                      interrupt_generation=r["interrupt_generation"], updated_at=ts,
+                                      monitor_task_id=r["monitor_task_id"],
+                                      collect_request_id=r["collect_request_id"]),
+                ordering_key=f"client:{r['target_client_id']}", tenant_id=r["tenant_id"])
+            for r in rows
+        ]
+        has_high = any(r["lane"] == "high" for r in rows)
+        await enqueue_many(conn, events, notify=has_high)
+        requests: dict[uuid.UUID, int] = defaultdict(int)
+        for r in rows:
+            if r["lane"] == "high" and r["collect_request_id"] is not None:
+                requests[r["collect_request_id"]] += 1
+        if requests:
+            cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests), "counts": list(requests.values())})
+            for r in await cur.fetchall():
+                if r["first"]:
+                    metrics.collect_now_first_dispatch_latency_ms.observe(max(0.0, float(r["latency_ms"])))
+        for r in rows:
+            metrics.dispatch_decisions_count.inc(lane=r["lane"])
+            if r["lane"] == "high":
+                log.info("high task dispatched", extra={
+                    "tenant_id": r["tenant_id"], "task_id": str(r["id"]), "monitor_task_id": r["monitor_task_id"],
+                    "client_id": str(r["target_client_id"]),
+                    "collect_request_id": str(r["collect_request_id"]) if r["collect_request_id"] else None})
+        return rows
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Database errors a loop survives (connection loss, pool timeout) rather than crashing the service."""
+    from psycopg_pool import PoolTimeout
+
+    return isinstance(exc, psycopg.OperationalError | PoolTimeout)

@@ -1,0 +1,195 @@
+"""Why is this task not dispatched yet? (`monitorctl explain TASK_ID`, GET /api/ops/tasks/{id}/explain)
+
+Reads the same snapshot a dispatch pass reads and runs the same decision tree on the one task, then
+adds where the task stands in its lane and how much its tenant has waiting.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from libs.db.pool import Conn
+from libs.dispatch_settings import DispatchSettings, load_settings
+from libs.domain.dispatch import (
+    LANE_ORDER,
+    REMEDY,
+    Candidate,
+    ClientState,
+    PassLimits,
+    client_reject_reason,
+    cluster_room,
+    evaluate,
+    retry_allowed,
+)
+from services.dispatch_coordinator import queries as q
+from services.dispatch_coordinator.dispatcher import limits_from, read_snapshot
+
+_TASK = """
+SELECT t.id, t.tenant_id, t.workspace_id, t.brand_id, t.question_id, t.ai_platform_id, t.business_date, t.status,
+       t.dispatch_lane AS lane, t.dispatch_priority AS priority, t.target_client_id, t.execution_owner,
+       t.dispatch_after, t.dispatch_after > now() AS not_due, t.enqueued_at,
+       extract(epoch FROM t.enqueued_at)::float8 AS enqueued_epoch, t.dispatch_attempts, t.aging_boost,
+       t.collect_request_id, t.last_dispatched_at, extract(epoch FROM (now() - t.enqueued_at)) * 1000 AS waited_ms
+FROM monitoring_collect_tasks t WHERE t.id = %(id)s
+"""
+_EXECUTION_TASK = "SELECT monitor_task_id FROM desktop_tasks WHERE id = %(id)s AND kind = 'monitor'"
+_ACTIVE = """
+SELECT id, status, target_client_id, lane, created_at, leased_at FROM desktop_tasks
+WHERE monitor_task_id = %(id)s AND kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
+"""
+_POSITION = f"""
+SELECT count(*) FILTER (WHERE t.dispatch_lane = %(lane)s AND (t.dispatch_priority > %(priority)s OR
+            (t.dispatch_priority = %(priority)s AND (t.enqueued_at, t.id) < (%(enqueued_at)s, %(id)s))))
+           AS ahead_in_lane,
+       count(*) FILTER (WHERE t.tenant_id = %(tenant_id)s AND t.dispatch_lane = %(lane)s AND
+            (t.dispatch_priority > %(priority)s OR
+             (t.dispatch_priority = %(priority)s AND (t.enqueued_at, t.id) < (%(enqueued_at)s, %(id)s))))
+           AS ahead_in_lane_same_tenant,
+       count(*) FILTER (WHERE t.dispatch_lane = ANY(%(higher)s)) AS in_higher_lanes,
+       count(DISTINCT t.tenant_id) FILTER (WHERE t.dispatch_lane = %(lane)s) AS tenants_in_lane
+FROM monitoring_collect_tasks t WHERE {q.READY}
+"""
+_TENANT_BACKLOG = f"""
+SELECT t.dispatch_lane AS lane, count(*) AS n FROM monitoring_collect_tasks t
+WHERE t.tenant_id = %(tenant_id)s AND {q.READY} GROUP BY 1
+"""
+_HIGH_BACKLOG = f"SELECT count(*) AS n FROM monitoring_collect_tasks t WHERE t.dispatch_lane = 'high' AND {q.READY}"
+_NORMAL_WORK = f"""
+SELECT EXISTS (SELECT 1 FROM monitoring_collect_tasks t
+               WHERE t.dispatch_lane IN ('normal', 'normal_boosted', 'retry') AND {q.READY}) AS any
+"""
+
+
+async def read_coordinator_state(conn: Conn) -> dict[str, Any]:
+    """What the active coordinator last published (slow-down, leader), with its age in seconds."""
+    cur = await conn.execute(q.READ_STATE)
+    return {r["key"]: {"value": r["value"], "age_s": float(r["age_s"])} for r in await cur.fetchall()}
+
+
+def slowdown_from_state(state: dict[str, Any], max_age_s: float = 30.0) -> tuple[bool, dict[str, Any]]:
+    entry = state.get("slowdown")
+    if entry is None or entry["age_s"] > max_age_s:
+        return False, {"active": None, "note": "no fresh state from an active coordinator"}
+    value = dict(entry["value"])
+    return bool(value.get("active")), value
+
+
+async def resolve_task_id(conn: Conn, raw: str) -> int | None:
+    """A business task id, or an execution (desktop_tasks) uuid mapped to its business task."""
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        exec_id = uuid.UUID(raw)
+    except ValueError:
+        return None
+    cur = await conn.execute(_EXECUTION_TASK, {"id": exec_id})
+    row = await cur.fetchone()
+    return None if row is None else int(row["monitor_task_id"])
+
+
+def _client_view(task: Candidate, client: ClientState) -> dict[str, Any]:
+    reason = client_reject_reason(task, client)
+    return {"client_id": str(client.id), "in_progress": client.in_progress, "max_concurrent": client.max_concurrent,
+            "queued": client.queued, "max_queue_depth": client.max_queue_depth, "pending_high": client.pending_high,
+            "interrupt_overdue": client.interrupt_overdue, "blocked_by": reason}
+
+
+async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | None = None) -> dict[str, Any] | None:
+    """The explanation as a JSON-ready dict, or None when no such task exists."""
+    task_id = await resolve_task_id(conn, raw_id)
+    if task_id is None:
+        return None
+    cur = await conn.execute(_TASK, {"id": task_id})
+    t = await cur.fetchone()
+    if t is None:
+        return None
+    settings = settings or await load_settings(conn)
+    out: dict[str, Any] = {
+        "task_id": t["id"], "tenant_id": t["tenant_id"], "workspace_id": t["workspace_id"], "status": t["status"],
+        "lane": t["lane"], "priority": t["priority"], "aging_boost": t["aging_boost"],
+        "ai_platform_id": t["ai_platform_id"], "target_client_id": t["target_client_id"],
+        "execution_owner": t["execution_owner"], "dispatch_attempts": t["dispatch_attempts"],
+        "business_date": t["business_date"], "enqueued_at": t["enqueued_at"], "waited_ms": int(t["waited_ms"]),
+        "collect_request_id": t["collect_request_id"],
+    }
+    cur = await conn.execute(_TENANT_BACKLOG, {"tenant_id": t["tenant_id"]})
+    out["tenant_ready_backlog"] = {r["lane"]: int(r["n"]) for r in await cur.fetchall()}
+    cur = await conn.execute(_ACTIVE, {"id": task_id})
+    active = await cur.fetchone()
+    not_ready = []
+    if t["status"] != "pending":
+        not_ready.append(f"status is {t['status']} (only pending tasks are dispatched)")
+    if t["execution_owner"] != "desktop_tasks":
+        not_ready.append("execution_owner is legacy: dispatched by the legacy path, not by this coordinator")
+    if t["not_due"]:
+        not_ready.append(f"dispatch_after is in the future ({t['dispatch_after'].isoformat()})")
+    if active is not None:
+        not_ready.append(f"already dispatched: execution {active['id']} is {active['status']} on client "
+                         f"{active['target_client_id']}")
+        out["active_execution"] = dict(active)
+    if not_ready:
+        out.update(ready=False, dispatchable_now=False, blocked_by=None, why=not_ready)
+        return out
+
+    state = await read_coordinator_state(conn)
+    slowdown, slowdown_view = slowdown_from_state(state)
+    limits: PassLimits = limits_from(settings, slowdown=slowdown)
+    snap = await read_snapshot(conn, settings)
+    cur = await conn.execute(_NORMAL_WORK)
+    row = await cur.fetchone()
+    normal_has_work = bool(row and row["any"])
+    cur = await conn.execute(_HIGH_BACKLOG)
+    row = await cur.fetchone()
+    high_backlog = int(row["n"]) if row else 0
+    candidate = Candidate(id=t["id"], tenant_id=t["tenant_id"], workspace_id=t["workspace_id"],
+                          ai_platform_id=t["ai_platform_id"], lane=t["lane"], priority=t["priority"],
+                          enqueued_at=float(t["enqueued_epoch"]), target_client_id=t["target_client_id"])
+    scope = [c for c in snap.clients if c.tenant_id == t["tenant_id"] and c.workspace_id == t["workspace_id"]]
+    by_id = {c.id: c for c in snap.clients}
+    client, reason = evaluate(candidate, snap.ledger, limits, scope, by_id, normal_has_work=normal_has_work)
+    tenant_normal = sum(n for lane, n in out["tenant_ready_backlog"].items() if lane != "retry" and lane != "high")
+    if reason is None and t["lane"] == "retry" and not retry_allowed(
+            t["tenant_id"], cluster_high_backlog=high_backlog, tenant_normal_backlog={t["tenant_id"]: tenant_normal},
+            watermark=limits.retry_low_watermark):
+        reason, client = "retry_waits_for_low_water", None
+    higher = list(LANE_ORDER[:LANE_ORDER.index(t["lane"])]) if t["lane"] in LANE_ORDER else []
+    cur = await conn.execute(_POSITION, {"lane": t["lane"], "priority": t["priority"],
+                                         "enqueued_at": t["enqueued_at"], "id": t["id"],
+                                         "tenant_id": t["tenant_id"], "higher": higher})
+    position = await cur.fetchone()
+    high = t["lane"] == "high"
+    platform_key = (t["tenant_id"], t["ai_platform_id"])
+    out.update(
+        ready=True,
+        dispatchable_now=reason is None,
+        blocked_by=reason,
+        remedy=REMEDY.get(reason) if reason else None,
+        would_go_to_client=str(client.id) if client is not None else None,
+        why=[f"blocked by {reason}: {REMEDY.get(reason, '')}"] if reason else
+            ["passes every check now; it goes out with the next pass (tick or wake-up)"],
+        lane_position={k: int(v) for k, v in dict(position or {}).items()},
+        budgets={
+            "window_seconds": snap.window_seconds,
+            "seconds_to_next_window": round(snap.window_start + snap.window_seconds - snap.now, 3),
+            "cluster_used": snap.ledger.cluster_used, "cluster_limit": limits.cluster_per_window,
+            "cluster_room_for_lane": cluster_room(t["lane"], snap.ledger, limits, normal_has_work=normal_has_work),
+            "non_high_used": snap.ledger.non_high_used, "non_high_cap": limits.non_high_cap,
+            "tenant_used": snap.ledger.tenant_used.get(t["tenant_id"], 0), "tenant_limit": limits.tenant_per_window,
+            "tenant_budget_applies": not high,
+        },
+        platform={"active": snap.ledger.platform_active.get(platform_key, 0),
+                  "limit": snap.ledger.platform_limit.get(t["ai_platform_id"], snap.ledger.default_platform_limit),
+                  "paused": t["ai_platform_id"] in snap.ledger.paused_platforms,
+                  "code": snap.platform_codes.get(t["ai_platform_id"])},
+        clients=[_client_view(candidate, c) for c in
+                 ([by_id[t["target_client_id"]]] if t["target_client_id"] in by_id else [])
+                 or sorted(scope, key=lambda c: (c.load, str(c.id)))],
+        lane_paused=t["lane"] in limits.paused_lanes,
+        auto_slowdown=slowdown_view,
+    )
+    if t["target_client_id"] is not None and t["target_client_id"] not in by_id:
+        out["why"].append(f"bound client {t['target_client_id']} is not online (or its heartbeat is stale)")
+    return out

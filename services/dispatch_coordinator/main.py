@@ -1,0 +1,77 @@
+"""dispatch-coordinator: leader-elected scheduler and budgeted dispatcher, with operator endpoints on :9101."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aio_pika.abc import AbstractRobustConnection
+from aiohttp import web
+
+from libs.config import Settings
+from libs.db.pool import make_pool
+from libs.http import ApiError, add_readiness_check, json_response, make_app
+from libs.leader import LeaderLock
+from libs.mq.connection import connect as mq_connect
+from libs.mq.topology import Topology
+from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
+from services.dispatch_coordinator import admin
+from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
+from services.dispatch_coordinator.explain import explain_task
+
+ROLE = "dispatch-coordinator"
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+LEADER = web.AppKey("leader", LeaderLock)
+
+
+async def explain_handler(request: web.Request) -> web.Response:
+    coordinator = request.app[COORDINATOR]
+    async with coordinator.pool.connection() as conn:
+        result = await explain_task(conn, request.match_info["task_id"], await coordinator.settings())
+    if result is None:
+        raise ApiError(404, "not_found", "no business task (or monitor execution) with that id", field="task_id")
+    return json_response(result)
+
+
+async def status_handler(request: web.Request) -> web.Response:
+    coordinator = request.app[COORDINATOR]
+    async with coordinator.pool.connection() as conn:
+        result = await admin.status(conn)
+    result["this_instance"] = {"instance_id": request.app[SETTINGS].instance_id,
+                               "leader": request.app[LEADER].is_leader.is_set()}
+    return json_response(result)
+
+
+def build(settings: Settings) -> web.Application:
+    app = base_app(settings, make_app())
+    app.router.add_get("/api/ops/tasks/{task_id}/explain", explain_handler)
+    app.router.add_get("/api/ops/dispatch/status", status_handler)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS]
+        # dispatch pass, scanner, maintenance, ops endpoints; plus the leader lock and LISTEN connections.
+        pool = make_pool(settings, name="dispatch-coordinator", min_size=1, max_size=max(4, settings.db_pool_max))
+        await pool.open(wait=True, timeout=30)
+        amqp: AbstractRobustConnection = await mq_connect(settings.amqp_url,
+                                                          name=f"dispatch-coordinator-{settings.instance_id}")
+        topology = Topology(settings.mq_prefix, settings.ingest_shards)
+        app[COORDINATOR] = Coordinator(pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
+                                                               instance_id=settings.instance_id), amqp)
+        app[LEADER] = LeaderLock(settings.database_url, ROLE)
+        add_pool_check(app, pool)
+
+        async def broker() -> None:
+            if not amqp.connected.is_set():
+                raise ConnectionError("broker connection not ready")
+
+        add_readiness_check(app, "rabbitmq", broker)
+        yield
+        await amqp.close()
+        await pool.close()
+
+    app.cleanup_ctx.append(resources)
+    background(app, "dispatch-leader", lambda stop: app[LEADER].run(stop, app[COORDINATOR].lead))
+    return app
+
+
+def main() -> None:
+    serve(ROLE, build)

@@ -1,0 +1,270 @@
+"""SQL of the dispatch coordinator, as named constants with named parameters."""
+
+from __future__ import annotations
+
+# A business task is READY (cross-service contract 1) when pending on the desktop_tasks path, due, and
+# without an active execution.
+NO_ACTIVE_EXECUTION = (
+    "NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id AND d.kind = 'monitor' "
+    "AND d.status IN ('queued', 'in_progress', 'unknown'))"
+)
+READY = (
+    "t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now() AND "
+    + NO_ACTIVE_EXECUTION
+)
+
+# An execution collect-now cancelled while still queued (never leased) gives its budget back.
+REFUNDED = "(d.status = 'aborted' AND d.interrupt_reason = 'collect_now_preempt' AND d.lease_epoch = 0)"
+
+# Serialises dispatch passes (and fences a zombie ex-leader whose lock session died mid-pass).
+PASS_LOCK = "SELECT pg_advisory_xact_lock(7401552111)"
+NOW = "SELECT extract(epoch FROM clock_timestamp())::float8 AS now, clock_timestamp() AS ts"
+
+BUDGET_USED = f"""
+SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
+FROM desktop_tasks d
+WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s)
+  AND d.created_at < to_timestamp(%(window_end)s) AND NOT {REFUNDED}
+GROUP BY 1, 2
+"""
+
+# Eligible clients with their monitor load. ELIGIBLE_CLIENT_SQL is appended by the caller.
+CLIENTS = """
+SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
+       coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued,
+       coalesce(a.queued_high, 0) > 0 OR EXISTS (
+           SELECT 1 FROM monitoring_collect_tasks t
+           WHERE t.target_client_id = c.id AND t.status = 'pending' AND t.dispatch_lane = 'high'
+             AND t.execution_owner = 'desktop_tasks'
+             AND NOT EXISTS (SELECT 1 FROM desktop_tasks x WHERE x.monitor_task_id = t.id AND x.kind = 'monitor'
+                             AND x.status IN ('queued', 'in_progress', 'unknown'))) AS pending_high,
+       coalesce(a.interrupt_overdue, false) AS interrupt_overdue
+FROM desktop_clients c
+LEFT JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
+           count(*) FILTER (WHERE d.status = 'queued') AS queued,
+           count(*) FILTER (WHERE d.status = 'queued' AND d.lane = 'high') AS queued_high,
+           bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
+                   AND d.interrupted_at < now() - make_interval(
+                       secs => coalesce(ps.interrupt_soft_timeout_ms, 15000) / 1000.0)) AS interrupt_overdue
+    FROM desktop_tasks d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
+    WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+) a ON true
+WHERE {eligible}
+"""
+
+PLATFORM_ACTIVE = """
+SELECT tenant_id, ai_platform_id, count(*) AS n
+FROM desktop_tasks
+WHERE kind = 'monitor' AND status IN ('queued', 'in_progress')
+GROUP BY 1, 2
+"""
+
+PLATFORM_SETTINGS = """
+SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
+       coalesce(s.paused, false) AS paused, coalesce(s.interrupt_soft_timeout_ms, 15000) AS soft_timeout_ms,
+       coalesce(s.interrupt_hard_timeout_ms, 45000) AS hard_timeout_ms
+FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
+"""
+
+# (tenant, platform) pairs with pending desktop_tasks-path work: a loose index scan, one probe per pair.
+PENDING_PAIRS = """
+WITH RECURSIVE pairs AS (
+    (SELECT tenant_id, ai_platform_id FROM monitoring_collect_tasks
+     WHERE status = 'pending' AND execution_owner = 'desktop_tasks'
+     ORDER BY tenant_id, ai_platform_id LIMIT 1)
+    UNION ALL
+    SELECT n.tenant_id, n.ai_platform_id FROM pairs p
+    CROSS JOIN LATERAL (
+        SELECT tenant_id, ai_platform_id FROM monitoring_collect_tasks
+        WHERE status = 'pending' AND execution_owner = 'desktop_tasks'
+          AND (tenant_id, ai_platform_id) > (p.tenant_id, p.ai_platform_id)
+        ORDER BY tenant_id, ai_platform_id LIMIT 1) n
+)
+SELECT tenant_id, ai_platform_id FROM pairs
+"""
+
+_CANDIDATE_COLUMNS = (
+    "t.id, t.tenant_id, t.workspace_id, t.ai_platform_id, t.dispatch_lane AS lane, t.dispatch_priority AS priority, "
+    "extract(epoch FROM t.enqueued_at)::float8 AS enqueued_at, t.target_client_id"
+)
+
+HIGH_CANDIDATES = f"""
+SELECT {_CANDIDATE_COLUMNS}
+FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane = 'high' AND {READY}
+ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
+LIMIT %(limit)s
+"""
+
+PAIR_CANDIDATES = f"""
+SELECT c.* FROM unnest(%(tenants)s::bigint[], %(platforms)s::bigint[], %(lanes)s::text[], %(limits)s::int[])
+     AS p(tenant_id, ai_platform_id, lane, k)
+CROSS JOIN LATERAL (
+    SELECT {_CANDIDATE_COLUMNS}
+    FROM monitoring_collect_tasks t
+    WHERE t.tenant_id = p.tenant_id AND t.ai_platform_id = p.ai_platform_id AND t.dispatch_lane = p.lane
+      AND {READY}
+    ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
+    LIMIT p.k
+) c
+"""
+
+# One statement per pass: re-check each decided task (a concurrent collect-now may have promoted it),
+# count the attempt, and create its execution row (cross-service contract 2).
+DISPATCH = f"""
+WITH decided AS (
+    SELECT * FROM unnest(%(task_ids)s::bigint[], %(exec_ids)s::uuid[], %(clients)s::uuid[], %(lanes)s::text[],
+                         %(generations)s::bigint[], %(weights)s::int[])
+         AS d(monitor_task_id, exec_id, client_id, lane, generation, lane_weight)
+), claimed AS (
+    UPDATE monitoring_collect_tasks t
+    SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), updated_at = now()
+    FROM decided d
+    WHERE t.id = d.monitor_task_id AND t.dispatch_lane = d.lane
+      AND (t.target_client_id IS NULL OR t.target_client_id = d.client_id)
+      AND {READY}
+    RETURNING t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane, t.trigger_source,
+              t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id, t.business_date,
+              d.exec_id, d.client_id, d.generation, d.lane_weight
+)
+INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
+                           source, scheduler_group_key, monitor_task_id, interrupt_generation, enqueued_at,
+                           brand_id, question_id, ai_platform_id, business_date, collect_request_id,
+                           created_at, updated_at)
+SELECT exec_id, 'monitor', tenant_id, workspace_id, client_id, 'queued', dispatch_priority, dispatch_lane,
+       lane_weight,
+       CASE WHEN dispatch_lane = 'high' AND (trigger_source = 'manual' OR collect_request_id IS NOT NULL)
+                THEN 'collect_now'
+            WHEN dispatch_lane = 'retry' THEN 'retry_recovery'
+            ELSE 'daily_schedule' END,
+       'qid:' || question_id, id, CASE WHEN dispatch_lane = 'high' THEN generation ELSE 0 END, enqueued_at,
+       brand_id, question_id, ai_platform_id, business_date, collect_request_id, %(ts)s, %(ts)s
+FROM claimed
+RETURNING id, monitor_task_id, tenant_id, target_client_id, lane, priority, business_date, collect_request_id,
+          interrupt_generation, scheduler_group_key
+"""
+
+REQUESTS_DISPATCHED = """
+WITH counts AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(counts)s::int[]) AS c(id, n)
+), old AS (
+    SELECT r.id, r.first_dispatched_at IS NULL AS first
+    FROM monitoring_collect_requests r JOIN counts c ON c.id = r.id
+    ORDER BY r.id
+    FOR UPDATE OF r
+)
+UPDATE monitoring_collect_requests r
+SET dispatched_task_count = r.dispatched_task_count + c.n,
+    first_dispatched_at = coalesce(r.first_dispatched_at, now()),
+    status = CASE WHEN r.status = 'accepted' THEN 'dispatching' ELSE r.status END,
+    updated_at = now()
+FROM counts c JOIN old o ON o.id = c.id
+WHERE r.id = c.id
+RETURNING r.id, o.first, extract(epoch FROM (clock_timestamp() - r.created_at)) * 1000 AS latency_ms
+"""
+
+# ---- scanner -------------------------------------------------------------------------------------
+
+DUE_PLANS = """
+SELECT p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id, p.collector_type,
+       p.run_mode, p.interval_seconds, p.next_run_at, tn.time_zone
+FROM monitoring_plans p JOIN tenants tn ON tn.id = p.tenant_id
+WHERE p.enabled AND p.next_run_at <= now()
+ORDER BY p.next_run_at
+LIMIT %(limit)s
+FOR UPDATE OF p SKIP LOCKED
+"""
+
+CREATE_TASKS = """
+INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type,
+                                      run_mode, business_date, plan_id, status, trigger_source, dispatch_priority,
+                                      dispatch_lane, ingest_shard_key, execution_owner, enqueued_at, dispatch_after)
+SELECT tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
+       plan_id, 'pending', 'automatic', %(priority)s, 'normal', shard_key, owner, now(), now()
+FROM unnest(%(tenant_ids)s::bigint[], %(workspace_ids)s::bigint[], %(brand_ids)s::bigint[],
+            %(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(collector_types)s::text[],
+            %(run_modes)s::text[], %(dates)s::date[], %(plan_ids)s::bigint[], %(shard_keys)s::text[],
+            %(owners)s::text[])
+     AS v(tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
+          plan_id, shard_key, owner)
+ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date) DO NOTHING
+RETURNING tenant_id, ai_platform_id, execution_owner
+"""
+
+ADVANCE_PLANS = """
+UPDATE monitoring_plans p SET next_run_at = v.next_run_at, updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(next)s::timestamptz[]) AS v(id, next_run_at)
+WHERE p.id = v.id
+"""
+
+# ---- aging ---------------------------------------------------------------------------------------
+
+AGING_READY_COUNT = f"""
+SELECT count(*) AS n FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {READY}
+"""
+
+AGING_OLDEST = f"""
+SELECT t.id, t.dispatch_lane AS lane, t.dispatch_priority AS priority, t.aging_boost,
+       extract(epoch FROM (now() - t.enqueued_at)) / 60.0 AS wait_minutes
+FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {READY}
+ORDER BY t.enqueued_at, t.id
+LIMIT %(limit)s
+"""
+
+AGING_APPLY = """
+UPDATE monitoring_collect_tasks t
+SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
+     AS v(id, lane, priority, boost)
+WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'normal_boosted')
+"""
+
+# ---- observation ---------------------------------------------------------------------------------
+
+BACKLOG = f"""
+SELECT t.tenant_id, t.dispatch_lane AS lane, count(*) AS n,
+       extract(epoch FROM (now() - min(t.enqueued_at))) * 1000 AS oldest_ms
+FROM monitoring_collect_tasks t
+WHERE {READY}
+GROUP BY 1, 2
+"""
+
+NORMAL_WAIT_P99 = f"""
+SELECT coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM (now() - t.enqueued_at)) * 1000),
+                0) AS p99_ms
+FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {READY}
+"""
+
+OWNER_COUNTS = """
+SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending' GROUP BY 1
+"""
+
+CLIENT_QUEUE_DEPTH = """
+SELECT c.id, count(d.id) AS queued
+FROM desktop_clients c
+LEFT JOIN desktop_tasks d ON d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'queued'
+WHERE c.online
+GROUP BY c.id
+"""
+
+INGEST_LAG = """
+SELECT coalesce(extract(epoch FROM (now() - min(result_received_at))) * 1000, 0) AS lag_ms
+FROM desktop_tasks WHERE status = 'in_progress' AND result_received_at IS NOT NULL
+"""
+
+PROJECTION_LAG = """
+SELECT coalesce(extract(epoch FROM (now() - min(requested_at))) * 1000, 0) AS lag_ms FROM projection_rebuild_queue
+"""
+
+PUBLISH_STATE = """
+INSERT INTO dispatch_coordinator_state (key, value, updated_at) VALUES (%(key)s, %(value)s, now())
+ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, updated_at = now()
+"""
+
+READ_STATE = """
+SELECT key, value, extract(epoch FROM (now() - updated_at)) AS age_s FROM dispatch_coordinator_state
+"""
