@@ -2,57 +2,32 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from datetime import date
 
 import msgspec
 import pytest
-from aio_pika.abc import AbstractRobustConnection
 from psycopg_pool import AsyncConnectionPool
 
-from libs.config import Settings
-from libs.contracts.amqp import LifecycleEvent, MonitorResult
+from libs.contracts.amqp import LifecycleEvent
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
-from libs.mq.connection import connect
-from libs.mq.topology import Topology, declare_ingest
 from libs.telemetry import metrics as m
 from services.ingest_shard_workers.apply import SettingsCache, apply_batch
-from services.ingest_shard_workers.consumer import IngestConfig, IngestWorker
 from tests.support.ingest_factory import (
     Execution,
     World,
+    fetch,
     make_collect_request,
     make_executions,
     make_result,
     make_world,
-    publish_results,
+    publish,
     redispatch,
+    running_ingest,
 )
 from tests.support.wait import eventually
 
 DAY = date(2026, 3, 14)
-
-
-@contextlib.asynccontextmanager
-async def running_ingest(pool: AsyncConnectionPool[Conn], settings: Settings, topology: Topology,
-                         instance_id: str = "ingest-a", batch_size: int = 50) -> AsyncIterator[IngestWorker]:
-    connection = await connect(settings.amqp_url, name=instance_id)
-    async with connection.channel() as channel:
-        await declare_ingest(channel, topology)
-    worker = IngestWorker(connection, topology, pool, IngestConfig(instance_id=instance_id, batch_size=batch_size,
-                                                                   prefetch=2 * batch_size))
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    try:
-        await asyncio.wait_for(worker.subscribed.wait(), 10)
-        yield worker
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
-        await connection.close()
 
 
 @pytest.fixture
@@ -66,21 +41,9 @@ async def executions(pool: AsyncConnectionPool[Conn], world: World, **kw: object
         return await make_executions(conn, world, business_date=DAY, **kw)  # type: ignore[arg-type]
 
 
-async def fetch(pool: AsyncConnectionPool[Conn], query: str, *args: object) -> list[dict[str, object]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(query, args or None)
-        return list(await cur.fetchall())
-
-
 async def applied_count(pool: AsyncConnectionPool[Conn]) -> int:
     rows = await fetch(pool, "SELECT count(*) AS n FROM ingest_applied_results")
     return int(rows[0]["n"])  # type: ignore[call-overload]
-
-
-async def publish(amqp: AbstractRobustConnection, topology: Topology, results: list[MonitorResult | bytes],
-                  shard: int | None = None) -> None:
-    async with amqp.channel() as channel:
-        await publish_results(channel, topology, results, shard=shard)
 
 
 async def test_same_result_delivered_three_times_gives_one_run(pool, settings, topology, amqp, world) -> None:

@@ -6,21 +6,26 @@ Bulk inserts (generate_series / unnest) so benchmarks can create tens of thousan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
 
 import aio_pika
 import msgspec
-from aio_pika.abc import AbstractChannel
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
+from psycopg_pool import AsyncConnectionPool
 
+from libs.config import Settings
 from libs.contracts.amqp import MonitorResult
 from libs.contracts.http import Citation
 from libs.db.pool import Conn
 from libs.domain.shard import ingest_shard_key, shard_for
-from libs.mq.topology import Topology
+from libs.mq.connection import connect
+from libs.mq.topology import Topology, declare_ingest
+from services.ingest_shard_workers.consumer import IngestConfig, IngestWorker
 
 
 @dataclass(frozen=True)
@@ -215,3 +220,34 @@ async def publish_results(channel: AbstractChannel, topology: Topology, results:
 
 def shard_of(execution: Execution, shards: int) -> int:
     return shard_for(execution.tenant_id, execution.brand_id, execution.business_date, shards)
+
+
+@contextlib.asynccontextmanager
+async def running_ingest(pool: AsyncConnectionPool[Conn], settings: Settings, topology: Topology,
+                         instance_id: str = "ingest-a", batch_size: int = 50) -> AsyncIterator[IngestWorker]:
+    connection = await connect(settings.amqp_url, name=instance_id)
+    async with connection.channel() as channel:
+        await declare_ingest(channel, topology)
+    worker = IngestWorker(connection, topology, pool, IngestConfig(instance_id=instance_id, batch_size=batch_size,
+                                                                   prefetch=2 * batch_size))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await asyncio.wait_for(worker.subscribed.wait(), 10)
+        yield worker
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await connection.close()
+
+
+async def fetch(pool: AsyncConnectionPool[Conn], query: str, *args: object) -> list[dict[str, object]]:
+    async with pool.connection() as conn:
+        cur = await conn.execute(query, args or None)
+        return list(await cur.fetchall())
+
+
+async def publish(amqp: AbstractRobustConnection, topology: Topology, results: list[MonitorResult | bytes],
+                  shard: int | None = None, concurrency: int = 1) -> None:
+    async with amqp.channel() as channel:
+        await publish_results(channel, topology, results, shard=shard, concurrency=concurrency)

@@ -1,0 +1,135 @@
+"""SQL of the projection worker: claim coalesced requests, recompute one key from raw facts, release."""
+
+# Claim one key (event path). A row locked by a writer right now is skipped: it is being
+# re-requested, and the sweep (or its own event) picks it up.
+CLAIM_KEY = """
+WITH c AS (
+    SELECT tenant_id, brand_id, business_date FROM projection_rebuild_queue
+    WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
+      AND (claimed_by IS NULL OR claim_expires_at < now()) AND attempts < %(max_attempts)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE projection_rebuild_queue q
+SET claimed_by = %(me)s, claim_expires_at = now() + make_interval(secs => %(lease_s)s), attempts = q.attempts + 1
+FROM c
+WHERE (q.tenant_id, q.brand_id, q.business_date) = (c.tenant_id, c.brand_id, c.business_date)
+RETURNING q.tenant_id, q.brand_id, q.business_date, q.request_count, q.last_requested_at, q.requested_at
+"""
+
+# Claim the oldest unclaimed (or abandoned) keys: requests whose event was lost, re-requested keys.
+CLAIM_OLDEST = """
+WITH c AS (
+    SELECT tenant_id, brand_id, business_date FROM projection_rebuild_queue
+    WHERE (claimed_by IS NULL OR claim_expires_at < now()) AND attempts < %(max_attempts)s
+    ORDER BY requested_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE projection_rebuild_queue q
+SET claimed_by = %(me)s, claim_expires_at = now() + make_interval(secs => %(lease_s)s), attempts = q.attempts + 1
+FROM c
+WHERE (q.tenant_id, q.brand_id, q.business_date) = (c.tenant_id, c.brand_id, c.business_date)
+RETURNING q.tenant_id, q.brand_id, q.business_date, q.request_count, q.last_requested_at, q.requested_at
+"""
+
+# Recompute both projections of one key from the raw facts in one statement (one snapshot) and
+# overwrite them in place. Column definitions: libs/ingest/aggregates.py.
+REBUILD_KEY = """
+WITH runs AS (
+    SELECT id, ai_platform_id, status, brand_mentioned
+    FROM question_monitor_runs
+    WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
+), cites AS (
+    SELECT r.ai_platform_id, f.domain
+    FROM monitoring_citation_facts f JOIN runs r ON r.id = f.run_id AND r.status = 'succeeded'
+    WHERE f.tenant_id = %(tenant_id)s AND f.brand_id = %(brand_id)s AND f.business_date = %(business_date)s
+), platform_runs AS (
+    SELECT ai_platform_id,
+           count(*) AS runs,
+           count(*) FILTER (WHERE status = 'succeeded') AS succeeded_runs,
+           count(*) FILTER (WHERE status = 'failed') AS failed_runs,
+           count(*) FILTER (WHERE status = 'succeeded' AND brand_mentioned) AS brand_mentioned_runs
+    FROM runs GROUP BY ai_platform_id
+), platform_cites AS (
+    SELECT ai_platform_id, count(*) AS citations, count(DISTINCT nullif(domain, '')) AS domains
+    FROM cites GROUP BY ai_platform_id
+), platform AS (
+    SELECT p.*, coalesce(c.citations, 0) AS citations, coalesce(c.domains, 0) AS domains
+    FROM platform_runs p LEFT JOIN platform_cites c USING (ai_platform_id)
+), brand AS (
+    SELECT count(*) AS runs,
+           count(*) FILTER (WHERE status = 'succeeded') AS succeeded_runs,
+           count(*) FILTER (WHERE status = 'failed') AS failed_runs,
+           count(*) FILTER (WHERE status = 'succeeded' AND brand_mentioned) AS brand_mentioned_runs,
+           (SELECT count(*) FROM cites) AS citations,
+           (SELECT count(DISTINCT nullif(domain, '')) FROM cites) AS domains
+    FROM runs
+), drop_platforms AS (
+    DELETE FROM monitoring_brand_platform_daily d
+    WHERE d.tenant_id = %(tenant_id)s AND d.brand_id = %(brand_id)s AND d.business_date = %(business_date)s
+      AND NOT EXISTS (SELECT 1 FROM platform p WHERE p.ai_platform_id = d.ai_platform_id)
+), write_platforms AS (
+    INSERT INTO monitoring_brand_platform_daily AS d (
+        tenant_id, brand_id, business_date, ai_platform_id, runs, succeeded_runs, failed_runs, brand_mentioned_runs,
+        mention_rate, citations, distinct_cited_domains, rebuilt_at)
+    SELECT %(tenant_id)s, %(brand_id)s, %(business_date)s, p.ai_platform_id, p.runs, p.succeeded_runs, p.failed_runs,
+           p.brand_mentioned_runs,
+           CASE WHEN p.succeeded_runs = 0 THEN 0 ELSE round(p.brand_mentioned_runs::numeric / p.succeeded_runs, 4) END,
+           p.citations, p.domains, now()
+    FROM platform p
+    ORDER BY p.ai_platform_id
+    ON CONFLICT (tenant_id, brand_id, business_date, ai_platform_id) DO UPDATE
+    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
+        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
+        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
+        rebuilt_at = EXCLUDED.rebuilt_at
+), drop_brand AS (
+    DELETE FROM monitoring_brand_daily d
+    WHERE d.tenant_id = %(tenant_id)s AND d.brand_id = %(brand_id)s AND d.business_date = %(business_date)s
+      AND (SELECT runs FROM brand) = 0
+), write_brand AS (
+    INSERT INTO monitoring_brand_daily AS d (
+        tenant_id, brand_id, business_date, runs, succeeded_runs, failed_runs, brand_mentioned_runs, mention_rate,
+        citations, distinct_cited_domains, rebuilt_at)
+    SELECT %(tenant_id)s, %(brand_id)s, %(business_date)s, b.runs, b.succeeded_runs, b.failed_runs,
+           b.brand_mentioned_runs,
+           CASE WHEN b.succeeded_runs = 0 THEN 0 ELSE round(b.brand_mentioned_runs::numeric / b.succeeded_runs, 4) END,
+           b.citations, b.domains, now()
+    FROM brand b WHERE b.runs > 0
+    ON CONFLICT (tenant_id, brand_id, business_date) DO UPDATE
+    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
+        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
+        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
+        rebuilt_at = EXCLUDED.rebuilt_at
+)
+SELECT (SELECT runs FROM brand) AS runs, (SELECT count(*) FROM platform) AS platforms
+"""
+
+# Served: delete the request unless it was requested again since the claim (then keep it for the
+# next pass, unclaimed, its age restarting at the snapshot this rebuild covered).
+COMPLETE_CLAIM = """
+DELETE FROM projection_rebuild_queue
+WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
+  AND claimed_by = %(me)s AND request_count = %(request_count)s AND last_requested_at = %(last_requested_at)s
+RETURNING 1 AS deleted
+"""
+RELEASE_RE_REQUESTED = """
+UPDATE projection_rebuild_queue
+SET claimed_by = NULL, claim_expires_at = NULL, attempts = 0,
+    requested_at = greatest(requested_at, %(last_requested_at)s)
+WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
+  AND claimed_by = %(me)s
+RETURNING 1 AS released
+"""
+# A failed rebuild gives the key back at once (attempts keeps counting towards max_attempts).
+RELEASE_FAILED = """
+UPDATE projection_rebuild_queue SET claimed_by = NULL, claim_expires_at = NULL
+WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
+  AND claimed_by = %(me)s
+"""
+
+QUEUE_STATS = """
+SELECT count(*) AS depth,
+       coalesce(extract(epoch FROM now() - min(requested_at)) * 1000, 0)::float8 AS lag_ms
+FROM projection_rebuild_queue
+"""
