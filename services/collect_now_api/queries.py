@@ -45,16 +45,16 @@ CROSS JOIN LATERAL (
 ) a
 WHERE c.tenant_id = %(tenant_id)s AND c.workspace_id = %(workspace_id)s AND """ + ELIGIBLE_CLIENT_SQL
 
-RATE_LIMIT_STATE = """
+# The tenant's active requests (a handful at most: the active-request limit keeps it small). Used for the
+# limit (those not past their TTL) and for the supersede chain (those of the chosen client).
+ACTIVE_REQUESTS = """
+SELECT id, target_client_id, extract(epoch FROM ttl_expires_at - now())::float8 AS ttl_remaining_s
+FROM monitoring_collect_requests
+WHERE tenant_id = %(tenant_id)s AND status IN ('accepted', 'dispatching', 'running')
+"""
+
+USER_RATE = """
 SELECT
-  (SELECT count(*) FROM monitoring_collect_requests r
-   WHERE r.tenant_id = %(tenant_id)s AND r.status IN ('accepted', 'dispatching', 'running')
-     AND r.ttl_expires_at > now()
-     AND r.target_client_id IS DISTINCT FROM coalesce(%(client_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
-    AS active_requests,
-  (SELECT extract(epoch FROM min(r.ttl_expires_at) - now())::float8 FROM monitoring_collect_requests r
-   WHERE r.tenant_id = %(tenant_id)s AND r.status IN ('accepted', 'dispatching', 'running')
-     AND r.ttl_expires_at > now()) AS earliest_active_ttl_s,
   (SELECT count(*) FROM monitoring_collect_requests r
    WHERE r.tenant_id = %(tenant_id)s AND r.requested_by_user_id = %(user_id)s
      AND r.created_at > now() - interval '1 hour') AS user_requests_last_hour,
@@ -79,6 +79,13 @@ WHERE q.tenant_id = %(tenant_id)s AND q.brand_id = %(brand_id)s AND q.enabled
 ORDER BY q.id, p.id
 """
 
+# The write phase is pipelined: statements after the increment read the new generation with this
+# subquery (0 when the request is unbound). No other writer changes a client's generation.
+_GENERATION = (
+    "coalesce((SELECT interrupt_generation FROM desktop_clients "
+    "WHERE id = %(client_id)s::uuid AND tenant_id = %(tenant_id)s), 0)"
+)
+
 INCREMENT_GENERATION = """
 UPDATE desktop_clients SET interrupt_generation = interrupt_generation + 1, updated_at = now()
 WHERE id = %(client_id)s AND tenant_id = %(tenant_id)s
@@ -88,35 +95,40 @@ RETURNING interrupt_generation
 # Contract 4: the client's queued scheduled executions are cancelled at once. The set-based twin of
 # transitions.end_execution(outcome='aborted') for executions that were never leased (no attempt to
 # close), in one statement to keep the request's transaction short.
-CANCEL_QUEUED_SCHEDULED = """
-UPDATE desktop_tasks
-SET status = 'aborted', finished_at = now(), updated_at = now(), lease_token_hash = NULL,
-    interrupt_reason = 'collect_now_preempt', interrupted_at = now(), interrupt_generation = %(generation)s,
-    control_flags = control_flags || jsonb_build_object('cancelled', true, 'interrupt_generation', %(generation)s,
-                                                        'collect_request_id', %(request_id)s::text)
-WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
-  AND source = 'daily_schedule' AND status = 'queued'
-RETURNING id, monitor_task_id, ai_platform_id, lane
-"""
-
-# The set-based twin of transitions.yield_business_task: a cancelled queued execution gives its
+# Then (the set-based twin of transitions.yield_business_task) each one's business task gets its
 # dispatch attempt back; lane and enqueued_at are kept.
-YIELD_BUSINESS_TASKS = """
-UPDATE monitoring_collect_tasks
-SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
-WHERE id = ANY(%(ids)s::bigint[]) AND tenant_id = %(tenant_id)s AND status = 'pending'
+CANCEL_QUEUED_SCHEDULED = """
+WITH g AS (SELECT """ + _GENERATION + """ AS gen),
+cancelled AS (
+    UPDATE desktop_tasks
+    SET status = 'aborted', finished_at = now(), updated_at = now(), lease_token_hash = NULL,
+        interrupt_reason = 'collect_now_preempt', interrupted_at = now(), interrupt_generation = g.gen,
+        control_flags = control_flags || jsonb_build_object('cancelled', true, 'interrupt_generation', g.gen,
+                                                            'collect_request_id', %(request_id)s::text)
+    FROM g
+    WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
+      AND source = 'daily_schedule' AND status = 'queued'
+    RETURNING id, monitor_task_id, ai_platform_id, lane
+), yielded AS (
+    UPDATE monitoring_collect_tasks
+    SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
+    WHERE id IN (SELECT monitor_task_id FROM cancelled) AND tenant_id = %(tenant_id)s AND status = 'pending'
+)
+SELECT * FROM cancelled
 """
 
 # Contract 4: the client's running scheduled executions are asked to yield at their next safe point.
 MARK_INTERRUPT_REQUESTED = """
+WITH g AS (SELECT """ + _GENERATION + """ AS gen)
 UPDATE desktop_tasks
 SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
-                                                        'interrupt_generation', %(generation)s,
+                                                        'interrupt_generation', g.gen,
                                                         'collect_request_id', %(request_id)s::text),
-    interrupt_generation = %(generation)s, interrupted_at = coalesce(interrupted_at, now()),
+    interrupt_generation = g.gen, interrupted_at = coalesce(interrupted_at, now()),
     interrupt_reason = 'collect_now_preempt', updated_at = now()
+FROM g
 WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
-  AND source = 'daily_schedule' AND status = 'in_progress' AND interrupt_generation < %(generation)s
+  AND source = 'daily_schedule' AND status = 'in_progress' AND interrupt_generation < g.gen
 RETURNING id, monitor_task_id, ai_platform_id, lane
 """
 
@@ -127,7 +139,7 @@ INSERT INTO monitoring_collect_tasks
      dispatch_priority, dispatch_lane, target_client_id, dispatch_after, interrupt_generation,
      collect_request_id, ingest_shard_key, execution_owner)
 SELECT %(tenant_id)s, %(workspace_id)s, %(brand_id)s, s.question_id, s.ai_platform_id, %(business_date)s,
-       s.plan_id, 'manual', %(priority)s, 'high', %(client_id)s, now(), %(generation)s, %(request_id)s,
+       s.plan_id, 'manual', %(priority)s, 'high', %(client_id)s, now(), """ + _GENERATION + """, %(request_id)s,
        %(shard_key)s, 'desktop_tasks'
 FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(plan_ids)s::bigint[])
      AS s(question_id, ai_platform_id, plan_id)
@@ -152,7 +164,7 @@ WITH scope AS (
 ), promoted AS (
     UPDATE monitoring_collect_tasks t
     SET status = 'pending', dispatch_lane = 'high', dispatch_priority = %(priority)s,
-        target_client_id = %(client_id)s, interrupt_generation = %(generation)s,
+        target_client_id = %(client_id)s, interrupt_generation = """ + _GENERATION + """,
         collect_request_id = %(request_id)s, superseded_by_request_id = NULL, dispatch_after = now(),
         execution_owner = 'desktop_tasks',
         dispatch_attempts = CASE WHEN t.status = 'pending' THEN t.dispatch_attempts ELSE 0 END,
@@ -164,12 +176,6 @@ WITH scope AS (
     RETURNING t.id
 )
 SELECT s.id, (p.id IS NOT NULL) AS promoted FROM scope_tasks s LEFT JOIN promoted p ON p.id = s.id ORDER BY s.id
-"""
-
-ACTIVE_REQUESTS_OF_CLIENT = """
-SELECT id FROM monitoring_collect_requests
-WHERE tenant_id = %(tenant_id)s AND target_client_id = %(client_id)s
-  AND status IN ('accepted', 'dispatching', 'running')
 """
 
 MARK_TASKS_SUPERSEDED = """
@@ -195,6 +201,7 @@ VALUES (%(id)s, %(tenant_id)s, %(workspace_id)s, %(brand_id)s, %(keyword_id)s, %
 RETURNING *
 """
 
+# Wakes the coordinator (dispatch the high work now) and the outbox pumps, at commit.
 NOTIFY = "SELECT pg_notify(%(dispatch_channel)s, ''), pg_notify(%(outbox_channel)s, '')"
 
 REQUEST_PROGRESS = """

@@ -76,106 +76,123 @@ async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipa
 
 async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int, body: CollectNowRequest,
                           settings: DispatchSettings) -> Accepted:
+    """Pipelined: five round trips (checks + lock, reads, writes, request + events + commit) instead of ~20,
+    which keeps click -> commit at a few milliseconds."""
     tenant_id = principal.tenant_id
-    async with conn.transaction():
-        brand = await _fetch_one(conn, q.BRAND, {"brand_id": brand_id, "tenant_id": tenant_id,
-                                                  "workspace_id": principal.workspace_id})
+    async with conn.pipeline() as pipe, conn.transaction():
+        # Round trip 1: the brand (and keyword) in the caller's tenant, then the tenant's collect-now lock.
+        brand_cur = await conn.execute(q.BRAND, {"brand_id": brand_id, "tenant_id": tenant_id,
+                                                 "workspace_id": principal.workspace_id})
+        keyword_cur = None
+        if body.keyword_id is not None:
+            keyword_cur = await conn.execute(q.KEYWORD_OF_BRAND, {
+                "keyword_id": body.keyword_id, "brand_id": brand_id, "tenant_id": tenant_id})
+        await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
+        await pipe.sync()
+        brand = await brand_cur.fetchone()
         if brand is None:
             raise ApiError(404, "not_found", "brand not found", "brand_id")
-        if body.keyword_id is not None and await _fetch_one(conn, q.KEYWORD_OF_BRAND, {
-                "keyword_id": body.keyword_id, "brand_id": brand_id, "tenant_id": tenant_id}) is None:
+        if keyword_cur is not None and await keyword_cur.fetchone() is None:
             raise ApiError(400, "invalid_field", f"keyword {body.keyword_id} does not belong to brand {brand_id}",
                            "keyword_id")
         business_date: date = brand["business_date"]
         hashed = scope_hash(brand_id=brand_id, keyword_id=body.keyword_id, question_ids=body.question_ids,
                             ai_platform_ids=body.ai_platform_ids, business_date=business_date)
 
-        await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
-        existing = await _fetch_one(conn, q.IDEMPOTENT_REQUEST, {
+        # Round trip 2 (under the lock, so on committed data): replay?, clients, limits, scope.
+        existing_cur = await conn.execute(q.IDEMPOTENT_REQUEST, {
             "user_id": principal.user_id, "brand_id": brand_id, "scope_hash": hashed, "tenant_id": tenant_id,
             "window_s": settings.idempotency_window_seconds})
+        candidates_cur = await conn.execute(q.CLIENT_CANDIDATES, {
+            "tenant_id": tenant_id, "workspace_id": principal.workspace_id,
+            "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+        active_cur = await conn.execute(q.ACTIVE_REQUESTS, {"tenant_id": tenant_id})
+        user_cur = await conn.execute(q.USER_RATE, {"tenant_id": tenant_id, "user_id": principal.user_id})
+        scope_cur = await conn.execute(q.SCOPE, {
+            "tenant_id": tenant_id, "brand_id": brand_id, "keyword_id": body.keyword_id,
+            "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
+        await pipe.sync()
+        existing = await existing_cur.fetchone()
         if existing is not None:
             return Accepted(_replay_response(existing), replay=True)
-
-        candidates = [_candidate(row) for row in await _fetch_all(conn, q.CLIENT_CANDIDATES, {
-            "tenant_id": tenant_id, "workspace_id": principal.workspace_id,
-            "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})]
+        candidates = [_candidate(row) for row in await candidates_cur.fetchall()]
         choice = choose_target_client(candidates, requested=body.target_client_id,
                                       heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
         client_id = choice.client_id
-
-        limits = await _fetch_one(conn, q.RATE_LIMIT_STATE, {"tenant_id": tenant_id, "user_id": principal.user_id,
-                                                              "client_id": client_id})
-        assert limits is not None
+        active = await active_cur.fetchall()
+        user = await user_cur.fetchone()
+        assert user is not None
+        # A request this one supersedes (same client) is not an extra active one.
+        counted = [r for r in active if r["ttl_remaining_s"] > 0
+                   and (client_id is None or r["target_client_id"] != client_id)]
         limited = check_rate_limits(
-            active_requests=limits["active_requests"], max_active_requests=settings.max_active_requests_per_tenant,
-            earliest_active_ttl_s=limits["earliest_active_ttl_s"],
-            user_requests_last_hour=limits["user_requests_last_hour"],
+            active_requests=len(counted), max_active_requests=settings.max_active_requests_per_tenant,
+            earliest_active_ttl_s=min((r["ttl_remaining_s"] for r in counted), default=None),
+            user_requests_last_hour=user["user_requests_last_hour"],
             max_user_requests_per_hour=settings.max_requests_per_user_per_hour,
-            oldest_user_request_age_s=limits["oldest_user_request_age_s"])
+            oldest_user_request_age_s=user["oldest_user_request_age_s"])
         if limited is not None:
             raise ApiError(429, limited.code, limited.message, retry_after_s=limited.retry_after_s)
-
-        scope = await _fetch_all(conn, q.SCOPE, {
-            "tenant_id": tenant_id, "brand_id": brand_id, "keyword_id": body.keyword_id,
-            "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
+        scope = await scope_cur.fetchall()
         _check_scope(scope, body)
-        question_ids = [r["question_id"] for r in scope]
-        platform_ids = [r["ai_platform_id"] for r in scope]
+        old_ids: list[uuid.UUID] = [] if client_id is None else [
+            r["id"] for r in active if r["target_client_id"] == client_id]
 
+        # Round trip 3: generation, preemption, missing tasks, promotion, supersede marks on old tasks.
         request_id = uuid.uuid4()
-        generation = 0
-        cancelled: list[_Execution] = []
-        interrupted: list[_Execution] = []
-        if client_id is not None:
-            generation = await _increment_generation(conn, client_id, tenant_id)
-            if body.preempt:
-                params = {"client_id": client_id, "tenant_id": tenant_id, "generation": generation,
-                          "request_id": request_id}
-                cancelled = [_execution(r) for r in await _fetch_all(conn, q.CANCEL_QUEUED_SCHEDULED, params)]
-                if cancelled:
-                    await conn.execute(q.YIELD_BUSINESS_TASKS, {
-                        "ids": [e.monitor_task_id for e in cancelled], "tenant_id": tenant_id})
-                interrupted = [_execution(r) for r in await _fetch_all(conn, q.MARK_INTERRUPT_REQUESTED, params)]
-
-        task_params: dict[str, Any] = {
+        params: dict[str, Any] = {
             "tenant_id": tenant_id, "workspace_id": brand["workspace_id"], "brand_id": brand_id,
-            "business_date": business_date, "client_id": client_id, "generation": generation,
-            "request_id": request_id, "priority": HIGH_PRIORITY, "question_ids": question_ids,
-            "platform_ids": platform_ids, "shard_key": ingest_shard_key(tenant_id, brand_id, business_date)}
-        created = await _fetch_all(conn, q.CREATE_MISSING_TASKS,
-                                   {**task_params, "plan_ids": [r["plan_id"] for r in scope]})
-        scope_tasks = await _fetch_all(conn, q.PROMOTE_SCOPE, task_params)
+            "business_date": business_date, "client_id": client_id, "request_id": request_id,
+            "priority": HIGH_PRIORITY, "question_ids": [r["question_id"] for r in scope],
+            "platform_ids": [r["ai_platform_id"] for r in scope], "plan_ids": [r["plan_id"] for r in scope],
+            "shard_key": ingest_shard_key(tenant_id, brand_id, business_date)}
+        generation_cur = cancelled_cur = interrupted_cur = None
+        if client_id is not None:
+            generation_cur = await conn.execute(q.INCREMENT_GENERATION, params)
+            if body.preempt:
+                cancelled_cur = await conn.execute(q.CANCEL_QUEUED_SCHEDULED, params)
+                interrupted_cur = await conn.execute(q.MARK_INTERRUPT_REQUESTED, params)
+        created_cur = await conn.execute(q.CREATE_MISSING_TASKS, params)
+        scope_tasks_cur = await conn.execute(q.PROMOTE_SCOPE, params)
+        if old_ids:
+            await conn.execute(q.MARK_TASKS_SUPERSEDED, {"request_id": request_id, "tenant_id": tenant_id,
+                                                         "old_ids": old_ids})
+        await pipe.sync()
+        generation = 0
+        if generation_cur is not None:
+            row = await generation_cur.fetchone()
+            assert row is not None, "the chosen client belongs to the tenant"
+            generation = int(row["interrupt_generation"])
+        cancelled = [_execution(r) for r in await cancelled_cur.fetchall()] if cancelled_cur else []
+        interrupted = [_execution(r) for r in await interrupted_cur.fetchall()] if interrupted_cur else []
+        created = await created_cur.fetchall()
+        scope_tasks = await scope_tasks_cur.fetchall()
         promoted_ids = [int(r["id"]) for r in scope_tasks if r["promoted"]]
 
-        old_ids: list[uuid.UUID] = []
-        if client_id is not None:
-            old_ids = [r["id"] for r in await _fetch_all(conn, q.ACTIVE_REQUESTS_OF_CLIENT,
-                                                         {"tenant_id": tenant_id, "client_id": client_id})]
-            if old_ids:
-                await conn.execute(q.MARK_TASKS_SUPERSEDED, {"request_id": request_id, "tenant_id": tenant_id,
-                                                             "old_ids": old_ids})
+        # Round trip 4 (with the commit): the request row, the superseded ones, outbox events, wake-ups.
         request_scope = {
             "brand_id": brand_id, "keyword_id": body.keyword_id, "question_ids": body.question_ids,
             "ai_platform_ids": body.ai_platform_ids, "business_date": business_date.isoformat(),
             "affected_task_count": len(scope_tasks), "created_task_count": len(created),
             "monitor_task_ids": promoted_ids, "client_choice": choice.reason,
         }
-        row = await _fetch_one(conn, q.INSERT_REQUEST, {
+        request_cur = await conn.execute(q.INSERT_REQUEST, {
             "id": request_id, "tenant_id": tenant_id, "workspace_id": principal.workspace_id, "brand_id": brand_id,
             "keyword_id": body.keyword_id, "user_id": principal.user_id, "client_id": client_id,
             "scope_hash": hashed, "scope": msgspec.json.encode(request_scope).decode(), "preempt": body.preempt,
             "generation": generation, "requested": len(promoted_ids), "aborted_queued": len(cancelled),
             "interrupt_requested": len(interrupted), "ttl_s": settings.request_ttl_seconds})
-        assert row is not None
-        superseded: list[uuid.UUID] = []
+        superseded_cur = None
         if old_ids:
-            superseded = [r["id"] for r in await _fetch_all(conn, q.SUPERSEDE_REQUESTS, {
-                "request_id": request_id, "tenant_id": tenant_id, "old_ids": old_ids})]
-
+            superseded_cur = await conn.execute(q.SUPERSEDE_REQUESTS, {
+                "request_id": request_id, "tenant_id": tenant_id, "old_ids": old_ids})
         await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=request_id,
                             generation=generation, cancelled=cancelled, interrupted=interrupted)
         await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL})
+        await pipe.sync()
+        request_row = await request_cur.fetchone()
+        assert request_row is not None
+        superseded = [r["id"] for r in await superseded_cur.fetchall()] if superseded_cur else []
 
     metrics.collect_now_accept_count.inc()
     if interrupted:
@@ -190,7 +207,7 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
         request_id=request_id, target_client_id=client_id, affected_task_count=len(scope_tasks),
         promoted_task_count=len(promoted_ids), aborted_queued_count=len(cancelled),
         interrupt_requested_count=len(interrupted), interrupt_generation=generation,
-        ttl_expires_at=row["ttl_expires_at"], status="accepted",
+        ttl_expires_at=request_row["ttl_expires_at"], status="accepted",
         superseded_request_id=superseded[0] if superseded else None,
         message=accept_message(client_id=client_id, reason=choice.reason, promoted=len(promoted_ids),
                                aborted_queued=len(cancelled), interrupt_requested=len(interrupted)))
@@ -199,29 +216,21 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
 
 async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | None, request_id: uuid.UUID,
                         generation: int, cancelled: list[_Execution], interrupted: list[_Execution]) -> None:
-    """TaskControl per cancelled / interrupted execution and the lifecycle event, pipelined (one round trip)."""
+    """TaskControl per cancelled / interrupted execution and the lifecycle event (in the caller's pipeline)."""
     now = datetime.now(UTC)
-    async with conn.pipeline():
-        if client_id is not None:
-            batches: tuple[tuple[list[_Execution], ControlKind], ...] = (
-                (cancelled, "cancelled"), (interrupted, "interrupt_requested"))
-            for executions, control in batches:
-                for execution in executions:
-                    message = TaskControl(kind="monitor", task_id=execution.task_id, target_client_id=client_id,
-                                          control=control, reason=PREEMPT_REASON,
-                                          interrupt_generation=generation, updated_at=now,
-                                          collect_request_id=request_id)
-                    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}",
-                                  message=message, ordering_key=f"client:{client_id}", tenant_id=tenant_id)
-        await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id,
-                             lane="high", collect_request_id=request_id, reason=PREEMPT_REASON if cancelled
-                             or interrupted else None)
-
-
-async def _increment_generation(conn: Conn, client_id: uuid.UUID, tenant_id: int) -> int:
-    row = await _fetch_one(conn, q.INCREMENT_GENERATION, {"client_id": client_id, "tenant_id": tenant_id})
-    assert row is not None, "the chosen client belongs to the tenant"
-    return int(row["interrupt_generation"])
+    if client_id is not None:
+        batches: tuple[tuple[list[_Execution], ControlKind], ...] = (
+            (cancelled, "cancelled"), (interrupted, "interrupt_requested"))
+        for executions, control in batches:
+            for execution in executions:
+                message = TaskControl(kind="monitor", task_id=execution.task_id, target_client_id=client_id,
+                                      control=control, reason=PREEMPT_REASON, interrupt_generation=generation,
+                                      updated_at=now, collect_request_id=request_id)
+                await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}",
+                              message=message, ordering_key=f"client:{client_id}", tenant_id=tenant_id)
+    await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id, lane="high",
+                         collect_request_id=request_id,
+                         reason=PREEMPT_REASON if cancelled or interrupted else None)
 
 
 def _check_scope(scope: list[dict[str, Any]], body: CollectNowRequest) -> None:
