@@ -42,7 +42,7 @@ class Fleet:
     async def start(self, index: int) -> None:
         client_id, token = self.creds[index]
         sim = ScriptedClient(self.stack.hub_url, uuid.UUID(client_id), token,
-                             work_seconds=self.rng.uniform(0.2, 0.6))
+                             work_seconds=self.rng.uniform(0.5, 1.5))
         await sim.start()
         self.live[index] = sim
         self.all.append(sim)
@@ -57,7 +57,9 @@ class Fleet:
         if dead and (len(self.live) <= 1 or self.rng.random() < 0.5):
             await self.start(self.rng.choice(dead))
         else:
-            await self.kill(self.rng.choice(sorted(self.live)))
+            # Prefer a client in the middle of a task: that is the crash the reconciler must repair.
+            busy = sorted(i for i, sim in self.live.items() if sim.current_task is not None)
+            await self.kill(self.rng.choice(busy or sorted(self.live)))
 
     async def stop(self) -> None:
         for index in list(self.live):
@@ -143,3 +145,7 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
                                       "AND status IN ('accepted', 'dispatching', 'running')", tenant_id)
     assert open_requests == []
     assert requests
+    repairs = await fetch(pool, "SELECT status, abort_reason, count(*) AS n FROM desktop_task_attempts "
+                                "WHERE tenant_id = %s GROUP BY 1, 2 ORDER BY 1, 2", tenant_id)
+    print("chaos kills:", fleet.kills, "attempts:", repairs)  # shown with -s: how much repair the run needed
+    assert any(r["status"] == "expired" for r in repairs), "no client died holding a lease: the chaos was too mild"

@@ -45,6 +45,7 @@ class ScriptedClient:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _interrupts: set[str] = field(default_factory=set)
     _revoked: set[str] = field(default_factory=set)
+    current_task: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -118,7 +119,11 @@ class ScriptedClient:
                 continue
             for task in tasks:
                 self.leased.append(task)
-                await self._run(task)
+                self.current_task = str(task["task_id"])
+                try:
+                    await self._run(task)
+                finally:
+                    self.current_task = None
 
     async def _run(self, task: dict[str, Any]) -> None:
         """Serial execution with an extend (safe point) every 0.2 s until the work time is spent."""
