@@ -220,6 +220,31 @@ async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExec
     return ended
 
 
+_RETRY_BUSINESS_MANY = """
+UPDATE monitoring_collect_tasks t
+SET status = CASE WHEN t.dispatch_attempts >= %(max_attempts)s THEN 'failed' ELSE 'pending' END,
+    dispatch_lane = CASE WHEN t.dispatch_lane = 'high' THEN 'high' ELSE 'retry' END,
+    dispatch_priority = CASE WHEN t.dispatch_lane = 'high' THEN t.dispatch_priority ELSE %(retry_priority)s END,
+    last_error = w.error,
+    completed_at = CASE WHEN t.dispatch_attempts >= %(max_attempts)s THEN now() END,
+    updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(errors)s::text[]) AS w(id, error)
+WHERE t.id = w.id AND t.status = 'pending'
+RETURNING t.id, t.status
+"""
+
+
+async def retry_business_tasks(conn: Conn, failures: dict[int, str | None], *, max_attempts: int) -> dict[int, str]:
+    """`retry_business_task` for many tasks ({monitor_task_id: error}) in one statement; returns the new
+    status of each task that was pending."""
+    if not failures:
+        return {}
+    ids = sorted(failures)
+    cur = await conn.execute(_RETRY_BUSINESS_MANY, {"ids": ids, "errors": [failures[i] for i in ids],
+                                                    "max_attempts": max_attempts, "retry_priority": RETRY_PRIORITY})
+    return {int(row["id"]): str(row["status"]) for row in await cur.fetchall()}
+
+
 async def finish_business_tasks(conn: Conn, monitor_task_ids: list[int], *,
                                 status: Literal["completed", "failed"]) -> set[int]:
     """`finish_business_task` for many tasks in one statement; returns the ids that moved."""

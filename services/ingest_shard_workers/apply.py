@@ -14,15 +14,15 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 
-from libs.contracts.amqp import MonitorResult, ProjectionRebuild
+from libs.contracts.amqp import LifecycleEvent, LifecycleKind, MonitorResult, ProjectionRebuild
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
 from libs.dispatch_settings import load_settings
 from libs.ingest.citations import ParsedCitation, parse_citations
 from libs.ingest.progress import CountDelta, request_count_delta, request_status_after
 from libs.ingest.runs import fold_latest_effective
-from libs.mq.topology import DISPATCH, PROJECTION
-from libs.outbox import enqueue
+from libs.mq.topology import DISPATCH, LIFECYCLE, PROJECTION
+from libs.outbox import OutboxEvent, enqueue, enqueue_many
 from libs.tasks.transitions import (
     EndedExecution,
     ExecutionEnd,
@@ -30,7 +30,7 @@ from libs.tasks.transitions import (
     end_execution,
     end_executions,
     finish_business_tasks,
-    retry_business_task,
+    retry_business_tasks,
 )
 from services.ingest_shard_workers import queries as q
 
@@ -147,12 +147,10 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
     # Failures first: a success of the same business task later in the batch still completes it.
     failed_now = [r for r in enders if r.status == "failed"]
     if failed_now:
-        max_attempts = await settings.max_attempts(conn)
-        for r in failed_now:
-            new_status = await retry_business_task(conn, r.monitor_task_id, max_attempts=max_attempts, error=r.error)
-            if new_status is not None:
-                business_after[r.monitor_task_id] = new_status
-                written += 1
+        retried = await retry_business_tasks(conn, {r.monitor_task_id: r.error for r in failed_now},
+                                             max_attempts=await settings.max_attempts(conn))
+        business_after.update(retried)
+        written += len(retried)
     succeeded_ids = sorted({r.monitor_task_id for r in fresh if r.status == "succeeded"})
     completed = await finish_business_tasks(conn, succeeded_ids, status="completed")
     for tid in completed:
@@ -163,13 +161,10 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
 
     await _request_progress(conn, fresh, tasks, business_before, business_after, outcome)
 
-    # Lifecycle and projection events: no result needed, so they go in one pipeline round trip.
-    async with conn.pipeline():
-        written += await _request_projections(conn, fresh, won_keys, outcome)
-        for r in enders:
-            await _emit_result_lifecycle(conn, r, ended_by_task[r.task_id])
-            written += 1
-    outcome.rows_written = written
+    events = await _request_projections(conn, won_keys, outcome)
+    events += [_result_lifecycle(r, ended_by_task[r.task_id]) for r in enders]
+    await enqueue_many(conn, events)
+    outcome.rows_written += written + len(events)
 
 
 async def _upsert_runs(conn: Conn, fresh: list[MonitorResult], outcome: BatchOutcome) -> set[RunKey]:
@@ -285,30 +280,30 @@ async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[
         outcome.rows_written += 1
 
 
-async def _request_projections(conn: Conn, fresh: list[MonitorResult], won_keys: set[RunKey],
-                               outcome: BatchOutcome) -> int:
+async def _request_projections(conn: Conn, won_keys: set[RunKey], outcome: BatchOutcome) -> list[OutboxEvent]:
+    """Coalesced rebuild requests; a ProjectionRebuild event only for keys whose row is new."""
     keys = sorted({(k[0], k[1], k[6]) for k in won_keys})
     if not keys:
-        return 0
+        return []
     cur = await conn.execute(q.REQUEST_PROJECTION, {"tenant_ids": [k[0] for k in keys],
                                                     "brand_ids": [k[1] for k in keys],
                                                     "dates": [k[2] for k in keys]})
     rows = await cur.fetchall()
+    outcome.rows_written += len(rows)
     now = datetime.now(UTC)
-    for row in rows:
-        if row["inserted"]:
-            event = ProjectionRebuild(tenant_id=int(row["tenant_id"]), brand_id=int(row["brand_id"]),
-                                      business_date=row["business_date"], requested_at=now)
-            await enqueue(conn, exchange=PROJECTION, routing_key="rebuild", message=event,
-                          tenant_id=event.tenant_id)
-            outcome.rebuilds_requested += 1
-    return len(rows) + outcome.rebuilds_requested
+    events = [OutboxEvent(exchange=PROJECTION, routing_key="rebuild", tenant_id=int(row["tenant_id"]),
+                          message=ProjectionRebuild(tenant_id=int(row["tenant_id"]), brand_id=int(row["brand_id"]),
+                                                    business_date=row["business_date"], requested_at=now))
+              for row in rows if row["inserted"]]
+    outcome.rebuilds_requested += len(events)
+    return events
 
 
-async def _emit_result_lifecycle(conn: Conn, r: MonitorResult, execution: EndedExecution) -> None:
-    await emit_lifecycle(conn, "task.completed" if r.status == "succeeded" else "task.failed",
-                         tenant_id=r.tenant_id, client_id=r.client_id, task_id=r.task_id,
-                         monitor_task_id=r.monitor_task_id, ai_platform_id=r.ai_platform_id, lane=execution.lane,
-                         reason=None if r.status == "succeeded" else "result_failed",
-                         collect_request_id=r.collect_request_id)
-
+def _result_lifecycle(r: MonitorResult, execution: EndedExecution) -> OutboxEvent:
+    """The `task.completed` / `task.failed` event (the same message `emit_lifecycle` writes)."""
+    event: LifecycleKind = "task.completed" if r.status == "succeeded" else "task.failed"
+    message = LifecycleEvent(event=event, tenant_id=r.tenant_id, occurred_at=datetime.now(UTC), client_id=r.client_id,
+                             task_id=r.task_id, monitor_task_id=r.monitor_task_id, ai_platform_id=r.ai_platform_id,
+                             lane=execution.lane, reason=None if r.status == "succeeded" else "result_failed",
+                             collect_request_id=r.collect_request_id)
+    return OutboxEvent(exchange=LIFECYCLE, routing_key=event, message=message, tenant_id=r.tenant_id)
