@@ -103,6 +103,7 @@ async def run(args: argparse.Namespace) -> None:
                 await _online(conn, world["tenants"][0]["tenant_id"])
             tenant = busy["tenants"][0]
             await _backlog(conn, tenant["tenant_id"], tenant["brands"][1]["brand_id"], backlog)
+            await conn.execute("ANALYZE")  # steady state: autovacuum would have analyzed a table this size
         await pool.close()
         with tempfile.TemporaryDirectory() as logs:
             api = ServiceProcess("collect-now-api", service_env(settings, GATEWAY_JWT_SECRET=SECRET, DB_POOL_MAX=6),

@@ -112,7 +112,8 @@ cancelled AS (
 ), yielded AS (
     UPDATE monitoring_collect_tasks
     SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
-    WHERE id IN (SELECT monitor_task_id FROM cancelled) AND tenant_id = %(tenant_id)s AND status = 'pending'
+    -- = ANY(ARRAY(...)): primary-key probes whatever the planner thinks of the tenant's backlog.
+    WHERE id = ANY(ARRAY(SELECT monitor_task_id FROM cancelled)) AND tenant_id = %(tenant_id)s AND status = 'pending'
 )
 SELECT * FROM cancelled
 """
@@ -175,7 +176,9 @@ WITH scope AS (
     WHERE t.id = s.id AND s.status IN ('pending', 'completed', 'failed', 'expired', 'skipped')
     RETURNING t.id
 )
-SELECT s.id, (p.id IS NOT NULL) AS promoted FROM scope_tasks s LEFT JOIN promoted p ON p.id = s.id ORDER BY s.id
+SELECT id, true AS promoted FROM promoted
+UNION ALL
+SELECT id, false FROM scope_tasks WHERE status NOT IN ('pending', 'completed', 'failed', 'expired', 'skipped')
 """
 
 MARK_TASKS_SUPERSEDED = """
