@@ -288,6 +288,7 @@ class Dispatcher:
 
     async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> list[dict[str, Any]]:
         decisions = plan.decisions
+        await conn.execute(q.LOCK_CLIENTS, {"ids": sorted({d.client_id for d in decisions}, key=str)})
         cur = await conn.execute(q.DISPATCH, {
             "task_ids": [d.task.id for d in decisions],
             "exec_ids": [uuid.uuid4() for _ in decisions],

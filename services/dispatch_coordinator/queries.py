@@ -124,6 +124,13 @@ WITH decided AS (
     WHERE t.id = d.monitor_task_id AND t.dispatch_lane = d.lane
       AND (t.target_client_id IS NULL OR t.target_client_id = d.client_id)
       AND {READY}
+      -- Lane rule re-checked at write time: a collect-now that committed since the snapshot wins.
+      AND (d.lane = 'high' OR NOT EXISTS (
+          SELECT 1 FROM monitoring_collect_tasks h
+          WHERE h.target_client_id = d.client_id AND h.status = 'pending' AND h.dispatch_lane = 'high'
+            AND h.execution_owner = 'desktop_tasks'
+            AND NOT EXISTS (SELECT 1 FROM desktop_tasks x WHERE x.monitor_task_id = h.id AND x.kind = 'monitor'
+                            AND x.status IN ('in_progress', 'unknown'))))
     RETURNING t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane, t.trigger_source,
               t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id, t.business_date,
               d.exec_id, d.client_id, d.generation, d.lane_weight
@@ -144,6 +151,12 @@ FROM claimed
 RETURNING id, monitor_task_id, tenant_id, target_client_id, lane, priority, business_date, collect_request_id,
           interrupt_generation, scheduler_group_key
 """
+
+# Collect-now starts by updating its client's row (interrupt_generation): holding these rows in share
+# mode orders a pass against a collect-now on the same client. Either the collect-now committed first
+# (the DISPATCH re-check then sees its high work and sends no normal) or it waits for this pass and then
+# cancels the normal executions this pass queued on its client.
+LOCK_CLIENTS = "SELECT id FROM desktop_clients WHERE id = ANY(%(ids)s) ORDER BY id FOR SHARE"
 
 REQUESTS_DISPATCHED = """
 WITH counts AS (
