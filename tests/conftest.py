@@ -82,7 +82,7 @@ def settings(database_url: str, backend: Backends, topology: Topology) -> Settin
         amqp_url=backend.amqp_url,
         mq_prefix=topology.prefix,
         ingest_shards=topology.ingest_shards,
-        gateway_jwt_secret="test-secret",
+        gateway_jwt_secret="test-secret-0123456789-abcdefghijklmnop",
         db_pool_min=1,
         db_pool_max=4,
         shutdown_grace_seconds=5,
