@@ -1,11 +1,13 @@
-"""Chaos: a fleet of desktop clients killed and restarted at random during a small day's schedule plus
-collect-nows. Whatever happens, every business task ends terminal, no business task ever has two
-active executions at once, and every succeeded result is in the raw facts exactly once."""
+"""Chaos: a fleet of simulated desktop clients (`desktop-sim` processes) SIGKILLed and restarted at
+random during a small day's schedule plus collect-nows. Whatever happens, every business task ends
+terminal, no business task ever has two active executions at once (per desktop_task_attempts), and
+every succeeded result is in the raw facts exactly once."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -16,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
-from tests.support.reconcile_clients import ScriptedClient
+from tests.support.procs import BIN
 from tests.support.reconcile_stack import Stack, configure, running_stack
 from tests.support.wait import eventually
 
@@ -31,39 +33,61 @@ async def fetch(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> li
 
 
 class Fleet:
-    def __init__(self, stack: Stack, tenant: dict[str, Any], rng: random.Random) -> None:
+    """One `desktop-sim` process per client: killed with SIGKILL (no goodbye at all) and started again."""
+
+    def __init__(self, stack: Stack, tenant: dict[str, Any], rng: random.Random, pool: AsyncConnectionPool[Conn],
+                 log_dir: Path) -> None:
         self.stack = stack
         self.rng = rng
-        self.creds = [(c["client_id"], c["token"]) for c in tenant["clients"]]
-        self.live: dict[int, ScriptedClient] = {}
-        self.all: list[ScriptedClient] = []
+        self.pool = pool
+        self.log_dir = log_dir
+        self.creds = [(uuid.UUID(c["client_id"]), c["token"]) for c in tenant["clients"]]
+        self.live: dict[int, subprocess.Popen[bytes]] = {}
         self.kills = 0
+        self.starts = 0
 
-    async def start(self, index: int) -> None:
-        client_id, token = self.creds[index]
-        sim = ScriptedClient(self.stack.hub_url, uuid.UUID(client_id), token,
-                             work_seconds=self.rng.uniform(0.5, 1.5))
-        await sim.start()
-        self.live[index] = sim
-        self.all.append(sim)
+    def start(self, index: int) -> None:
+        _, token = self.creds[index]
+        self.starts += 1
+        log = (self.log_dir / f"desktop-sim-{index}-{self.starts}.log").open("wb")
+        self.live[index] = subprocess.Popen(
+            [str(BIN / "desktop-sim"), "--hub", self.stack.hub_url, "--token", token, "--timings", "fast",
+             "--scale", "4", "--heartbeat-interval", "0.5", "--failure-rate", "0.05", "--stats-interval", "600"],
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
 
-    async def kill(self, index: int) -> None:
-        await self.live.pop(index).kill()
+    def kill(self, index: int) -> None:
+        proc = self.live.pop(index)
+        proc.kill()
+        proc.wait(5)
         self.kills += 1
 
+    async def busy(self) -> set[int]:
+        """Clients holding a lease right now: killing those is the crash the reconciler must repair."""
+        rows = await fetch(self.pool, "SELECT DISTINCT target_client_id FROM desktop_tasks "
+                                      "WHERE status = 'in_progress' AND target_client_id = ANY(%s)",
+                           [c for c, _ in self.creds])
+        holding = {r["target_client_id"] for r in rows}
+        return {i for i, (client_id, _) in enumerate(self.creds) if client_id in holding}
+
     async def churn(self) -> None:
-        """Kill a random live client (keeping at least one) or bring a dead one back."""
+        """Kill a live client (keeping at least one, preferring one mid-task) or bring a dead one back."""
         dead = [i for i in range(len(self.creds)) if i not in self.live]
         if dead and (len(self.live) <= 1 or self.rng.random() < 0.5):
-            await self.start(self.rng.choice(dead))
-        else:
-            # Prefer a client in the middle of a task: that is the crash the reconciler must repair.
-            busy = sorted(i for i, sim in self.live.items() if sim.current_task is not None)
-            await self.kill(self.rng.choice(busy or sorted(self.live)))
+            self.start(self.rng.choice(dead))
+            return
+        busy = sorted(await self.busy() & set(self.live))
+        self.kill(self.rng.choice(busy or sorted(self.live)))
 
-    async def stop(self) -> None:
-        for index in list(self.live):
-            await self.live.pop(index).kill()
+    def stop(self) -> None:
+        for proc in self.live.values():
+            proc.terminate()
+        for proc in self.live.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self.live.clear()
 
 
 async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
@@ -76,10 +100,10 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
     tenant = seeded["tenants"][0]
     tenant_id = tenant["tenant_id"]
     async with running_stack(settings, tmp_path) as stack:
-        fleet = Fleet(stack, tenant, rng)
+        fleet = Fleet(stack, tenant, rng, pool, tmp_path)
         try:
             for index in range(len(fleet.creds)):
-                await fleet.start(index)
+                fleet.start(index)
             collect_nows = [CHAOS_SECONDS * 0.2, CHAOS_SECONDS * 0.5]
             requests: list[str] = []
             started = time.monotonic()
@@ -94,7 +118,7 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
                 await asyncio.sleep(rng.uniform(0.4, 1.2))  # the pace of the chaos, not a wait for a condition
             for index in range(len(fleet.creds)):
                 if index not in fleet.live:
-                    await fleet.start(index)
+                    fleet.start(index)
 
             async def all_terminal() -> bool:
                 rows = await fetch(pool, "SELECT count(*) FILTER (WHERE status NOT IN ('completed', 'failed', "
@@ -105,7 +129,7 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
             await eventually(all_terminal, timeout=45, interval=0.25,
                              message=f"every business task terminal\n{stack.logs()}")
         finally:
-            await fleet.stop()
+            fleet.stop()
 
     assert fleet.kills >= 3, "the chaos must actually kill clients"
     tasks = await fetch(pool, "SELECT id, status FROM monitoring_collect_tasks WHERE tenant_id = %s", tenant_id)

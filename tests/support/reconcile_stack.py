@@ -94,9 +94,9 @@ async def running_stack(settings: Settings, log_dir: Path, *, services: tuple[st
     base = service_env(settings, **{**FAST_ENV, **env})
     try:
         for name in services:
-            proc = ServiceProcess(name, base, log_dir=log_dir)
-            stack.procs[name] = proc
-            await asyncio.to_thread(proc.start)
+            stack.procs[name] = ServiceProcess(name, base, log_dir=log_dir)
+        # In parallel: each waits for its own /readyz; they find each other through Postgres and RabbitMQ.
+        await asyncio.gather(*(asyncio.to_thread(proc.start) for proc in stack.procs.values()))
         yield stack
     finally:
         for proc in reversed(stack.procs.values()):
