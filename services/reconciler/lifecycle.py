@@ -8,6 +8,7 @@ acknowledged. A message that does not decode is dead-lettered, never dropped sil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
@@ -24,8 +25,27 @@ CONSUMER = "reconciler"
 WAKES: dict[str, tuple[str, ...]] = {"client.offline": ("offline_clients",)}
 
 
+RETRY_SECONDS = 2.0
+
+
 async def consume_lifecycle(connection: AbstractRobustConnection, topology: Topology, scheduler: JobScheduler,
                             stop: asyncio.Event) -> None:
+    """Consume until `stop`. The events are only hints (every job also runs on its interval), so a broker
+    outage never stops reconciling: the consumer retries in the background."""
+    while not stop.is_set():
+        try:
+            await _consume(connection, topology, scheduler, stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("lifecycle consumer failed; jobs keep running on their intervals",
+                        extra={"error": f"{type(exc).__name__}: {exc}"})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
+
+
+async def _consume(connection: AbstractRobustConnection, topology: Topology, scheduler: JobScheduler,
+                   stop: asyncio.Event) -> None:
     channel = await connection.channel()
     try:
         await channel.set_qos(prefetch_count=50)
@@ -46,4 +66,5 @@ async def consume_lifecycle(connection: AbstractRobustConnection, topology: Topo
         await stop.wait()
         await queue.cancel(tag)
     finally:
-        await channel.close()
+        with contextlib.suppress(Exception):
+            await channel.close()
