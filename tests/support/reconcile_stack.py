@@ -9,12 +9,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import aiohttp
 
 from libs.auth import TenantPrincipal, issue_gateway_jwt
 from libs.config import Settings
 from libs.db.pool import Conn
 from libs.dispatch_settings import set_setting
+from libs.mq.topology import Topology, delete_all
 from tests.support.procs import ServiceProcess, service_env
 
 # >= 32 bytes: PyJWT warns about shorter HMAC keys (and warnings are errors in the suite).
@@ -101,3 +103,16 @@ async def running_stack(settings: Settings, log_dir: Path, *, services: tuple[st
     finally:
         for proc in reversed(stack.procs.values()):
             await asyncio.to_thread(proc.stop)
+        await _delete_topology(settings)
+
+
+async def _delete_topology(settings: Settings) -> None:
+    """The services declared this test's prefixed queues (quorum ones too): remove them, so the shared
+    broker does not accumulate a test's worth of queues every run."""
+    with contextlib.suppress(Exception):
+        connection = await asyncio.wait_for(aio_pika.connect(settings.amqp_url), 10)
+        try:
+            async with connection.channel() as channel:
+                await asyncio.wait_for(delete_all(channel, Topology(settings.mq_prefix, settings.ingest_shards)), 30)
+        finally:
+            await connection.close()
