@@ -147,7 +147,7 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
                                      "AND status IN ('queued', 'in_progress', 'unknown')", tenant_id)
     assert still_active == []
 
-    runs = await fetch(pool, "SELECT r.id, r.status, t.id AS task_id, t.status AS task_status, "
+    runs = await fetch(pool, "SELECT r.id, r.status, r.citation_count, r.desktop_task_id, t.id AS task_id, "
                              "(SELECT count(*) FROM monitoring_citation_facts f WHERE f.run_id = r.id) AS facts "
                              "FROM question_monitor_runs r JOIN monitoring_collect_tasks t "
                              "ON t.tenant_id = r.tenant_id AND t.brand_id = r.brand_id "
@@ -162,9 +162,13 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
     completed = {t["id"] for t in tasks if t["status"] == "completed"}
     assert completed, "the fleet completed nothing"
     assert succeeded_tasks <= set(by_task)
+    winners = {r["id"]: r["monitor_task_id"] for r in await fetch(
+        pool, "SELECT id, monitor_task_id FROM desktop_tasks WHERE tenant_id = %s AND status = 'succeeded'", tenant_id)}
     for task_id in completed:
         run = by_task[task_id]
-        assert run["status"] == "succeeded" and run["facts"] == 1, run
+        assert run["status"] == "succeeded" and winners.get(run["desktop_task_id"]) == task_id, run
+        # Citation facts keyed by (run, fingerprint): never more than the result carried, none lost.
+        assert run["facts"] <= run["citation_count"] and (run["citation_count"] == 0 or run["facts"] > 0), run
     open_requests = await fetch(pool, "SELECT id, status FROM monitoring_collect_requests WHERE tenant_id = %s "
                                       "AND status IN ('accepted', 'dispatching', 'running')", tenant_id)
     assert open_requests == []
