@@ -70,9 +70,31 @@ def database_url(backend: Backends, template_db: str) -> Iterator[str]:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+@pytest.fixture(scope="session")
+def _broker_prefixes(backend: Backends) -> Iterator[list[Topology]]:
+    """Every prefixed topology a test used; deleted again at the end of the session, so tests that
+    start services (which declare their own queues) leave nothing behind on the broker."""
+    used: list[Topology] = []
+    yield used
+    if used:
+        asyncio.run(_delete_topologies(backend.amqp_url, used))
+
+
+async def _delete_topologies(amqp_url: str, topologies: list[Topology]) -> None:
+    connection = await aio_pika.connect_robust(amqp_url)
+    try:
+        async with connection.channel() as channel:
+            for topology in topologies:
+                await asyncio.wait_for(delete_all(channel, topology), 60)
+    finally:
+        await connection.close()
+
+
 @pytest.fixture
-def topology() -> Topology:
-    return Topology(prefix=f"t{uuid.uuid4().hex[:10]}.", ingest_shards=4)
+def topology(_broker_prefixes: list[Topology]) -> Topology:
+    created = Topology(prefix=f"t{uuid.uuid4().hex[:10]}.", ingest_shards=4)
+    _broker_prefixes.append(created)
+    return created
 
 
 @pytest.fixture
