@@ -12,7 +12,9 @@ LOCK_CLIENT_LEASES = "SELECT pg_advisory_xact_lock(hashtextextended('hub.lease:'
 CLIENT_CAPACITY = """
 SELECT c.max_concurrent_monitor,
        (SELECT count(*) FROM desktop_tasks d
-        WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress') AS in_progress
+        WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
+          -- a posted result waits for ingest, not for the client: the client is free again
+          AND d.result_received_at IS NULL) AS in_progress
 FROM desktop_clients c
 WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
 """

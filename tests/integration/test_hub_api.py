@@ -375,3 +375,22 @@ def _hist_count(name: str, **labels: str) -> float:
 
     value = REGISTRY.get_sample_value(f"{name}_count", labels or None)
     return value or 0.0
+
+
+async def test_a_posted_result_frees_the_clients_slot(hub: TestServer, http: aiohttp.ClientSession,
+                                                      pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
+    tenant, client, token, platform = _first(seed)
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1 WHERE id = %s", (client,))
+        first = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client, age_s=10)
+        second = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client,
+                                          question_index=1)
+    (task,) = await lease(http, hub, token)
+    assert task["task_id"] == str(first["task_id"])
+    assert await lease(http, hub, token) == []
+    status, _ = await post(http, hub, f"/api/desktop/tasks/{task['task_id']}/result", token,
+                           {"lease_token": task["lease_token"], "status": "succeeded", "answer_text": "done"})
+    assert status == 202
+    # The first execution stays in_progress until ingest applies the result, but the client is free.
+    (following,) = await lease(http, hub, token)
+    assert following["task_id"] == str(second["task_id"])

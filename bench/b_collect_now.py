@@ -1,0 +1,157 @@
+"""Collect-now latency through the whole chain, with real processes:
+
+click (HTTP POST collect-now) -> collect-now-api transaction (outbox row + NOTIFY) -> coordinator
+dispatch (woken by NOTIFY) -> outbox-pump -> RabbitMQ -> dispatch-hub -> `task_available` on the
+target client's WebSocket -> pull-lease. Measured idle, and with 50 simulated clients connected and
+working through a 10,000-task normal backlog.
+
+    .venv/bin/python -m bench collect_now            (--quick for a smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from bench.common import bench_environment, summary
+from libs.auth import TenantPrincipal, issue_gateway_jwt
+from libs.config import Settings
+from libs.db.pool import connect
+from libs.demo import seed_demo
+from libs.dispatch_settings import set_setting
+from tests.support.procs import ServiceProcess, service_env
+from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
+
+SERVICES = ("outbox-pump", "dispatch-coordinator", "dispatch-hub", "collect-now-api", "ingest-shard-workers")
+JWT_SECRET = "bench-collect-now-gateway-secret-0123456789"
+
+_BACKLOG = """
+INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
+    status, dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner, enqueued_at)
+SELECT q.tenant_id, b.workspace_id, q.brand_id, q.id, tp.ai_platform_id, d::date, 'pending', 100, 'normal',
+       q.tenant_id || ':' || q.brand_id || ':' || d::date, 'desktop_tasks', now() - random() * interval '1 hour'
+FROM monitoring_questions q
+JOIN brands b ON b.id = q.brand_id
+JOIN tenant_platforms tp ON tp.tenant_id = q.tenant_id
+CROSS JOIN generate_series(current_date - %(days)s + 1, current_date, interval '1 day') d
+WHERE q.tenant_id = ANY(%(tenants)s)
+ON CONFLICT DO NOTHING
+"""
+
+
+async def _prepare(settings: Settings, *, clicks: int, load: bool) -> dict[str, Any]:
+    conn = await connect(settings.database_url)
+    try:
+        probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks, clients=1, platforms=("openai",),
+                                due=False)
+        background: dict[str, Any] = {"tenants": []}
+        if load:
+            background = await seed_demo(conn, tenants=10, brands=1, questions=10, clients=5, due=False)
+            tenants = [t["tenant_id"] for t in background["tenants"]]
+            cur = await conn.execute(_BACKLOG, {"tenants": tenants, "days": 34})
+            print(f"  backlog: {cur.rowcount} ready normal tasks across {len(tenants)} tenants", flush=True)
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
+                           "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
+        await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
+        for key, value in {"max_active_requests_per_tenant": 10_000, "max_requests_per_user_per_hour": 10_000,
+                           "cluster_dispatch_per_minute": 20_000, "tenant_dispatch_per_minute": 300}.items():
+            await set_setting(conn, key, value)
+    finally:
+        await conn.close()
+    return {"probe": probe["tenants"][0], "background": background}
+
+
+async def _measure(settings: Settings, stack: dict[str, ServiceProcess], world: dict[str, Any],
+                   clicks: int) -> tuple[list[float], list[float]]:
+    probe = world["probe"]
+    client = probe["clients"][0]
+    brand = probe["brands"][0]
+    jwt = issue_gateway_jwt(JWT_SECRET, TenantPrincipal(probe["tenant_id"], probe["workspace_id"], probe["user_id"]))
+    hub, api = stack["dispatch-hub"].url, stack["collect-now-api"].url
+    to_socket: list[float] = []
+    to_lease: list[float] = []
+    async with aiohttp.ClientSession() as http, http.ws_connect(
+            f"{hub}/api/desktop/ws", headers={"Authorization": f"Bearer {client['token']}"}) as ws:
+        assert msgspec.json.decode((await ws.receive()).data)["type"] == "hello"
+        for question_id in brand["question_ids"][:clicks]:
+            clicked = time.perf_counter()
+            async with http.post(f"{api}/api/tenant/monitoring/brands/{brand['brand_id']}/collect-now",
+                                 json={"target_client_id": client["client_id"], "question_ids": [question_id]},
+                                 headers={"Authorization": f"Bearer {jwt}"}) as resp:
+                assert resp.status in (200, 201, 202), await resp.text()
+            while True:
+                event = msgspec.json.decode((await ws.receive(timeout=10)).data)
+                if event.get("type") == "task_available" and event.get("lane") == "high":
+                    break
+            to_socket.append((time.perf_counter() - clicked) * 1000)
+            async with http.post(f"{hub}/api/desktop/monitor/lease", json={"max_tasks": 1},
+                                 headers={"Authorization": f"Bearer {client['token']}"}) as resp:
+                tasks = (await resp.json())["tasks"]
+            to_lease.append((time.perf_counter() - clicked) * 1000)
+            for task in tasks:
+                async with http.post(f"{hub}/api/desktop/tasks/{task['task_id']}/result", json={
+                        "lease_token": task["lease_token"], "status": "succeeded", "answer_text": "bench"},
+                        headers={"Authorization": f"Bearer {client['token']}"}) as resp:
+                    assert resp.status == 202
+            await asyncio.sleep(0.05)  # clicks are human-paced; keep them apart
+    return to_socket, to_lease
+
+
+async def _scenario(name: str, *, clicks: int, load: bool) -> None:
+    async with bench_environment(shards=16) as base:
+        settings = replace(base, gateway_jwt_secret=JWT_SECRET)
+        print(f"  {name}: preparing data", flush=True)
+        world = await _prepare(settings, clicks=clicks, load=load)
+        print(f"  {name}: starting {', '.join(SERVICES)}", flush=True)
+        with tempfile.TemporaryDirectory() as logs:
+            env = service_env(settings, DB_POOL_MAX=6)
+            stack: dict[str, ServiceProcess] = {}
+            fleet: list[SimClient] = []
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            try:
+                for service in SERVICES:
+                    stack[service] = ServiceProcess(service, env, log_dir=Path(logs))
+                    await asyncio.to_thread(stack[service].start)
+                if load:
+                    # Realistic desktop pacing (a task takes seconds), so the load is the backlog, the
+                    # dispatching and 50 sockets, not a CPU-bound simulator sharing the benchmark's cores.
+                    timings = TIMING_PROFILES["demo"].scaled(0.5)
+                    for tenant in world["background"]["tenants"]:
+                        for c in tenant["clients"]:
+                            fleet.append(SimClient(SimOptions(hub_url=stack["dispatch-hub"].url, token=c["token"],
+                                                              timings=timings), session=session))
+                    for sim in fleet:
+                        await sim.start()
+                    await asyncio.sleep(5)  # let the fleet connect and dispatch reach its steady state
+                try:
+                    to_socket, to_lease = await _measure(settings, stack, world, clicks)
+                except TimeoutError:
+                    for service in ("dispatch-coordinator", "collect-now-api"):
+                        print(f"----- {service} log tail\n{stack[service].logs()[-3000:]}")
+                    raise
+                print(f"  {name}: click -> task_available on the socket (ms): {summary(to_socket)}", flush=True)
+                print(f"  {name}: click -> lease (ms):                        {summary(to_lease)}", flush=True)
+                if load:
+                    connected = sum(1 for sim in fleet if sim.connected.is_set())
+                    executed = sum(len(sim.stats.executed) for sim in fleet)
+                    print(f"  {name}: {connected} clients connected; they executed {executed} normal tasks meanwhile",
+                          flush=True)
+            finally:
+                await asyncio.gather(*(sim.stop() for sim in fleet), return_exceptions=True)
+                await session.close()
+                for proc in reversed(stack.values()):
+                    await asyncio.to_thread(proc.stop)
+
+
+async def run(args: argparse.Namespace) -> None:
+    clicks = 15 if args.quick else 100
+    await _scenario("idle", clicks=clicks, load=False)
+    await _scenario("50 clients + 10k backlog", clicks=clicks, load=True)
