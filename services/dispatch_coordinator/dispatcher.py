@@ -269,7 +269,7 @@ class Dispatcher:
         counted once per blocked (tenant, platform) pair and pass, not once per waiting task."""
         if any(candidates.get(lane) for lane in LANE_ORDER if lane != "high"):
             return
-        if not self.pairs or not self.tenant_normal_backlog:
+        if not self.pairs:
             return
         if limits.slowdown:
             plan.rejections["auto_slowdown"] += 1
@@ -279,7 +279,7 @@ class Dispatcher:
             plan.cluster_exhausted = True
             return
         for tenant_id, platform_id in self.pairs:
-            if self.tenant_normal_backlog.get(tenant_id, 0) <= 0:
+            if self.tenant_normal_backlog and self.tenant_normal_backlog.get(tenant_id, 0) <= 0:
                 continue
             if snap.ledger.tenant_used.get(tenant_id, 0) >= limits.tenant_per_window:
                 plan.rejections["tenant_budget"] += 1

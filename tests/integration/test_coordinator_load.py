@@ -106,7 +106,8 @@ async def test_budgets_concurrency_collect_now_fairness_and_background_share(
         seeded = await seed_fleet(conn, plans_per_tenant=[BIG] + [SMALL] * 9, clients_per_tenant=4)
         for key, value in (("budget_window_seconds", WINDOW_S), ("cluster_dispatch_per_minute", CLUSTER),
                            ("tenant_dispatch_per_minute", TENANT), ("normal_background_share", SHARE),
-                           ("high_reserved_share", RESERVE), ("dispatch_tick_ms", 200), ("aging_interval_seconds", 3600)):
+                           ("high_reserved_share", RESERVE), ("dispatch_tick_ms", 200),
+                           ("aging_interval_seconds", 3600)):
             await set_setting(conn, key, value)
         for code, limit in PLATFORM_LIMITS.items():
             await conn.execute("INSERT INTO platform_settings (ai_platform_id, max_concurrent) VALUES (%(p)s, %(n)s) "
