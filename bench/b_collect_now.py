@@ -14,19 +14,24 @@ import argparse
 import asyncio
 import tempfile
 import time
+import uuid
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import aiohttp
 import msgspec
 
 from bench.common import bench_environment, summary
 from libs.auth import TenantPrincipal, issue_gateway_jwt
 from libs.config import Settings
+from libs.contracts.wire import TaskAvailable
 from libs.db.pool import connect
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
+from libs.mq.topology import Topology
 from tests.support.procs import ServiceProcess, service_env
 from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
@@ -102,7 +107,60 @@ async def _measure(settings: Settings, stack: dict[str, ServiceProcess], world: 
                         headers={"Authorization": f"Bearer {client['token']}"}) as resp:
                     assert resp.status == 202
             await asyncio.sleep(0.05)  # clicks are human-paced; keep them apart
+        hub_hop = await _hub_hop(settings, ws, client["client_id"], samples=max(clicks, 50))
+    print(f"  hub hop (broker publish -> socket, ms): {summary(hub_hop)}", flush=True)
     return to_socket, to_lease
+
+
+async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, client_id: str, *,
+                   samples: int) -> list[float]:
+    """The hub's own share: an event published straight to the dispatch exchange -> on the socket."""
+    topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    connection = await aio_pika.connect_robust(settings.amqp_url)
+    hops: list[float] = []
+    try:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(topology.dispatch_exchange)
+        for _ in range(samples):
+            event = TaskAvailable(kind="monitor", task_id=uuid.uuid4(), target_client_id=uuid.UUID(client_id),
+                                  priority=5000, lane="high", updated_at=datetime.now(UTC))
+            sent = time.perf_counter()
+            await exchange.publish(aio_pika.Message(msgspec.json.encode(event)),
+                                   routing_key=f"monitor.high.{client_id}")
+            while True:
+                received = msgspec.json.decode((await ws.receive(timeout=10)).data)
+                if received.get("task_id") == str(event.task_id):
+                    break
+            hops.append((time.perf_counter() - sent) * 1000)
+    finally:
+        await connection.close()
+    return hops
+
+
+_BREAKDOWN = """
+SELECT
+  (SELECT array_agg(extract(epoch FROM first_dispatched_at - created_at) * 1000)
+   FROM monitoring_collect_requests WHERE tenant_id = %(tenant)s AND first_dispatched_at IS NOT NULL) AS to_dispatch,
+  (SELECT array_agg(extract(epoch FROM published_at - created_at) * 1000)
+   FROM outbox WHERE tenant_id = %(tenant)s AND routing_key LIKE 'monitor.high.%%' AND published_at IS NOT NULL)
+   AS to_publish
+"""
+
+
+async def _breakdown(settings: Settings, name: str, tenant_id: int) -> None:
+    """Where the time goes: click -> coordinator dispatch (request row), dispatch commit -> broker confirm."""
+    conn = await connect(settings.database_url)
+    try:
+        cur = await conn.execute(_BREAKDOWN, {"tenant": tenant_id})
+        row = await cur.fetchone()
+    finally:
+        await conn.close()
+    if row and row["to_dispatch"]:
+        values = [float(v) for v in row["to_dispatch"]]
+        print(f"  {name}: click -> dispatched by the coordinator (ms): {summary(values)}", flush=True)
+    if row and row["to_publish"]:
+        values = [float(v) for v in row["to_publish"]]
+        print(f"  {name}: dispatch -> published by the pump (ms):      {summary(values)}", flush=True)
 
 
 async def _scenario(name: str, *, clicks: int, load: bool) -> None:
@@ -139,6 +197,7 @@ async def _scenario(name: str, *, clicks: int, load: bool) -> None:
                     raise
                 print(f"  {name}: click -> task_available on the socket (ms): {summary(to_socket)}", flush=True)
                 print(f"  {name}: click -> lease (ms):                        {summary(to_lease)}", flush=True)
+                await _breakdown(settings, name, world["probe"]["tenant_id"])
                 if load:
                     connected = sum(1 for sim in fleet if sim.connected.is_set())
                     executed = sum(len(sim.stats.executed) for sim in fleet)
