@@ -183,12 +183,12 @@ class Gateway:
     async def detach(self, conn: Connection) -> None:
         principal = conn.principal
         client_id = principal.client_id
-        metrics.desktop_websocket_connections.dec()
         async with self._lock(client_id):
             conns = self._sockets.get(client_id)
             if conns is None or conn not in conns:
                 return
             conns.discard(conn)
+            metrics.desktop_websocket_connections.dec()
             if conns:
                 return
             del self._sockets[client_id]

@@ -149,9 +149,11 @@ async def test_two_sockets_of_one_client_share_a_binding(
         topology: Topology, pool: AsyncConnectionPool[Conn]) -> None:
     tenant = seed["tenants"][0]
     client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
+    before = _gauge()
     first, second = await connect(http, hub, token), await connect(http, hub, token)
     for ws in (first, second):
         assert (await receive(ws))["type"] == "hello"
+    assert _gauge() == before + 2
     await first.close()
     # The binding stays while one socket is left, and the client stays online.
     event = available(client)
@@ -159,6 +161,17 @@ async def test_two_sockets_of_one_client_share_a_binding(
     assert (await receive(second))["task_id"] == str(event.task_id)
     assert (await client_row(pool, client))["online"] is True
     await second.close()
+
+    async def both_gone() -> bool:
+        return _gauge() == before
+
+    await eventually(both_gone, message="desktop_websocket_connections back to its value")
+
+
+def _gauge() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("desktop_websocket_connections") or 0.0
 
 
 async def test_heartbeats_malformed_messages_and_pings(
