@@ -121,7 +121,7 @@ WITH decided AS (
     UPDATE monitoring_collect_tasks t
     SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), updated_at = now()
     FROM decided d
-    WHERE t.id = d.monitor_task_id AND t.dispatch_lane = d.lane
+    WHERE t.id = d.monitor_task_id AND t.id = ANY(%(task_ids)s::bigint[]) AND t.dispatch_lane = d.lane
       AND (t.target_client_id IS NULL OR t.target_client_id = d.client_id)
       AND {READY}
       -- Lane rule re-checked at write time: a collect-now that committed since the snapshot wins.

@@ -14,7 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.contracts.wire import TaskAvailable
 from libs.db.pool import Conn
 from libs.dispatch_settings import load_settings, set_setting
-from libs.mq.topology import Topology
+from libs.mq.topology import Topology, declare_exchanges
 from libs.tasks.transitions import emit_lifecycle, end_execution, finish_business_task
 from libs.telemetry import metrics
 from services.dispatch_coordinator import admin
@@ -81,7 +81,10 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
         seeded = await seed_fleet(conn, plans_per_tenant=[12], clients_per_tenant=3)
         await set_setting(conn, "dispatch_tick_ms", 60_000)  # only wake-ups can make it dispatch again
     tenant = seeded.tenants[0]
-    async with run_coordinator(settings) as running, capture(amqp, topology.dispatch_exchange, "monitor.#") as cap:
+    async with amqp.channel() as channel:
+        await declare_exchanges(channel, topology)
+    # Bind the capture before the coordinator starts: its first dispatch is published within moments.
+    async with capture(amqp, topology.dispatch_exchange, "monitor.#") as cap, run_coordinator(settings) as running:
         # Scanner -> tasks -> dispatch: one execution per platform (default limit 1 per tenant account).
         await eventually(lambda: _count(pool, "SELECT count(*) FROM desktop_tasks"), timeout=10,
                          message="first dispatch")
@@ -116,22 +119,24 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
                          message="dispatch after the completion event")
         assert time.monotonic() - started < 5
 
-        # Collect-now (NOTIFY in its transaction): high work on its client within moments.
+        # Collect-now (NOTIFY in its transaction) for a task whose platform is busy on ANOTHER client (the
+        # collect-now client's own queued scheduled work is cancelled by the collect-now itself).
+        cn_client = tenant.clients[2]
         async with pool.connection() as conn:
+            busy = await (await conn.execute(
+                "SELECT id, monitor_task_id, ai_platform_id FROM desktop_tasks WHERE status = 'queued' "
+                "AND target_client_id <> %(c)s ORDER BY created_at LIMIT 1", {"c": cn_client})).fetchone()
+            assert busy is not None
             ready = [r["id"] for r in await (await conn.execute(
                 "SELECT id FROM monitoring_collect_tasks t WHERE status = 'pending' AND NOT EXISTS (SELECT 1 FROM "
                 "desktop_tasks d WHERE d.monitor_task_id = t.id) AND ai_platform_id = %(p)s ORDER BY id LIMIT 1",
-                {"p": done["ai_platform_id"]})).fetchall()]
-            request_id, _ = await collect_now(conn, tenant_id=tenant.tenant_id, client_id=tenant.clients[2],
+                {"p": busy["ai_platform_id"]})).fetchall()]
+            request_id, _ = await collect_now(conn, tenant_id=tenant.tenant_id, client_id=cn_client,
                                               task_ids=ready)
         # The tenant's account on that platform is busy (limit 1): the high task waits for that completion.
         async with pool.connection() as conn:
             explained = await explain_task(conn, str(ready[0]))
             assert explained is not None and explained["blocked_by"] == "platform_concurrency"
-            busy = await (await conn.execute(
-                "SELECT id, monitor_task_id FROM desktop_tasks WHERE status = 'queued' AND ai_platform_id = %(p)s",
-                {"p": done["ai_platform_id"]})).fetchone()
-        assert busy is not None
         async with pool.connection() as conn, conn.transaction():
             await end_execution(conn, task_id=busy["id"], outcome="succeeded")
             await finish_business_task(conn, busy["monitor_task_id"], status="completed")
@@ -140,7 +145,7 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
                          message="high dispatched")
         async with pool.connection() as conn:
             assert await _one(conn, "SELECT lane FROM desktop_tasks WHERE ai_platform_id = %(p)s AND status = "
-                                    "'queued'", {"p": done["ai_platform_id"]}) == "high"
+                                    "'queued'", {"p": busy["ai_platform_id"]}) == "high"
         async with pool.connection() as conn:
             cur = await conn.execute("SELECT d.source, d.interrupt_generation, d.target_client_id, d.lane_weight, "
                                      "c.interrupt_generation AS client_gen FROM desktop_tasks d JOIN desktop_clients c "
@@ -151,9 +156,9 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
             request = await cur.fetchone()
             peaks = await concurrency_peaks(conn)
         assert high is not None and high["source"] == "collect_now" and high["lane_weight"] == 70
-        assert high["target_client_id"] == tenant.clients[2] and high["interrupt_generation"] == high["client_gen"] > 0
+        assert high["target_client_id"] == cn_client and high["interrupt_generation"] == high["client_gen"] > 0
         assert request is not None and (request["status"], request["dispatched_task_count"]) == ("dispatching", 1)
-        await eventually(lambda: _any_key(cap, f"monitor.high.{tenant.clients[2]}"), timeout=10,
+        await eventually(lambda: _any_key(cap, f"monitor.high.{cn_client}"), timeout=10,
                          message="high task_available on its client's routing key")
         assert running.coordinator.listening.is_set()
     # Platform concurrency is per (tenant, platform) across all three clients: never above 1.
