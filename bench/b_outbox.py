@@ -71,7 +71,7 @@ async def latency(settings: Settings, *, listen: bool, poll_ms: int, seconds: fl
     pump = ServiceProcess("outbox-pump", service_env(settings, OUTBOX_LISTEN=str(listen).lower(),
                                                      OUTBOX_POLL_INTERVAL_MS=poll_ms), log_dir=log_dir)
     await asyncio.to_thread(pump.start)
-    committed: dict[str, float] = {}
+    committed: dict[str, asyncio.Future[float]] = {}
     samples: list[float] = []
     stop = asyncio.Event()
 
@@ -93,11 +93,12 @@ async def latency(settings: Settings, *, listen: bool, poll_ms: int, seconds: fl
         while not stop.is_set():
             reason = f"probe{n}"
             n += 1
+            committed[reason] = asyncio.get_running_loop().create_future()
             async with pool.connection() as conn:
                 async with conn.transaction():
                     await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=_event(1, reason),
                                   notify=True)
-                committed[reason] = time.perf_counter()
+                committed[reason].set_result(time.perf_counter())
             await asyncio.sleep(0.02)
 
     async def collect() -> None:
@@ -106,9 +107,8 @@ async def latency(settings: Settings, *, listen: bool, poll_ms: int, seconds: fl
             reason = msgspec.json.decode(body, type=LifecycleEvent).reason or ""
             arrived = time.perf_counter()
             if reason.startswith("probe"):
-                while reason not in committed:  # the commit timestamp is taken just after COMMIT returns
-                    await asyncio.sleep(0)
-                samples.append((arrived - committed[reason]) * 1000)
+                # The commit timestamp is taken just after COMMIT returns, which may be after delivery.
+                samples.append((arrived - await committed[reason]) * 1000)
 
     tasks = [asyncio.create_task(background()), asyncio.create_task(probes()), asyncio.create_task(collect())]
     await asyncio.sleep(seconds)
