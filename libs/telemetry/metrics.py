@@ -128,7 +128,7 @@ execution_owner_legacy_count = Gauge(
 execution_owner_desktop_tasks_count = Gauge(
     "execution_owner_desktop_tasks_count", "Business tasks pending on the desktop_tasks path.")
 phase2_reconcile_fixed_count = ExactCounter(
-    "phase2_reconcile_fixed_count", "Rows fixed by reconcile runs.", ["job"])
+    "phase2_reconcile_fixed_count", "Rows fixed by the §16.2.4 consistency reconcile.", ["check"])
 monitor_dispatch_high_oldest_age_ms = Gauge(
     "monitor_dispatch_high_oldest_age_ms", "Age of the oldest undispatched high-lane task (ms).")
 tenant_monitor_normal_backlog = Gauge(

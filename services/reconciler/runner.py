@@ -43,7 +43,7 @@ async def run_job(job: Job, conn: Conn, config: ReconcilerConfig,
     if result.fixed:
         metrics.reconciler_job_rows_fixed_count.inc(result.fixed, job=job.name)
         if job.phase2_consistency:
-            metrics.phase2_reconcile_fixed_count.inc(result.fixed, job=job.name)
+            metrics.phase2_reconcile_fixed_count.inc(result.fixed, check=job.name)
     level = logging.INFO if result.fixed or any(result.details.values()) else logging.DEBUG
     log.log(level, "reconcile job ran", extra={"job": job.name, "fixed": result.fixed,
                                                "duration_ms": round(duration_ms, 2), **result.details})

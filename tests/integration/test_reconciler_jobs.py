@@ -57,7 +57,7 @@ async def test_expired_leases_retry_then_fail_and_count_preemption(pool: AsyncCo
         alive_exec = await insert_execution(conn, w, alive, b, lease_expires_in=60)
         preempt_before = metrics.collect_now_preempt_induced_retry_count.value()
         fixed_before = metrics.reconciler_job_rows_fixed_count.value(job="expired_leases")
-        phase2_before = metrics.phase2_reconcile_fixed_count.value(job="expired_leases")
+        phase2_before = metrics.phase2_reconcile_fixed_count.value(check="expired_leases")
 
         result = await reconcile(conn, "expired_leases")
 
@@ -76,7 +76,7 @@ async def test_expired_leases_retry_then_fail_and_count_preemption(pool: AsyncCo
         assert metrics.collect_now_preempt_induced_retry_count.value() == preempt_before + 1
         assert metrics.reconciler_job_rows_fixed_count.value(job="expired_leases") == fixed_before + 2
         # Routine repairs are not §16.2.4 inconsistencies: they stay out of the §15.2 alert's counter.
-        assert metrics.phase2_reconcile_fixed_count.value(job="expired_leases") == phase2_before
+        assert metrics.phase2_reconcile_fixed_count.value(check="expired_leases") == phase2_before
 
         aborted = await outbox_messages(conn, "task.aborted")
         assert {m["task_id"] for m in aborted} == {str(normal_exec), str(high_exec)}
@@ -314,14 +314,14 @@ async def test_migration_reconcile_zombies_stalled_and_orphans(pool: AsyncConnec
         listener = await connect(database_url)
         try:
             await listener.execute("LISTEN dispatch_wakeup")
-            phase2_before = metrics.phase2_reconcile_fixed_count.value(job="migration_reconcile")
+            phase2_before = metrics.phase2_reconcile_fixed_count.value(check="migration_reconcile")
             result = await reconcile(conn, "migration_reconcile")
             notes = [n async for n in listener.notifies(timeout=5.0, stop_after=1)]
         finally:
             await listener.close()
 
         assert result.details["zombie_leases_cleared"] == 2 and result.fixed == 2
-        assert metrics.phase2_reconcile_fixed_count.value(job="migration_reconcile") == phase2_before + 2
+        assert metrics.phase2_reconcile_fixed_count.value(check="migration_reconcile") == phase2_before + 2
         z = await business(conn, zombie)
         assert (z["status"], z["leased_to_executor"], z["lease_expires_at"]) == ("pending", None, None)
         assert (await business(conn, live))["status"] == "leased"
