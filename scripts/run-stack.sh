@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mkdir -p .run
-export GATEWAY_JWT_SECRET=${GATEWAY_JWT_SECRET:-local-demo-secret}
+export GATEWAY_JWT_SECRET=${GATEWAY_JWT_SECRET:-local-demo-gateway-secret-change-me-0001}
 DEMO=.run/demo.json
 if [ ! -s "$DEMO" ]; then
   echo "run-stack: seeding demo data into ${DATABASE_URL} (once; delete $DEMO to seed again)"

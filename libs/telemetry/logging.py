@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +34,21 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             event["exc"] = self.formatException(record.exc_info)
         return json.dumps(event, default=str, ensure_ascii=False)
+
+
+class SafeExtraLogger(logging.Logger):
+    """A Logger whose `extra=` can never crash a call site: a field that clashes with a LogRecord
+    attribute (`created`, `name`, `msg`, ...) is kept under `field_<name>` instead of raising."""
+
+    def makeRecord(self, name: str, level: int, fn: str, lno: int, msg: object, args: Any, exc_info: Any,
+                   func: str | None = None, extra: Mapping[str, object] | None = None,
+                   sinfo: str | None = None) -> logging.LogRecord:
+        if extra:
+            extra = {(f"field_{k}" if k in _STANDARD else k): v for k, v in extra.items()}
+        return super().makeRecord(name, level, fn, lno, msg, args, exc_info, func, extra, sinfo)
+
+
+logging.setLoggerClass(SafeExtraLogger)
 
 
 def configure_logging(service: str, level: str = "INFO") -> None:

@@ -175,7 +175,7 @@ class Coordinator:
             if result.created:
                 self.dispatcher.add_pairs(sorted(result.pairs))
                 self.wake()
-                log.info("scheduled tasks created", extra={"plans": result.plans, "created": result.created})
+                log.info("scheduled tasks created", extra={"plans": result.plans, "tasks_created": result.created})
             if result.plans >= batch:
                 continue
             await self._wait(stop, None, SCAN_INTERVAL_S)
