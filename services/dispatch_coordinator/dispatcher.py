@@ -29,6 +29,7 @@ from libs.domain.dispatch import (
     LANE_ORDER,
     Candidate,
     ClientState,
+    Decision,
     Ledger,
     PassLimits,
     PassResult,
@@ -47,7 +48,7 @@ from services.dispatch_coordinator import queries as q
 
 log = logging.getLogger("dispatch.pass")
 
-CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL)
+CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, active_probe=q.ACTIVE_PROBE)
 CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
     pg_errors.LockNotAvailable,
@@ -288,20 +289,33 @@ class Dispatcher:
 
     async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> list[dict[str, Any]]:
         decisions = plan.decisions
-        await conn.execute(q.LOCK_CLIENTS, {"ids": sorted({d.client_id for d in decisions}, key=str)})
-        cur = await conn.execute(q.DISPATCH, {
-            "task_ids": [d.task.id for d in decisions],
-            "exec_ids": [uuid.uuid4() for _ in decisions],
-            "clients": [d.client_id for d in decisions],
-            "lanes": [d.task.lane for d in decisions],
-            "generations": [d.interrupt_generation for d in decisions],
-            "weights": [lane_weight("monitor", d.task.lane) for d in decisions],
-            "ts": ts,
-        })
-        rows = list(await cur.fetchall())
+        clients = sorted({d.client_id for d in decisions}, key=str)
+        await conn.execute(q.LOCK_CLIENTS, {"ids": clients})
+        cur = await conn.execute(q.CLAIM, {"task_ids": sorted(d.task.id for d in decisions)})
+        claimed = {r["id"]: r for r in await cur.fetchall()}
+        normal_clients = sorted({d.client_id for d in decisions if d.task.lane != "high"}, key=str)
+        high_clients: set[uuid.UUID] = set()
+        if normal_clients:
+            cur = await conn.execute(q.CLIENTS_WITH_HIGH, {"clients": normal_clients})
+            high_clients = {r["client_id"] for r in await cur.fetchall()}
+        rows = [r for d in decisions if (r := _still_dispatchable(d, claimed.get(d.task.id), high_clients))]
         if len(rows) < len(decisions):
             log.info("some decided tasks changed before the write (e.g. promoted by collect-now); skipped",
                      extra={"decided": len(decisions), "written": len(rows)})
+        if not rows:
+            return rows
+        await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": [claimed[r["monitor_task_id"]]["row_ref"] for r in rows]})
+        await conn.execute(q.INSERT_EXECUTIONS, {
+            "ids": [r["id"] for r in rows], "tenant_ids": [r["tenant_id"] for r in rows],
+            "workspace_ids": [r["workspace_id"] for r in rows], "clients": [r["target_client_id"] for r in rows],
+            "priorities": [r["priority"] for r in rows], "lanes": [r["lane"] for r in rows],
+            "weights": [r["lane_weight"] for r in rows], "sources": [r["source"] for r in rows],
+            "group_keys": [r["scheduler_group_key"] for r in rows], "task_ids": [r["monitor_task_id"] for r in rows],
+            "generations": [r["interrupt_generation"] for r in rows], "enqueued": [r["enqueued_at"] for r in rows],
+            "brand_ids": [r["brand_id"] for r in rows], "question_ids": [r["question_id"] for r in rows],
+            "platform_ids": [r["ai_platform_id"] for r in rows], "dates": [r["business_date"] for r in rows],
+            "request_ids": [r["collect_request_id"] for r in rows], "ts": ts,
+        })
         events = [
             OutboxEvent(
                 exchange=DISPATCH, routing_key=routing_key(r["lane"], r["target_client_id"]),
@@ -334,6 +348,40 @@ class Dispatcher:
                     "client_id": str(r["target_client_id"]),
                     "collect_request_id": str(r["collect_request_id"]) if r["collect_request_id"] else None})
         return rows
+
+
+def execution_source(lane: str, trigger_source: str, collect_request_id: uuid.UUID | None) -> str:
+    """`desktop_tasks.source` of a new execution (cross-service contract 2)."""
+    if lane == "high" and (trigger_source == "manual" or collect_request_id is not None):
+        return "collect_now"
+    return "retry_recovery" if lane == "retry" else "daily_schedule"
+
+
+def _still_dispatchable(decision: Decision, task: dict[str, Any] | None,
+                        clients_with_high: set[uuid.UUID]) -> dict[str, Any] | None:
+    """The execution row for a decision whose business task, re-read locked at write time, still allows it.
+
+    Not when it is no longer ready (CLAIM did not return it), changed lane or was bound to another
+    client (a collect-now promoted it), or is non-high for a client that now has pending high work.
+    """
+    if task is None or task["dispatch_lane"] != decision.task.lane:
+        return None
+    if task["target_client_id"] is not None and task["target_client_id"] != decision.client_id:
+        return None
+    lane = task["dispatch_lane"]
+    if lane != "high" and decision.client_id in clients_with_high:
+        return None
+    return {
+        "id": uuid.uuid4(), "monitor_task_id": task["id"], "tenant_id": task["tenant_id"],
+        "workspace_id": task["workspace_id"], "target_client_id": decision.client_id,
+        "priority": task["dispatch_priority"], "lane": lane, "lane_weight": lane_weight("monitor", lane),
+        "source": execution_source(lane, task["trigger_source"], task["collect_request_id"]),
+        "scheduler_group_key": f"qid:{task['question_id']}",
+        "interrupt_generation": decision.interrupt_generation if lane == "high" else 0,
+        "enqueued_at": task["enqueued_at"], "brand_id": task["brand_id"], "question_id": task["question_id"],
+        "ai_platform_id": task["ai_platform_id"], "business_date": task["business_date"],
+        "collect_request_id": task["collect_request_id"],
+    }
 
 
 def is_transient(exc: BaseException) -> bool:

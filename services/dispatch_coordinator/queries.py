@@ -12,6 +12,18 @@ READY = (
     "t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now() AND "
     + NO_ACTIVE_EXECUTION
 )
+# The same test for the candidate scans, which walk an index in dispatch order and stop at a LIMIT: the
+# LATERAL .. LIMIT 1 forces one probe of `uq_desktop_tasks_monitor_active` per row walked (the planner
+# cannot turn it into an unparameterised anti-join, which with stale statistics, e.g. right after the
+# scanner created 20,000 tasks, re-scanned every active execution for every candidate). Use with
+# ACTIVE_PROBE in the FROM clause.
+ACTIVE_PROBE = (
+    "LEFT JOIN LATERAL (SELECT true AS busy FROM desktop_tasks d WHERE d.monitor_task_id = t.id "
+    "AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown') LIMIT 1) act ON true"
+)
+READY_PROBED = (
+    "t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now() AND act.busy IS NULL"
+)
 
 # An execution collect-now cancelled while still queued (never leased) gives its budget back.
 REFUNDED = "(d.status = 'aborted' AND d.interrupt_reason = 'collect_now_preempt' AND d.lease_epoch = 0)"
@@ -28,28 +40,35 @@ WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s)
 GROUP BY 1, 2
 """
 
-# Eligible clients with their monitor load. ELIGIBLE_CLIENT_SQL is appended by the caller.
+# Eligible clients with their monitor load. ELIGIBLE_CLIENT_SQL is appended by the caller. Set-based: one
+# aggregate over the active executions (partial index) and one set of clients with pending high work,
+# joined to the (few) eligible clients; no per-client correlated subquery.
 CLIENTS = """
-SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-       coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued,
-       coalesce(a.queued_high, 0) > 0 OR EXISTS (
-           SELECT 1 FROM monitoring_collect_tasks t
-           WHERE t.target_client_id = c.id AND t.status = 'pending' AND t.dispatch_lane = 'high'
-             AND t.execution_owner = 'desktop_tasks'
-             AND NOT EXISTS (SELECT 1 FROM desktop_tasks x WHERE x.monitor_task_id = t.id AND x.kind = 'monitor'
-                             AND x.status IN ('queued', 'in_progress', 'unknown'))) AS pending_high,
-       coalesce(a.interrupt_overdue, false) AS interrupt_overdue
-FROM desktop_clients c
-LEFT JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
+WITH load AS MATERIALIZED (
+    SELECT d.target_client_id AS client_id,
+           count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
            count(*) FILTER (WHERE d.status = 'queued') AS queued,
            count(*) FILTER (WHERE d.status = 'queued' AND d.lane = 'high') AS queued_high,
            bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
                    AND d.interrupted_at < now() - make_interval(
                        secs => coalesce(ps.interrupt_soft_timeout_ms, 15000) / 1000.0)) AS interrupt_overdue
     FROM desktop_tasks d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
-    WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
-) a ON true
+    WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+    GROUP BY 1
+), high AS MATERIALIZED (
+    -- Clients with pending high business work not yet running (its ready-list index, lane = 'high').
+    SELECT DISTINCT t.target_client_id AS client_id
+    FROM monitoring_collect_tasks t {active_probe}
+    WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.target_client_id IS NOT NULL
+      AND t.execution_owner = 'desktop_tasks' AND act.busy IS NULL
+)
+SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
+       coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued,
+       coalesce(a.queued_high, 0) > 0 OR h.client_id IS NOT NULL AS pending_high,
+       coalesce(a.interrupt_overdue, false) AS interrupt_overdue
+FROM desktop_clients c
+LEFT JOIN load a ON a.client_id = c.id
+LEFT JOIN high h ON h.client_id = c.id
 WHERE {eligible}
 """
 
@@ -91,8 +110,8 @@ _CANDIDATE_COLUMNS = (
 
 HIGH_CANDIDATES = f"""
 SELECT {_CANDIDATE_COLUMNS}
-FROM monitoring_collect_tasks t
-WHERE t.dispatch_lane = 'high' AND {READY}
+FROM monitoring_collect_tasks t {ACTIVE_PROBE}
+WHERE t.dispatch_lane = 'high' AND {READY_PROBED}
 ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
 LIMIT %(limit)s
 """
@@ -102,54 +121,76 @@ SELECT c.* FROM unnest(%(tenants)s::bigint[], %(platforms)s::bigint[], %(lanes)s
      AS p(tenant_id, ai_platform_id, lane, k)
 CROSS JOIN LATERAL (
     SELECT {_CANDIDATE_COLUMNS}
-    FROM monitoring_collect_tasks t
+    FROM monitoring_collect_tasks t {ACTIVE_PROBE}
     WHERE t.tenant_id = p.tenant_id AND t.ai_platform_id = p.ai_platform_id AND t.dispatch_lane = p.lane
-      AND {READY}
-    ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
+      AND {READY_PROBED}
+    -- The leading (equal) keys make ix_collect_tasks_ready_pair the only index giving this order, so the
+    -- probe is a short range scan of its pair even when statistics are stale (the per-lane ready index
+    -- would filter every other pair's rows out).
+    ORDER BY t.tenant_id, t.ai_platform_id, t.dispatch_lane, t.dispatch_priority DESC, t.enqueued_at, t.id
     LIMIT p.k
 ) c
 """
 
-# One statement per pass: re-check each decided task (a concurrent collect-now may have promoted it),
-# count the attempt, and create its execution row (cross-service contract 2).
-DISPATCH = f"""
-WITH decided AS (
-    SELECT * FROM unnest(%(task_ids)s::bigint[], %(exec_ids)s::uuid[], %(clients)s::uuid[], %(lanes)s::text[],
-                         %(generations)s::bigint[], %(weights)s::int[])
-         AS d(monitor_task_id, exec_id, client_id, lane, generation, lane_weight)
-), claimed AS (
-    UPDATE monitoring_collect_tasks t
-    SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), updated_at = now()
-    FROM decided d
-    WHERE t.id = d.monitor_task_id AND t.id = ANY(%(task_ids)s::bigint[]) AND t.dispatch_lane = d.lane
-      AND (t.target_client_id IS NULL OR t.target_client_id = d.client_id)
-      AND {READY}
-      -- Lane rule re-checked at write time: a collect-now that committed since the snapshot wins.
-      AND (d.lane = 'high' OR NOT EXISTS (
-          SELECT 1 FROM monitoring_collect_tasks h
-          WHERE h.target_client_id = d.client_id AND h.status = 'pending' AND h.dispatch_lane = 'high'
-            AND h.execution_owner = 'desktop_tasks'
-            AND NOT EXISTS (SELECT 1 FROM desktop_tasks x WHERE x.monitor_task_id = h.id AND x.kind = 'monitor'
-                            AND x.status IN ('in_progress', 'unknown'))))
-    RETURNING t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane, t.trigger_source,
-              t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id, t.business_date,
-              d.exec_id, d.client_id, d.generation, d.lane_weight
-)
+# The write of a pass, in set-based steps whose plans do not depend on statistics (the tables change by
+# tens of thousands of rows between two autovacuum analyses when a day's schedule comes due):
+#   LOCK_CLIENTS -> CLAIM (lock the decided business rows by primary key and re-read them) ->
+#   CLIENTS_WITH_HIGH (lane rule re-check) -> the dispatcher filters -> COUNT_ATTEMPTS + INSERT_EXECUTIONS.
+#
+# CLAIM re-checks READY at write time (a concurrent collect-now may have promoted or bound a task, an
+# execution may have been created meanwhile): the rows come back locked, in their latest committed
+# version, so what the dispatcher checks cannot change before the insert. One primary-key probe per
+# decided id (the OFFSET 0 keeps the LATERAL parameterised: as a plain join, or with `id = ANY(..)`, stale
+# statistics made the planner walk a whole partial index of pending tasks instead), ids in ascending
+# order so concurrent lockers of the same rows cannot deadlock. `ctid` lets COUNT_ATTEMPTS update the
+# very rows locked here with a TID scan (a locked row cannot move).
+CLAIM = f"""
+SELECT t.*
+FROM unnest(%(task_ids)s::bigint[]) WITH ORDINALITY AS u(id, n)
+CROSS JOIN LATERAL (
+    SELECT t.ctid AS row_ref, t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane,
+           t.trigger_source, t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id,
+           t.business_date, t.target_client_id
+    FROM monitoring_collect_tasks t {ACTIVE_PROBE}
+    WHERE t.id = u.id AND {READY_PROBED}
+    OFFSET 0
+    FOR UPDATE OF t
+) t
+ORDER BY u.n
+"""
+
+# Lane rule re-checked at write time, after LOCK_CLIENTS: a collect-now that committed since the snapshot
+# wins, so no normal goes to a client that now has pending high work not already running.
+CLIENTS_WITH_HIGH = """
+SELECT DISTINCT h.target_client_id AS client_id
+FROM monitoring_collect_tasks h
+LEFT JOIN LATERAL (SELECT true AS busy FROM desktop_tasks x WHERE x.monitor_task_id = h.id AND x.kind = 'monitor'
+                   AND x.status IN ('in_progress', 'unknown') LIMIT 1) run ON true
+WHERE h.target_client_id = ANY(%(clients)s::uuid[]) AND h.status = 'pending' AND h.dispatch_lane = 'high'
+  AND h.execution_owner = 'desktop_tasks' AND run.busy IS NULL
+"""
+
+COUNT_ATTEMPTS = """
+UPDATE monitoring_collect_tasks t
+SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), updated_at = now()
+WHERE t.ctid = ANY(%(row_refs)s::tid[])
+"""
+
+# Execution rows (cross-service contract 2), every value computed by the dispatcher from the claimed rows.
+INSERT_EXECUTIONS = """
 INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
                            source, scheduler_group_key, monitor_task_id, interrupt_generation, enqueued_at,
                            brand_id, question_id, ai_platform_id, business_date, collect_request_id,
                            created_at, updated_at)
-SELECT exec_id, 'monitor', tenant_id, workspace_id, client_id, 'queued', dispatch_priority, dispatch_lane,
-       lane_weight,
-       CASE WHEN dispatch_lane = 'high' AND (trigger_source = 'manual' OR collect_request_id IS NOT NULL)
-                THEN 'collect_now'
-            WHEN dispatch_lane = 'retry' THEN 'retry_recovery'
-            ELSE 'daily_schedule' END,
-       'qid:' || question_id, id, CASE WHEN dispatch_lane = 'high' THEN generation ELSE 0 END, enqueued_at,
-       brand_id, question_id, ai_platform_id, business_date, collect_request_id, %(ts)s, %(ts)s
-FROM claimed
-RETURNING id, monitor_task_id, tenant_id, target_client_id, lane, priority, business_date, collect_request_id,
-          interrupt_generation, scheduler_group_key
+SELECT e.id, 'monitor', e.tenant_id, e.workspace_id, e.client_id, 'queued', e.priority, e.lane, e.lane_weight,
+       e.source, e.group_key, e.monitor_task_id, e.generation, e.enqueued_at, e.brand_id, e.question_id,
+       e.ai_platform_id, e.business_date, e.collect_request_id, %(ts)s, %(ts)s
+FROM unnest(%(ids)s::uuid[], %(tenant_ids)s::bigint[], %(workspace_ids)s::bigint[], %(clients)s::uuid[],
+            %(priorities)s::int[], %(lanes)s::text[], %(weights)s::int[], %(sources)s::text[], %(group_keys)s::text[],
+            %(task_ids)s::bigint[], %(generations)s::bigint[], %(enqueued)s::timestamptz[], %(brand_ids)s::bigint[],
+            %(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(dates)s::date[], %(request_ids)s::uuid[])
+     AS e(id, tenant_id, workspace_id, client_id, priority, lane, lane_weight, source, group_key, monitor_task_id,
+          generation, enqueued_at, brand_id, question_id, ai_platform_id, business_date, collect_request_id)
 """
 
 # Collect-now starts by updating its client's row (interrupt_generation): holding these rows in share
