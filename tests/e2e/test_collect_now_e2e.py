@@ -27,7 +27,7 @@ from libs.dispatch_settings import set_setting
 from libs.domain.lanes import lane_weight
 from libs.mq.topology import DISPATCH
 from libs.outbox import enqueue
-from tests.support.desktop import dispatch_execution
+from tests.support.desktop import dispatch_execution, insert_ready_task
 from tests.support.procs import ServiceProcess, service_env
 from tests.support.tcpproxy import TcpProxy
 from tests.support.wait import eventually
@@ -108,14 +108,17 @@ async def one(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> dict
     return found[0]
 
 
-async def seed_world(pool: AsyncConnectionPool[Conn], *, clients: int = 2, tenants: int = 1) -> dict[str, Any]:
-    """Two brands: brand 0 has plans due now (scheduled work), brand 1 is what the user collects now."""
+async def seed_world(pool: AsyncConnectionPool[Conn], *, clients: int = 2, tenants: int = 1,
+                     scheduled: bool = True) -> dict[str, Any]:
+    """Two brands: brand 0 has ready scheduled work (as the scanner leaves it), brand 1 is what the user
+    collects now. Plans are not due, so the scanner stays out of the way."""
     async with pool.connection() as conn:
-        seed = await seed_demo(conn, tenants=tenants, brands=2, questions=3, clients=clients, platforms=("openai",),
+        seed = await seed_demo(conn, tenants=tenants, brands=2, questions=4, clients=clients, platforms=("openai",),
                                due=False)
         tenant = seed["tenants"][0]
-        await conn.execute("UPDATE monitoring_plans SET next_run_at = now() WHERE brand_id = %s",
-                           (tenant["brands"][0]["brand_id"],))
+        for index in range(3 if scheduled else 0):
+            await insert_ready_task(conn, tenant=tenant, brand_index=0, question_index=index,
+                                    platform_id=seed["platforms"][0]["ai_platform_id"], age_s=60 - index)
         # Room on the platform for several executions, so a client can hold queued scheduled work.
         await conn.execute("UPDATE platform_settings SET max_concurrent = 20")
         await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1")
@@ -144,16 +147,21 @@ async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, poo
     (a_id, a_token), (b_id, b_token) = [(c["client_id"], c["token"]) for c in tenant["clients"]]
     scheduled_brand, clicked_brand = (b["brand_id"] for b in tenant["brands"])
     async with pool.connection() as conn:
-        # (c) a publish task on the same client must not be touched.
+        # (c) client B has scheduled work of its own (queued for it already) ...
+        b_work = await dispatch_execution(conn, tenant=tenant, platform_id=seed["platforms"][0]["ai_platform_id"],
+                                          client_id=b_id, question_index=3)
+        # ... and a publish task on the busy client A must not be touched either.
         publish_id = uuid.uuid4()
         await conn.execute(
             "INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, priority, lane, "
             "lane_weight, source) VALUES (%s, 'publish', %s, %s, %s, 12000, 'normal', %s, 'publish')",
             (publish_id, tenant["tenant_id"], tenant["workspace_id"], a_id, lane_weight("publish", "normal")))
     async with running_stack(settings, tmp_path) as stack:
+        # A alone is online while the scheduled work is dispatched, so it holds one running and two queued.
         busy = sim(stack, a_token, scale=12)   # ~3 s per scheduled task: long enough to be caught running
-        other = sim(stack, b_token, scale=4)
-        async with busy, other:
+        other = sim(stack, b_token, scale=12)
+        async with busy, contextlib.AsyncExitStack() as cleanup:
+            cleanup.push_async_callback(other.stop)
             async def a_running_with_queue() -> bool:
                 started = [t for t in busy.active_task_ids
                            if busy.active_phase(t) in ("AUTHENTICATING", "INPUTTING", "SUBMITTING", "WAITING")]
@@ -163,6 +171,8 @@ async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, poo
 
             await eventually(a_running_with_queue, timeout=30, interval=0.05,
                              message=f"client A running a scheduled task with more queued\n{stack.logs()}")
+            await other.start()
+            await eventually(lambda: _true(bool(other.stats.leased)), timeout=15, message="B working on its task")
             running_id = busy.active_task_ids[0]
             running_before = await one(pool, "SELECT monitor_task_id FROM desktop_tasks WHERE id = %s",
                                        uuid.UUID(running_id))
@@ -199,10 +209,11 @@ async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, poo
                 assert row == {"status": "aborted", "interrupt_reason": "collect_now_preempt"}
             # (a) the high tasks were leased and executed first, results accepted (202).
             after_click = busy.stats.executed[executed_before:]
+            requested = len(tenant["brands"][1]["question_ids"])  # x 1 platform
             lanes = [lane for _, lane in after_click]
-            assert lanes[:3] == ["high", "high", "high"], lanes
+            assert lanes[:requested] == ["high"] * requested, lanes
             runs = await rows(pool, "SELECT status FROM question_monitor_runs WHERE brand_id = %s", clicked_brand)
-            assert len(runs) == 3 and all(r["status"] == "succeeded" for r in runs)
+            assert len(runs) == requested and all(r["status"] == "succeeded" for r in runs)
             assert await stack.metric("dispatch-hub", "monitor_preempt_success_count") >= 1
             assert await stack.metric("dispatch-hub", "monitor_preempt_latency_ms_count") >= 1
 
@@ -212,6 +223,9 @@ async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, poo
                 assert row["interrupt_reason"] is None, row
             assert (await one(pool, "SELECT status FROM desktop_tasks WHERE id = %s", publish_id))["status"] == "queued"
             assert not [t for t, _ in other.stats.aborted]
+            b_row = await one(pool, "SELECT interrupt_reason, status FROM desktop_tasks WHERE id = %s",
+                              b_work["task_id"])
+            assert b_row["interrupt_reason"] is None and b_row["status"] != "aborted"
 
             # (e2) the preempted scheduled task is completed later, its dispatch_attempts unchanged.
             async def preempted_completed() -> dict[str, Any] | None:
@@ -278,11 +292,9 @@ async def test_b_double_click_supersedes_and_the_old_generation_is_ignored(
 
 async def test_d_disconnected_client_gets_the_event_on_reconnect(settings: Settings, pool: AsyncConnectionPool[Conn],
                                                                 tmp_path: Path) -> None:
-    seed = await seed_world(pool, clients=1)
+    seed = await seed_world(pool, clients=1, scheduled=False)
     tenant = seed["tenants"][0]
     a_id, a_token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
-    async with pool.connection() as conn:
-        await conn.execute("UPDATE monitoring_plans SET next_run_at = now() + interval '1 day'")
     async with running_stack(settings, tmp_path) as stack:
         port = int(stack.hub.rsplit(":", 1)[1])
         proxy = TcpProxy("127.0.0.1", port)
@@ -330,11 +342,10 @@ async def test_d_disconnected_client_gets_the_event_on_reconnect(settings: Setti
 
 async def test_e_f_isolation_stale_leases_and_malformed_input(settings: Settings, pool: AsyncConnectionPool[Conn],
                                                               tmp_path: Path) -> None:
-    seed = await seed_world(pool, clients=1, tenants=2)
+    seed = await seed_world(pool, clients=1, tenants=2, scheduled=False)
     mine, theirs = seed["tenants"]
     token, their_token = mine["clients"][0]["token"], theirs["clients"][0]["token"]
     async with pool.connection() as conn:
-        await conn.execute("UPDATE monitoring_plans SET next_run_at = now() + interval '1 day'")
         ex = await dispatch_execution(conn, tenant=mine, platform_id=seed["platforms"][0]["ai_platform_id"],
                                       client_id=mine["clients"][0]["client_id"])
     async with running_stack(settings, tmp_path) as stack, aiohttp.ClientSession() as http:

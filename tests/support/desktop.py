@@ -101,3 +101,21 @@ async def running_hub(settings: Settings, **overrides: Any) -> AsyncIterator[Tes
         yield server
     finally:
         await server.close()
+
+
+async def insert_ready_task(conn: Conn, *, tenant: dict[str, Any], brand_index: int, question_index: int,
+                            platform_id: int, age_s: float = 60.0) -> int:
+    """A ready scheduled business task (what the scanner creates from a due plan), not yet dispatched."""
+    brand = tenant["brands"][brand_index]
+    day = date.today()
+    cur = await conn.execute(
+        "INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, "
+        "business_date, status, dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner, enqueued_at) "
+        "VALUES (%(t)s, %(w)s, %(b)s, %(q)s, %(p)s, %(d)s, 'pending', 100, 'normal', %(k)s, 'desktop_tasks', "
+        "now() - make_interval(secs => %(age)s)) RETURNING id",
+        {"t": tenant["tenant_id"], "w": tenant["workspace_id"], "b": brand["brand_id"],
+         "q": brand["question_ids"][question_index], "p": platform_id, "d": day,
+         "k": ingest_shard_key(tenant["tenant_id"], brand["brand_id"], day), "age": age_s})
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row["id"])
