@@ -220,37 +220,55 @@ RETURNING r.id, o.first, extract(epoch FROM (clock_timestamp() - r.created_at)) 
 
 # ---- scanner -------------------------------------------------------------------------------------
 
-DUE_PLANS = """
-SELECT p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id, p.collector_type,
-       p.run_mode, p.interval_seconds, p.next_run_at, tn.time_zone
-FROM monitoring_plans p JOIN tenants tn ON tn.id = p.tenant_id
-WHERE p.enabled AND p.next_run_at <= now()
-ORDER BY p.next_run_at
-LIMIT %(limit)s
-FOR UPDATE OF p SKIP LOCKED
+# One statement per batch: lock due plans (SKIP LOCKED), compute each plan's latest due slot and its
+# business date in the tenant's time zone (libs.domain.schedule.plan_occurrence, in SQL), create one task
+# per plan (idempotent on the business key), advance the plans past now. The shard key is
+# libs.domain.shard.ingest_shard_key's format ("{tenant}:{brand}:{YYYY-MM-DD}"; the scanner tests assert
+# the two agree). Zones Postgres does not know fall back to UTC like tenant_zone(); %(zones)s lists the
+# known ones. The plans are updated by `ctid` (rows locked by this very statement cannot move).
+SCAN = """
+WITH due AS MATERIALIZED (
+    SELECT p.ctid AS row_ref, p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id,
+           p.collector_type, p.run_mode, p.next_run_at, greatest(1, p.interval_seconds) AS step_s,
+           CASE WHEN tn.time_zone = ANY(%(zones)s::text[]) THEN tn.time_zone ELSE 'UTC' END AS zone
+    FROM monitoring_plans p JOIN tenants tn ON tn.id = p.tenant_id
+    WHERE p.enabled AND p.next_run_at <= now()
+    ORDER BY p.next_run_at
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), occ AS MATERIALIZED (
+    SELECT s.*, (s.slot AT TIME ZONE s.zone)::date AS business_date
+    FROM (SELECT due.*, due.next_run_at + make_interval(secs => floor(
+                     extract(epoch FROM (now() - due.next_run_at)) / due.step_s)::float8 * due.step_s) AS slot
+          FROM due) s
+), created AS (
+    INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id,
+                                          collector_type, run_mode, business_date, plan_id, status, trigger_source,
+                                          dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner,
+                                          enqueued_at, dispatch_after)
+    SELECT o.tenant_id, o.workspace_id, o.brand_id, o.question_id, o.ai_platform_id, o.collector_type, o.run_mode,
+           o.business_date, o.id, 'pending', 'automatic', %(priority)s, 'normal',
+           o.tenant_id || ':' || o.brand_id || ':' || to_char(o.business_date, 'YYYY-MM-DD'),
+           CASE WHEN o.tenant_id %% 100 < %(rollout)s THEN 'desktop_tasks' ELSE 'legacy' END, now(), now()
+    FROM occ o
+    ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date)
+        DO NOTHING
+    RETURNING tenant_id, ai_platform_id, execution_owner
+), advanced AS (
+    UPDATE monitoring_plans p
+    SET next_run_at = o.slot + make_interval(secs => o.step_s), updated_at = now()
+    FROM occ o
+    WHERE p.ctid = o.row_ref
+    RETURNING p.id
+)
+SELECT (SELECT count(*) FROM advanced) AS plans,
+       (SELECT coalesce(json_agg(g), '[]'::json)
+        FROM (SELECT tenant_id, ai_platform_id, execution_owner, count(*) AS n FROM created GROUP BY 1, 2, 3) g)
+           AS created
 """
 
-CREATE_TASKS = """
-INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type,
-                                      run_mode, business_date, plan_id, status, trigger_source, dispatch_priority,
-                                      dispatch_lane, ingest_shard_key, execution_owner, enqueued_at, dispatch_after)
-SELECT tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
-       plan_id, 'pending', 'automatic', %(priority)s, 'normal', shard_key, owner, now(), now()
-FROM unnest(%(tenant_ids)s::bigint[], %(workspace_ids)s::bigint[], %(brand_ids)s::bigint[],
-            %(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(collector_types)s::text[],
-            %(run_modes)s::text[], %(dates)s::date[], %(plan_ids)s::bigint[], %(shard_keys)s::text[],
-            %(owners)s::text[])
-     AS v(tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
-          plan_id, shard_key, owner)
-ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date) DO NOTHING
-RETURNING tenant_id, ai_platform_id, execution_owner
-"""
-
-ADVANCE_PLANS = """
-UPDATE monitoring_plans p SET next_run_at = v.next_run_at, updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(next)s::timestamptz[]) AS v(id, next_run_at)
-WHERE p.id = v.id
-"""
+# Time zone names Postgres knows (read once per process: pg_timezone_names reads the zone files).
+TIME_ZONES = "SELECT array_agg(name) AS names FROM pg_timezone_names"
 
 # ---- aging ---------------------------------------------------------------------------------------
 

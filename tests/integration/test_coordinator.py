@@ -14,6 +14,8 @@ from psycopg_pool import AsyncConnectionPool
 from libs.contracts.wire import TaskAvailable
 from libs.db.pool import Conn
 from libs.dispatch_settings import load_settings, set_setting
+from libs.domain.schedule import plan_occurrence
+from libs.domain.shard import ingest_shard_key
 from libs.mq.topology import Topology, declare_exchanges
 from libs.tasks.transitions import emit_lifecycle, end_execution, finish_business_task
 from libs.telemetry import metrics
@@ -63,6 +65,9 @@ async def test_scanner_creates_tasks_once_in_tenant_time_zone_and_by_rollout(poo
         assert {t["business_date"] for t in tasks} == {local_date}
         assert all(t["ingest_shard_key"] == f"{t['tenant_id']}:{t['brand_id']}:{local_date.isoformat()}"
                    for t in tasks)
+        # The scanner's SQL and libs.domain.shard define the shard key identically.
+        assert all(t["ingest_shard_key"] == ingest_shard_key(t["tenant_id"], t["brand_id"], t["business_date"])
+                   for t in tasks)
         assert all((t["dispatch_lane"], t["dispatch_priority"], t["status"]) == ("normal", 100, "pending")
                    for t in tasks)
         owners = {t["tenant_id"]: t["execution_owner"] for t in tasks}
@@ -73,6 +78,45 @@ async def test_scanner_creates_tasks_once_in_tenant_time_zone_and_by_rollout(poo
         await conn.execute("UPDATE monitoring_plans SET next_run_at = %(s)s", {"s": slot})
     again = await scan_once(pool, batch_size=100, rollout_percentage=pct)
     assert again.plans == 12 and again.created == 0
+
+
+async def test_scanner_sql_matches_plan_occurrence_and_shard_key(pool: AsyncConnectionPool[Conn]) -> None:
+    """The scanner computes occurrences in SQL: same slot, business date and next run as plan_occurrence
+    (the Python definition), for several zones (one unknown -> UTC), intervals and missed slots, and the
+    same shard key as ingest_shard_key."""
+    zones = ["America/Los_Angeles", "Asia/Kolkata", "Pacific/Kiritimati", "No/Such_Zone"]
+    async with pool.connection() as conn:
+        seeded = await seed_fleet(conn, plans_per_tenant=[3] * len(zones), clients_per_tenant=1)
+        for tenant, zone in zip(seeded.tenants, zones, strict=True):
+            await conn.execute("UPDATE tenants SET time_zone = %(z)s WHERE id = %(t)s",
+                               {"z": zone, "t": tenant.tenant_id})
+        now = datetime.now(UTC)
+        # Per platform: daily, 6-hourly and 17-minute plans, 0.5 to 3.5 intervals behind (never near a slot edge).
+        cur = await conn.execute("SELECT id, tenant_id, ai_platform_id FROM monitoring_plans ORDER BY id")
+        plans = await cur.fetchall()
+        expected = {}
+        for index, plan in enumerate(plans):
+            interval = (86400, 6 * 3600, 17 * 60)[index % 3]
+            next_run_at = now - timedelta(seconds=interval * (0.5 + index % 4))
+            await conn.execute("UPDATE monitoring_plans SET next_run_at = %(n)s, interval_seconds = %(i)s "
+                               "WHERE id = %(id)s", {"n": next_run_at, "i": interval, "id": plan["id"]})
+            zone = zones[[t.tenant_id for t in seeded.tenants].index(plan["tenant_id"])]
+            expected[plan["id"]] = plan_occurrence(next_run_at, interval, now, zone)
+    result = await scan_once(pool, batch_size=100, rollout_percentage=100)
+    assert result.plans == len(plans) == result.created
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT t.plan_id, t.tenant_id, t.brand_id, t.business_date, t.ingest_shard_key, "
+                                 "p.next_run_at FROM monitoring_collect_tasks t JOIN monitoring_plans p "
+                                 "ON p.id = t.plan_id")
+        rows = await cur.fetchall()
+    assert len(rows) == len(plans)
+    for row in rows:
+        occurrence = expected[row["plan_id"]]
+        assert row["business_date"] == occurrence.business_date, row
+        assert row["next_run_at"] == occurrence.next_run_at, row
+        assert row["ingest_shard_key"] == ingest_shard_key(row["tenant_id"], row["brand_id"], row["business_date"])
+    # The dates really differ by zone (the test would not notice a zone being ignored otherwise).
+    assert len({(r["business_date"]) for r in rows}) > 1
 
 
 async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
