@@ -72,6 +72,21 @@ async def candidates(ctx: JobContext, query: str, params: dict[str, object]) -> 
     return [row["id"] for row in await cur.fetchall()]
 
 
+FixOne = Callable[[JobContext, uuid.UUID, JobResult], Awaitable[None]]
+
+
+async def fix_each(ctx: JobContext, ids: list[uuid.UUID], fix_one: FixOne, result: JobResult, *, what: str,
+                   id_field: str = "task_id") -> None:
+    """Fix candidates one by one, each in its own transaction; one that lost a race with another writer
+    (lock or serialisation conflict) is counted, logged and left for the next run."""
+    for item in ids:
+        try:
+            await fix_one(ctx, item, result)
+        except RETRYABLE_ERRORS as exc:
+            result.add("skipped_conflict")
+            log.warning(f"{what} lost a race; retried next run", extra={id_field: str(item), "error": str(exc)})
+
+
 async def send_control(conn: Conn, *, task_id: uuid.UUID, client_id: uuid.UUID, control: ControlKind, reason: str,
                        interrupt_generation: int, collect_request_id: uuid.UUID | None = None,
                        tenant_id: int | None = None) -> None:

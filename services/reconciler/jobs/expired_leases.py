@@ -9,12 +9,12 @@ import uuid
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
 from libs.telemetry import metrics
 from services.reconciler.jobs.base import (
-    RETRYABLE_ERRORS,
     Job,
     JobContext,
     JobResult,
     candidates,
     configured_interval,
+    fix_each,
     log,
     refresh_request_progress,
     send_control,
@@ -79,13 +79,7 @@ async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> 
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    for task_id in await candidates(ctx, _CANDIDATES, {}):
-        try:
-            await expire_one(ctx, task_id, result)
-        except RETRYABLE_ERRORS as exc:
-            result.add("skipped_conflict")
-            log.warning("lease expiry lost a race; retried next run", extra={"task_id": str(task_id),
-                                                                            "error": str(exc)})
+    await fix_each(ctx, await candidates(ctx, _CANDIDATES, {}), expire_one, result, what="lease expiry")
     return result
 
 

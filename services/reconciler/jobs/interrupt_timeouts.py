@@ -28,12 +28,12 @@ from libs.tasks.transitions import (
 )
 from libs.telemetry import metrics
 from services.reconciler.jobs.base import (
-    RETRYABLE_ERRORS,
     Job,
     JobContext,
     JobResult,
     candidates,
     configured_interval,
+    fix_each,
     log,
     send_control,
 )
@@ -152,12 +152,8 @@ async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResul
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    for task_id in await candidates(ctx, _CANDIDATES, {"default_hard_ms": DEFAULT_HARD_TIMEOUT_MS}):
-        try:
-            await force_cancel_one(ctx, task_id, result)
-        except RETRYABLE_ERRORS as exc:
-            result.add("skipped_conflict")
-            log.warning("interrupt timeout lost a race", extra={"task_id": str(task_id), "error": str(exc)})
+    ids = await candidates(ctx, _CANDIDATES, {"default_hard_ms": DEFAULT_HARD_TIMEOUT_MS})
+    await fix_each(ctx, ids, force_cancel_one, result, what="interrupt timeout")
     return result
 
 

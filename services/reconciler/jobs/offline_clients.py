@@ -18,12 +18,12 @@ import uuid
 
 from libs.tasks.transitions import emit_lifecycle, end_execution, yield_business_task
 from services.reconciler.jobs.base import (
-    RETRYABLE_ERRORS,
     Job,
     JobContext,
     JobResult,
     candidates,
     configured_interval,
+    fix_each,
     log,
 )
 
@@ -111,12 +111,8 @@ async def run(ctx: JobContext) -> JobResult:
             "collect_request_id": str(row["collect_request_id"]) if row["collect_request_id"] else None})
     result.add("high_unbound", len(unbound))
     result.fixed += len(offline) + len(unbound)
-    for task_id in await candidates(ctx, _QUEUED_CANDIDATES, {"timeout_s": ctx.settings.heartbeat_timeout_seconds}):
-        try:
-            await release_queued(ctx, task_id, result)
-        except RETRYABLE_ERRORS as exc:
-            result.add("skipped_conflict")
-            log.warning("queued release lost a race", extra={"task_id": str(task_id), "error": str(exc)})
+    ids = await candidates(ctx, _QUEUED_CANDIDATES, {"timeout_s": ctx.settings.heartbeat_timeout_seconds})
+    await fix_each(ctx, ids, release_queued, result, what="queued release")
     return result
 
 

@@ -15,12 +15,12 @@ import uuid
 from libs.domain.lanes import NORMAL_PRIORITY
 from libs.telemetry import metrics
 from services.reconciler.jobs.base import (
-    RETRYABLE_ERRORS,
     Job,
     JobContext,
     JobResult,
     candidates,
     configured_interval,
+    fix_each,
     log,
 )
 
@@ -88,13 +88,8 @@ async def time_out_one(ctx: JobContext, request_id: uuid.UUID, result: JobResult
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    for request_id in await candidates(ctx, _CANDIDATES, {}):
-        try:
-            await time_out_one(ctx, request_id, result)
-        except RETRYABLE_ERRORS as exc:
-            result.add("skipped_conflict")
-            log.warning("request timeout lost a race", extra={"collect_request_id": str(request_id),
-                                                               "error": str(exc)})
+    await fix_each(ctx, await candidates(ctx, _CANDIDATES, {}), time_out_one, result, what="request timeout",
+                   id_field="collect_request_id")
     async with ctx.conn.transaction():
         cur = await ctx.conn.execute(_WARN_NO_DISPATCH, {"warn_s": ctx.settings.request_no_dispatch_warn_seconds})
         warned = await cur.fetchall()

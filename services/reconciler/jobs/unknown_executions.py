@@ -22,12 +22,12 @@ from libs.tasks.transitions import (
     retry_business_task,
 )
 from services.reconciler.jobs.base import (
-    RETRYABLE_ERRORS,
     Job,
     JobContext,
     JobResult,
     candidates,
     configured_interval,
+    fix_each,
     log,
     refresh_request_progress,
 )
@@ -142,12 +142,7 @@ async def run(ctx: JobContext) -> JobResult:
             "task_id": str(row["id"]), "monitor_task_id": row["monitor_task_id"], "tenant_id": row["tenant_id"],
             "client_id": str(row["target_client_id"])})
     result.add("marked_unknown", len(marked))
-    for task_id in await candidates(ctx, _CANDIDATES, {}):
-        try:
-            await converge_one(ctx, task_id, result)
-        except RETRYABLE_ERRORS as exc:
-            result.add("skipped_conflict")
-            log.warning("unknown convergence lost a race", extra={"task_id": str(task_id), "error": str(exc)})
+    await fix_each(ctx, await candidates(ctx, _CANDIDATES, {}), converge_one, result, what="unknown convergence")
     return result
 
 
