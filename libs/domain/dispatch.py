@@ -314,12 +314,14 @@ def retry_allowed(tenant_id: int, *, cluster_high_backlog: int, tenant_normal_ba
 def plan_pass(candidates: Mapping[str, Sequence[Candidate]], clients: Sequence[ClientState], ledger: Ledger,
               limits: PassLimits, *, last_served: Mapping[str, int] | None = None,
               cluster_high_backlog: int = 0, tenant_normal_backlog: Mapping[int, int] | None = None,
-              max_dispatches: int | None = None) -> PassResult:
+              max_dispatches: int | None = None, normal_has_work: bool | None = None) -> PassResult:
     """Decide one pass: lanes in order (high first), tenants round-robin inside a lane, the tree per task.
 
     `candidates` maps lane -> ready tasks of that lane (any order). `ledger` and `clients` are updated
     in place as dispatches are decided. Rejections are counted once per task evaluated, except that a
     cluster budget stop ends the lane and a tenant budget stop skips that tenant's remaining tasks.
+    `normal_has_work` (default: some non-high candidate is given) decides whether high leaves the normal
+    guarantee of the window to the normal lanes; a high-only pass passes it explicitly.
     """
     result = PassResult()
     rotation = dict(last_served or {})
@@ -328,7 +330,8 @@ def plan_pass(candidates: Mapping[str, Sequence[Candidate]], clients: Sequence[C
     by_scope: dict[tuple[int, int], list[ClientState]] = defaultdict(list)
     for client in clients:
         by_scope[(client.tenant_id, client.workspace_id)].append(client)
-    normal_has_work = any(candidates.get(lane) for lane in (*NORMAL_LANES, "retry"))
+    if normal_has_work is None:
+        normal_has_work = any(candidates.get(lane) for lane in (*NORMAL_LANES, "retry"))
     budget_left = max_dispatches if max_dispatches is not None else math.inf
 
     for lane in LANE_ORDER:

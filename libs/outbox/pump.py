@@ -159,6 +159,10 @@ class PumpConfig:
     backoff_max_ms: int = 300_000
     retention_hours: int = 24
     concurrency: int = 2
+    # One more claim loop for prioritised rows only (priority > 0: high dispatch, collect-now control), so
+    # they never wait for the other loops to finish publishing a batch of normal events.
+    express: bool = True
+    express_batch_size: int = 50
 
 
 class OutboxPump:
@@ -169,7 +173,7 @@ class OutboxPump:
         self._config = config
         self._listen_url = listen_url
         # One wake-up event per claim loop, so a NOTIFY wakes every loop.
-        self._wakes = [asyncio.Event() for _ in range(max(1, config.concurrency))]
+        self._wakes = [asyncio.Event() for _ in range(max(1, config.concurrency) + (1 if config.express else 0))]
         self._stopping = False
         self.listening = asyncio.Event()
         self.published_total = 0
@@ -179,12 +183,14 @@ class OutboxPump:
             event.set()
 
     # ---- claim / publish / mark --------------------------------------------------------------
-    async def claim(self, limit: int | None = None) -> list[ClaimedEvent]:
+    async def claim(self, limit: int | None = None, *, min_priority: int = 0) -> list[ClaimedEvent]:
+        """Claim up to `limit` rows in priority DESC, id order (`min_priority` > 0: prioritised rows only)."""
         async with self._pool.connection() as conn, conn.transaction(), conn.pipeline():
             # One round trip: take the claim lock and claim in the same pipeline.
             await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
             cur = await conn.execute(q.CLAIM, {
                 "limit": limit or self._config.batch_size,
+                "min_priority": min_priority,
                 "claimed_by": self._config.claimed_by,
                 "lease_seconds": self._config.lease_seconds,
             })
@@ -221,7 +227,7 @@ class OutboxPump:
     async def process(self, batch: list[ClaimedEvent]) -> int:
         chains: dict[str, list[ClaimedEvent]] = defaultdict(list)
         singles: list[list[ClaimedEvent]] = []
-        for event in batch:
+        for event in sorted(batch, key=lambda e: e.id):  # per key: id order (= commit order)
             if event.ordering_key is None:
                 singles.append([event])
             else:
@@ -277,9 +283,12 @@ class OutboxPump:
             metrics.outbox_commit_to_publish_ms.observe((now - event.created_at).total_seconds() * 1000)
         self.published_total += len(published)
 
-    async def run_once(self) -> int:
-        """Claim and publish one batch; returns how many rows were claimed."""
-        batch = await self.claim()
+    async def run_once(self, *, express: bool = False) -> int:
+        """Claim and publish one batch; returns how many rows were claimed.
+
+        `express`: prioritised rows only, in a small batch (the express loop).
+        """
+        batch = await (self.claim(self._config.express_batch_size, min_priority=1) if express else self.claim())
         if batch:
             await self.process(batch)
         return len(batch)
@@ -291,13 +300,15 @@ class OutboxPump:
         if self._config.listen and self._listen_url:
             tasks.append(asyncio.create_task(self._listen(stop), name="outbox-listen"))
         try:
-            await asyncio.gather(*(self._claim_loop(stop, wake) for wake in self._wakes))
+            regular = max(1, self._config.concurrency)  # the express loop, if any, is the last one
+            await asyncio.gather(*(self._claim_loop(stop, wake, express=index >= regular)
+                                   for index, wake in enumerate(self._wakes)))
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _claim_loop(self, stop: asyncio.Event, wake: asyncio.Event) -> None:
+    async def _claim_loop(self, stop: asyncio.Event, wake: asyncio.Event, *, express: bool = False) -> None:
         # Several loops overlap one batch's claim with another's publishing; the claim lock and the
         # ordering rule of the CLAIM query keep per-key order across loops as across pumps.
         while not stop.is_set():
@@ -307,11 +318,11 @@ class OutboxPump:
                 continue
             wake.clear()
             try:
-                claimed = await self.run_once()
+                claimed = await self.run_once(express=express)
             except (psycopg.OperationalError, psycopg_pool_errors()) as exc:
                 log.warning("outbox claim failed; database unavailable?", extra={"error": str(exc)})
                 claimed = 0
-            if claimed >= self._config.batch_size:
+            if claimed >= (self._config.express_batch_size if express else self._config.batch_size):
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), self._config.poll_interval_s)

@@ -19,20 +19,26 @@ RETURNING id, status
 """
 
 # A row is claimable when no earlier row of its ordering key is still running or waiting out
-# a backoff; earlier rows that are claimable themselves come first in id order in this batch.
+# a backoff; earlier rows that are claimable themselves come first in this batch. Claim order is
+# priority DESC, id. So that per-key order still holds, a prioritised row (priority > 0) is claimable
+# only when its key has no earlier unfinished row at all (it is then the head of its key), and a normal
+# row also waits while its key has an earlier unfinished prioritised row (that row is claimed alone
+# first). Hence every earlier unfinished row of a claimed row's key is in the same batch, before it.
+# `min_priority` > 0 claims prioritised rows only (the pump's express loop).
 CLAIM = """
 WITH candidates AS (
     SELECT o.id
     FROM outbox o
     WHERE o.status IN ('queued', 'retryable')
       AND o.next_retry_at <= now()
+      AND o.priority >= %(min_priority)s
       AND (o.ordering_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM outbox p
             WHERE p.ordering_key = o.ordering_key
               AND p.id < o.id
               AND p.status IN ('queued', 'running', 'retryable')
-              AND (p.status = 'running' OR p.next_retry_at > now())))
-    ORDER BY o.id
+              AND (o.priority > 0 OR p.priority > 0 OR p.status = 'running' OR p.next_retry_at > now())))
+    ORDER BY o.priority DESC, o.id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )

@@ -16,9 +16,9 @@ NOTIFY_CHANNEL = "outbox_pending"
 
 _INSERT = """
 INSERT INTO outbox (event_id, exchange, routing_key, message_type, payload, headers, ordering_key,
-                    tenant_id, traceparent, max_attempts)
+                    tenant_id, traceparent, max_attempts, priority)
 VALUES (%(event_id)s, %(exchange)s, %(routing_key)s, %(message_type)s, %(payload)s, %(headers)s,
-        %(ordering_key)s, %(tenant_id)s, %(traceparent)s, %(max_attempts)s)
+        %(ordering_key)s, %(tenant_id)s, %(traceparent)s, %(max_attempts)s, %(priority)s)
 """
 # Writers of one ordering key take this lock until commit, so for one key id order = commit order.
 _LOCK_ORDERING_KEY = "SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 7401))"
@@ -36,11 +36,14 @@ async def enqueue(
     notify: bool = False,
     max_attempts: int = 10,
     headers: dict[str, Any] | None = None,
+    priority: int = 0,
 ) -> uuid.UUID:
     """Write one event into the outbox inside the caller's open transaction.
 
     `notify=True` wakes the pumps at commit (a cluster-wide lock at commit time, so only for
     latency-sensitive writes; bulk writers rely on the pump draining while there is work).
+    `priority` > 0 (latency-sensitive events: high dispatch, collect-now control) is claimed before
+    older normal events; per ordering key the publish order stays commit order.
     """
     if not conn.info.transaction_status:  # IDLE: no transaction open on this connection
         raise RuntimeError("outbox.enqueue must run inside the caller's transaction")
@@ -65,6 +68,7 @@ async def enqueue(
             "tenant_id": tenant_id,
             "traceparent": current_traceparent(),
             "max_attempts": max_attempts,
+            "priority": priority,
         },
     )
     if notify:
@@ -80,16 +84,18 @@ class OutboxEvent(msgspec.Struct, frozen=True, kw_only=True):
     message: msgspec.Struct
     ordering_key: str | None = None
     tenant_id: int | None = None
+    priority: int = 0
 
 
 _INSERT_MANY = """
 INSERT INTO outbox (event_id, exchange, routing_key, message_type, payload, ordering_key, tenant_id, traceparent,
-                    max_attempts)
+                    max_attempts, priority)
 SELECT e.event_id, e.exchange, e.routing_key, e.message_type, e.payload, e.ordering_key, e.tenant_id,
-       %(traceparent)s, %(max_attempts)s
+       %(traceparent)s, %(max_attempts)s, e.priority
 FROM unnest(%(event_ids)s::uuid[], %(exchanges)s::text[], %(routing_keys)s::text[], %(message_types)s::text[],
-            %(payloads)s::bytea[], %(ordering_keys)s::text[], %(tenant_ids)s::bigint[])
-     WITH ORDINALITY AS e(event_id, exchange, routing_key, message_type, payload, ordering_key, tenant_id, n)
+            %(payloads)s::bytea[], %(ordering_keys)s::text[], %(tenant_ids)s::bigint[], %(priorities)s::smallint[])
+     WITH ORDINALITY AS e(event_id, exchange, routing_key, message_type, payload, ordering_key, tenant_id, priority,
+                          n)
 ORDER BY e.n
 """
 # Keys locked in one statement, in a fixed order, so two bulk writers can never deadlock on them.
@@ -100,8 +106,10 @@ SELECT pg_advisory_xact_lock(h) FROM (SELECT DISTINCT hashtextextended(k, 7401) 
 
 
 async def enqueue_many(conn: Conn, events: list[OutboxEvent], *, notify: bool = False,
-                       max_attempts: int = 10) -> list[uuid.UUID]:
+                       max_attempts: int = 10, priority: int | None = None) -> list[uuid.UUID]:
     """`enqueue` for a batch: one ordering-key lock statement and one INSERT, ids in list order.
+
+    `priority` applies to every event when given; otherwise each event's own `priority` (default 0).
 
     Same guarantees as `enqueue` (inside the caller's transaction; per ordering key, id order is
     commit order). For bulk writers such as the dispatch coordinator.
@@ -130,6 +138,7 @@ async def enqueue_many(conn: Conn, events: list[OutboxEvent], *, notify: bool = 
         "payloads": [msgspec.json.encode(e.message) for e in events],
         "ordering_keys": [e.ordering_key for e in events],
         "tenant_ids": [e.tenant_id for e in events],
+        "priorities": [e.priority if priority is None else priority for e in events],
         "traceparent": current_traceparent(),
         "max_attempts": max_attempts,
     })

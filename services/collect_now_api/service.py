@@ -227,7 +227,8 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
                                       control=control, reason=PREEMPT_REASON, interrupt_generation=generation,
                                       updated_at=now, collect_request_id=request_id)
                 await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}",
-                              message=message, ordering_key=f"client:{client_id}", tenant_id=tenant_id)
+                              message=message, ordering_key=f"client:{client_id}", tenant_id=tenant_id,
+                              priority=1)  # claimed before older normal outbox events
     await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id, lane="high",
                          collect_request_id=request_id,
                          reason=PREEMPT_REASON if cancelled or interrupted else None)

@@ -66,6 +66,9 @@ class Coordinator:
         self._config = config
         self._amqp = amqp
         self.dispatcher = Dispatcher(pool)
+        # A collect-now asked for dispatch: the next pass starts with a high-only pass.
+        self._high_wake = asyncio.Event()
+        self.dispatcher.high_waiting = self._high_wake.is_set
         self.slowdown = SlowdownState()
         self._wake = asyncio.Event()
         self._settings: DispatchSettings | None = None
@@ -76,6 +79,11 @@ class Coordinator:
         self.dispatched_total = 0
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def wake_high(self) -> None:
+        """Collect-now work is ready: run a high-only pass first, then the full pass."""
+        self._high_wake.set()
         self._wake.set()
 
     async def settings(self) -> DispatchSettings:
@@ -134,6 +142,10 @@ class Coordinator:
                 continue
             started = time.perf_counter()
             try:
+                if self._high_wake.is_set():
+                    self._high_wake.clear()
+                    high = await self.dispatcher.run_high_pass(settings)
+                    self.dispatched_total += high.dispatched
                 outcome = await self.dispatcher.run_pass(settings)
             except Exception as exc:
                 if not is_transient(exc):
@@ -143,7 +155,7 @@ class Coordinator:
                 continue
             metrics.dispatch_pass_duration_ms.observe((time.perf_counter() - started) * 1000)
             self.dispatched_total += outcome.dispatched
-            if outcome.conflicted or outcome.full_batch:
+            if outcome.conflicted or outcome.full_batch or outcome.preempted:
                 continue
             timeout = min(max(0.05, settings.dispatch_tick_ms / 1000), outcome.seconds_to_next_window + 0.005)
             await self._wait(stop, self._wake, timeout)
@@ -223,9 +235,9 @@ class Coordinator:
                 await conn.execute(f"LISTEN {DISPATCH_WAKE_CHANNEL}")
                 self.listening.set()
                 delay = 0.2
-                self.wake()
+                self.wake_high()
                 async for _ in conn.notifies():
-                    self.wake()
+                    self.wake_high()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -266,6 +278,8 @@ class Coordinator:
             await dead_letter(channel, self._config.topology, dlq, message, f"undecodable lifecycle event: {exc}")  # type: ignore[arg-type]
             await message.ack()
             return
-        if event.event in WAKE_EVENTS:
+        if event.event == "collect_now.accepted":
+            self.wake_high()
+        elif event.event in WAKE_EVENTS:
             self.wake()
         await message.ack()

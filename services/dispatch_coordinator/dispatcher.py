@@ -13,7 +13,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -49,6 +49,8 @@ from services.dispatch_coordinator import queries as q
 log = logging.getLogger("dispatch.pass")
 
 CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, active_probe=q.ACTIVE_PROBE)
+HIGH_CLIENTS_SQL = q.HIGH_CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, candidates=q.HIGH_CANDIDATES)
+HIGH_ACTIVE_SQL = q.PLATFORM_ACTIVE_OF_CANDIDATES.format(candidates=q.HIGH_CANDIDATES)
 CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
     pg_errors.LockNotAvailable,
@@ -59,6 +61,15 @@ PER_PAIR_CAP = 50
 
 class WindowRolledOver(Exception):
     """The budget window changed while the pass was reading; it is redone at once in the new window."""
+
+
+class Preempted(Exception):
+    """High work was signalled while a full pass was reading: it yields (rolls back) before writing."""
+
+
+# A full pass yields to waiting high work at most this many times in a row, so a stream of clicks cannot
+# starve the normal lanes.
+MAX_PREEMPTIONS = 3
 
 
 @dataclass(slots=True)
@@ -81,6 +92,7 @@ class PassOutcome:
     rejections: dict[str, int] = field(default_factory=dict)
     cluster_exhausted: bool = False
     conflicted: bool = False
+    preempted: bool = False
     full_batch: bool = False
     seconds_to_next_window: float = 0.0
 
@@ -111,33 +123,43 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
     window = max(1, settings.budget_window_seconds)
     start = window_start(now, window)
     ledger = Ledger()
-    cur = await conn.execute(q.BUDGET_USED, {"window_start": start, "window_end": start + window})
-    for r in await cur.fetchall():
+    async with conn.pipeline():  # one round trip for the four reads
+        budget = await conn.execute(q.BUDGET_USED, {"window_start": start, "window_end": start + window})
+        platforms = await conn.execute(q.PLATFORM_SETTINGS)
+        active = await conn.execute(q.PLATFORM_ACTIVE)
+        loads = await conn.execute(CLIENTS_SQL, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+        _fold_budget(ledger, await budget.fetchall())
+        codes = _fold_platforms(ledger, await platforms.fetchall())
+        ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"] for r in await active.fetchall()}
+        clients = [
+            ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
+                        max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
+                        in_progress=r["in_progress"], queued=r["queued"], pending_high=r["pending_high"],
+                        interrupt_overdue=r["interrupt_overdue"], interrupt_generation=r["interrupt_generation"])
+            for r in await loads.fetchall()
+        ]
+    return Snapshot(now=now, window_start=start, window_seconds=window, ledger=ledger, clients=clients,
+                    platform_codes=codes)
+
+
+def _fold_budget(ledger: Ledger, rows: list[dict[str, Any]]) -> None:
+    for r in rows:
         ledger.cluster_used += r["n"]
         if not r["high"]:
             ledger.non_high_used += r["n"]
             ledger.tenant_used[r["tenant_id"]] = ledger.tenant_used.get(r["tenant_id"], 0) + r["n"]
-    cur = await conn.execute(q.PLATFORM_SETTINGS)
+
+
+def _fold_platforms(ledger: Ledger, rows: list[dict[str, Any]]) -> dict[int, str]:
     codes: dict[int, str] = {}
     paused: set[int] = set()
-    for r in await cur.fetchall():
+    for r in rows:
         codes[r["ai_platform_id"]] = r["code"]
         ledger.platform_limit[r["ai_platform_id"]] = r["max_concurrent"]
         if r["paused"] or not r["enabled"]:
             paused.add(r["ai_platform_id"])
     ledger.paused_platforms = frozenset(paused)
-    cur = await conn.execute(q.PLATFORM_ACTIVE)
-    ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"] for r in await cur.fetchall()}
-    cur = await conn.execute(CLIENTS_SQL, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
-    clients = [
-        ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
-                    max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
-                    in_progress=r["in_progress"], queued=r["queued"], pending_high=r["pending_high"],
-                    interrupt_overdue=r["interrupt_overdue"], interrupt_generation=r["interrupt_generation"])
-        for r in await cur.fetchall()
-    ]
-    return Snapshot(now=now, window_start=start, window_seconds=window, ledger=ledger, clients=clients,
-                    platform_codes=codes)
+    return codes
 
 
 def _candidate(r: dict[str, Any]) -> Candidate:
@@ -160,6 +182,10 @@ class Dispatcher:
         self.cluster_high_backlog = 0
         self.tenant_normal_backlog: dict[int, int] = {}
         self.passes = 0
+        # Set by the coordinator: is high work waiting for a high-only pass? A full pass that has not
+        # written yet then yields to it (collect-now latency must not wait for a batch of normal writes).
+        self.high_waiting: Callable[[], bool] | None = None
+        self._preempted_in_a_row = 0
 
     def add_pairs(self, pairs: Sequence[tuple[int, int]]) -> None:
         """New work the scanner just created (so the pass need not wait for the next pair refresh)."""
@@ -208,6 +234,78 @@ class Dispatcher:
                 found[r["lane"]].append(_candidate(r))
         return found
 
+    async def run_high_pass(self, settings: DispatchSettings) -> PassOutcome:
+        """Dispatch ready HIGH work only, in its own short transaction (collect-now latency).
+
+        Runs before the full pass when a collect-now woke the coordinator, so the click does not wait for a
+        pass that also plans and writes a batch of normal work. Same rules as the full pass (same pass
+        lock, so the budgets read are the budgets spent): cluster budget with the normal guarantee held
+        back whenever normal work may be pending (conservative: what this pass leaves, the full pass that
+        follows re-decides with the real normal candidates), client concurrency, platform concurrency per
+        (tenant, platform), and the write-time re-check of every task (CLAIM). Rejections are counted by
+        the full pass only.
+        """
+        outcome = PassOutcome()
+        limits = limits_from(settings, slowdown=self.slowdown)
+        if "high" in limits.paused_lanes:
+            return outcome
+        batch = max(1, settings.dispatch_batch_size)
+        window = max(1, settings.budget_window_seconds)
+        async with self._pool.connection() as conn:
+            write_started = 0.0
+            try:
+                async with conn.transaction():
+                    async with conn.pipeline():  # every read in one round trip
+                        await conn.execute(q.PASS_LOCK)
+                        budget = await conn.execute(q.BUDGET_USED_NOW, {"window": window})
+                        clock = await conn.execute(q.NOW)
+                        found = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
+                        platforms = await conn.execute(q.PLATFORM_SETTINGS)
+                        active = await conn.execute(HIGH_ACTIVE_SQL, {"limit": batch})
+                        loads = await conn.execute(HIGH_CLIENTS_SQL, {
+                            "limit": batch, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+                        budget_rows = await budget.fetchall()
+                        stamp = await clock.fetchone()
+                        candidates = [_candidate(r) for r in await found.fetchall()]
+                        platform_rows = await platforms.fetchall()
+                        active_rows = await active.fetchall()
+                        client_rows = await loads.fetchall()
+                    assert stamp is not None and budget_rows
+                    start = float(budget_rows[0]["window_start"])
+                    if not candidates or window_start(float(stamp["now"]), window) != start:
+                        return outcome  # nothing to do, or the window rolled over: the full pass decides
+                    ledger = Ledger()
+                    _fold_platforms(ledger, platform_rows)
+                    _fold_budget(ledger, [r for r in budget_rows if r["tenant_id"] is not None])
+                    ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"] for r in active_rows}
+                    clients = [
+                        ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
+                                    max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
+                                    in_progress=r["in_progress"], queued=r["queued"],
+                                    interrupt_generation=r["interrupt_generation"])
+                        for r in client_rows
+                    ]
+                    outcome.considered = len(candidates)
+                    plan = plan_pass({"high": candidates}, clients, ledger, limits, last_served=self.last_served,
+                                     max_dispatches=batch, normal_has_work=bool(self.pairs))
+                    outcome.seconds_to_next_window = start + window - float(stamp["now"])
+                    if plan.decisions:
+                        # Stamped with the clock read with the budgets (same window, under the pass lock).
+                        write_started = time.perf_counter()
+                        rows = await self._write(conn, plan, stamp["ts"])
+                        outcome.dispatched = outcome.high_dispatched = len(rows)
+            except CONFLICT_ERRORS as exc:
+                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
+                                        if write_started else 0.0, True)
+                log.warning("high dispatch pass hit a write conflict; the full pass redoes it",
+                            extra={"error": str(exc)[:300]})
+                outcome.conflicted = True
+                return outcome
+            if write_started:
+                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000, False)
+        self.last_served.update(plan.last_served)
+        return outcome
+
     async def run_pass(self, settings: DispatchSettings) -> PassOutcome:
         for _ in range(3):
             try:
@@ -235,6 +333,8 @@ class Dispatcher:
                                      max_dispatches=max(1, settings.dispatch_batch_size))
                     self._count_blocked_without_candidates(plan, snap, limits, candidates)
                     outcome.seconds_to_next_window = snap.window_start + snap.window_seconds - snap.now
+                    if plan.decisions and self._yield_to_high(plan):
+                        raise Preempted
                     if plan.decisions:
                         cur = await conn.execute(q.NOW)
                         stamp = await cur.fetchone()
@@ -245,6 +345,9 @@ class Dispatcher:
                         rows = await self._write(conn, plan, stamp["ts"])
                         outcome.dispatched = len(rows)
                         outcome.high_dispatched = sum(1 for r in rows if r["lane"] == "high")
+            except Preempted:
+                outcome.preempted = True
+                return outcome
             except CONFLICT_ERRORS as exc:
                 self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
                                         if write_started else 0.0, True)
@@ -263,6 +366,16 @@ class Dispatcher:
         if outcome.dispatched:
             log.debug("dispatched", extra={"count": outcome.dispatched, "high": outcome.high_dispatched})
         return outcome
+
+    def _yield_to_high(self, plan: PassResult) -> bool:
+        """Roll this pass back (before any write) so the waiting high-only pass goes first?"""
+        if self.high_waiting is None or not self.high_waiting() or self._preempted_in_a_row >= MAX_PREEMPTIONS:
+            self._preempted_in_a_row = 0
+            return False
+        if all(d.task.lane == "high" for d in plan.decisions):
+            return False  # nothing but high to write: writing it is the fastest way
+        self._preempted_in_a_row += 1
+        return True
 
     def _count_blocked_without_candidates(self, plan: PassResult, snap: Snapshot, limits: PassLimits,
                                           candidates: dict[str, list[Candidate]]) -> None:
@@ -290,32 +403,22 @@ class Dispatcher:
     async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> list[dict[str, Any]]:
         decisions = plan.decisions
         clients = sorted({d.client_id for d in decisions}, key=str)
-        await conn.execute(q.LOCK_CLIENTS, {"ids": clients})
-        cur = await conn.execute(q.CLAIM, {"task_ids": sorted(d.task.id for d in decisions)})
-        claimed = {r["id"]: r for r in await cur.fetchall()}
         normal_clients = sorted({d.client_id for d in decisions if d.task.lane != "high"}, key=str)
         high_clients: set[uuid.UUID] = set()
-        if normal_clients:
-            cur = await conn.execute(q.CLIENTS_WITH_HIGH, {"clients": normal_clients})
-            high_clients = {r["client_id"] for r in await cur.fetchall()}
+        async with conn.pipeline():  # one round trip: lock the clients, claim the tasks, the lane re-check
+            await conn.execute(q.LOCK_CLIENTS, {"ids": clients})
+            cur = await conn.execute(q.CLAIM, {"task_ids": sorted(d.task.id for d in decisions)})
+            with_high = (await conn.execute(q.CLIENTS_WITH_HIGH, {"clients": normal_clients})
+                         if normal_clients else None)
+            claimed = {r["id"]: r for r in await cur.fetchall()}
+            if with_high is not None:
+                high_clients = {r["client_id"] for r in await with_high.fetchall()}
         rows = [r for d in decisions if (r := _still_dispatchable(d, claimed.get(d.task.id), high_clients))]
         if len(rows) < len(decisions):
             log.info("some decided tasks changed before the write (e.g. promoted by collect-now); skipped",
                      extra={"decided": len(decisions), "written": len(rows)})
         if not rows:
             return rows
-        await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": [claimed[r["monitor_task_id"]]["row_ref"] for r in rows]})
-        await conn.execute(q.INSERT_EXECUTIONS, {
-            "ids": [r["id"] for r in rows], "tenant_ids": [r["tenant_id"] for r in rows],
-            "workspace_ids": [r["workspace_id"] for r in rows], "clients": [r["target_client_id"] for r in rows],
-            "priorities": [r["priority"] for r in rows], "lanes": [r["lane"] for r in rows],
-            "weights": [r["lane_weight"] for r in rows], "sources": [r["source"] for r in rows],
-            "group_keys": [r["scheduler_group_key"] for r in rows], "task_ids": [r["monitor_task_id"] for r in rows],
-            "generations": [r["interrupt_generation"] for r in rows], "enqueued": [r["enqueued_at"] for r in rows],
-            "brand_ids": [r["brand_id"] for r in rows], "question_ids": [r["question_id"] for r in rows],
-            "platform_ids": [r["ai_platform_id"] for r in rows], "dates": [r["business_date"] for r in rows],
-            "request_ids": [r["collect_request_id"] for r in rows], "ts": ts,
-        })
         events = [
             OutboxEvent(
                 exchange=DISPATCH, routing_key=routing_key(r["lane"], r["target_client_id"]),
@@ -326,20 +429,37 @@ class Dispatcher:
                                       interrupt_generation=r["interrupt_generation"], updated_at=ts,
                                       monitor_task_id=r["monitor_task_id"],
                                       collect_request_id=r["collect_request_id"]),
-                ordering_key=f"client:{r['target_client_id']}", tenant_id=r["tenant_id"])
+                ordering_key=f"client:{r['target_client_id']}", tenant_id=r["tenant_id"],
+                priority=1 if r["lane"] == "high" else 0)  # high: claimed before older normal events
             for r in rows
         ]
-        has_high = any(r["lane"] == "high" for r in rows)
-        await enqueue_many(conn, events, notify=has_high)
         requests: dict[uuid.UUID, int] = defaultdict(int)
         for r in rows:
             if r["lane"] == "high" and r["collect_request_id"] is not None:
                 requests[r["collect_request_id"]] += 1
-        if requests:
-            cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests), "counts": list(requests.values())})
-            for r in await cur.fetchall():
-                if r["first"]:
-                    metrics.collect_now_first_dispatch_latency_ms.observe(max(0.0, float(r["latency_ms"])))
+        refs = [claimed[r["monitor_task_id"]]["row_ref"] for r in rows]
+        async with conn.pipeline():  # one round trip for the writes
+            await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": refs})
+            await conn.execute(q.INSERT_EXECUTIONS, {
+                "ids": [r["id"] for r in rows], "tenant_ids": [r["tenant_id"] for r in rows],
+                "workspace_ids": [r["workspace_id"] for r in rows], "clients": [r["target_client_id"] for r in rows],
+                "priorities": [r["priority"] for r in rows], "lanes": [r["lane"] for r in rows],
+                "weights": [r["lane_weight"] for r in rows], "sources": [r["source"] for r in rows],
+                "group_keys": [r["scheduler_group_key"] for r in rows],
+                "task_ids": [r["monitor_task_id"] for r in rows],
+                "generations": [r["interrupt_generation"] for r in rows],
+                "enqueued": [r["enqueued_at"] for r in rows],
+                "brand_ids": [r["brand_id"] for r in rows], "question_ids": [r["question_id"] for r in rows],
+                "platform_ids": [r["ai_platform_id"] for r in rows], "dates": [r["business_date"] for r in rows],
+                "request_ids": [r["collect_request_id"] for r in rows], "ts": ts,
+            })
+            await enqueue_many(conn, events, notify=any(r["lane"] == "high" for r in rows))
+            if requests:
+                cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests),
+                                                                 "counts": list(requests.values())})
+                for r in await cur.fetchall():
+                    if r["first"]:
+                        metrics.collect_now_first_dispatch_latency_ms.observe(max(0.0, float(r["latency_ms"])))
         for r in rows:
             metrics.dispatch_decisions_count.inc(lane=r["lane"])
             if r["lane"] == "high":

@@ -79,6 +79,48 @@ WHERE kind = 'monitor' AND status IN ('queued', 'in_progress')
 GROUP BY 1, 2
 """
 
+# ---- high-only pass (collect-now latency) -----------------------------------------------------------
+# Read in ONE pipelined round trip (each statement re-runs the high candidate scan, which is a short walk of
+# the high ready index): the window's budget use with the window start it was computed for, the eligible
+# clients a high candidate can go to (its bound client, or the clients of its tenant and workspace) with
+# their monitor load, and the active executions of the candidates' tenants. ELIGIBLE_CLIENT_SQL and the
+# candidate query are substituted by the caller.
+BUDGET_USED_NOW = f"""
+WITH w AS (SELECT floor(extract(epoch FROM clock_timestamp()) / %(window)s) * %(window)s AS ws)
+SELECT w.ws::float8 AS window_start, b.tenant_id, b.high, coalesce(b.n, 0) AS n
+FROM w LEFT JOIN LATERAL (
+    SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
+    FROM desktop_tasks d
+    WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(w.ws) AND d.created_at < to_timestamp(w.ws + %(window)s)
+      AND NOT {REFUNDED}
+    GROUP BY 1, 2
+) b ON true
+"""
+
+HIGH_CLIENTS = """
+WITH cand AS MATERIALIZED ({candidates})
+SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
+       coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued
+FROM desktop_clients c
+LEFT JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
+           count(*) FILTER (WHERE d.status = 'queued') AS queued
+    FROM desktop_tasks d
+    WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+) a ON true
+WHERE (c.id = ANY(ARRAY(SELECT target_client_id FROM cand WHERE target_client_id IS NOT NULL))
+       OR (c.tenant_id, c.workspace_id) IN (SELECT tenant_id, workspace_id FROM cand WHERE target_client_id IS NULL))
+  AND {eligible}
+"""
+
+PLATFORM_ACTIVE_OF_CANDIDATES = """
+WITH cand AS MATERIALIZED ({candidates})
+SELECT tenant_id, ai_platform_id, count(*) AS n
+FROM desktop_tasks
+WHERE kind = 'monitor' AND status IN ('queued', 'in_progress') AND tenant_id = ANY(ARRAY(SELECT tenant_id FROM cand))
+GROUP BY 1, 2
+"""
+
 PLATFORM_SETTINGS = """
 SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
        coalesce(s.paused, false) AS paused, coalesce(s.interrupt_soft_timeout_ms, 15000) AS soft_timeout_ms,

@@ -1,0 +1,114 @@
+"""The coordinator's high-only pass (collect-now latency) and full passes yielding to it, against real Postgres."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from libs.db.pool import Conn
+from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
+from services.dispatch_coordinator.dispatcher import MAX_PREEMPTIONS, Dispatcher
+from services.dispatch_coordinator.scanner import scan_once
+from tests.integration.test_coordinator_load import collect_now
+from tests.support.dispatch_fleet import Seeded, seed_fleet
+
+
+async def _prepare(pool: AsyncConnectionPool[Conn], **settings: Any) -> Seeded:
+    async with pool.connection() as conn:
+        seeded = await seed_fleet(conn, plans_per_tenant=[30], clients_per_tenant=2, max_queue_depth=100)
+        for key, value in settings.items():
+            await set_setting(conn, key, value)
+        await conn.execute("INSERT INTO platform_settings (ai_platform_id, max_concurrent) SELECT id, 100 "
+                           "FROM ai_platforms ON CONFLICT (ai_platform_id) DO UPDATE SET max_concurrent = 100")
+    await scan_once(pool, batch_size=1000, rollout_percentage=100)
+    return seeded
+
+
+async def _settings(pool: AsyncConnectionPool[Conn], **changes: Any) -> DispatchSettings:
+    async with pool.connection() as conn:
+        for key, value in changes.items():
+            await set_setting(conn, key, value)
+        return await load_settings(conn)
+
+
+async def _rows(pool: AsyncConnectionPool[Conn], sql: str, params: dict[str, Any] | None = None) -> list[Any]:
+    async with pool.connection() as conn:
+        cur = await conn.execute(sql, params or {})
+        return list(await cur.fetchall())
+
+
+async def _lanes(pool: AsyncConnectionPool[Conn]) -> dict[str, int]:
+    rows = await _rows(pool, "SELECT lane, count(*) AS n FROM desktop_tasks GROUP BY lane")
+    return {r["lane"]: r["n"] for r in rows}
+
+
+async def test_high_only_pass_keeps_budget_and_platform_rules_and_writes_no_normal(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    seeded = await _prepare(pool, cluster_dispatch_per_minute=4, tenant_dispatch_per_minute=100,
+                            high_reserved_share=0.0, budget_window_seconds=3600)
+    tenant = seeded.tenants[0]
+    dispatcher = Dispatcher(pool)
+    settings = await _settings(pool)
+    assert (await dispatcher.run_pass(settings)).dispatched == 4  # the window's budget, all normal
+    async with pool.connection() as conn:  # leased: the collect-now below interrupts them, no budget refund
+        await conn.execute("UPDATE desktop_tasks SET status = 'in_progress', lease_epoch = 1")
+    platform = seeded.platforms["openai"]
+    picked = await _rows(pool, "SELECT t.id FROM monitoring_collect_tasks t WHERE t.status = 'pending' "
+                               "AND t.ai_platform_id = %(p)s AND NOT EXISTS (SELECT 1 FROM desktop_tasks d "
+                               "WHERE d.monitor_task_id = t.id) ORDER BY t.id LIMIT 3", {"p": platform})
+    client = tenant.clients[0]
+    async with pool.connection() as conn:
+        request_id, _ = await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client,
+                                          task_ids=[r["id"] for r in picked])
+    # Cluster budget spent: high waits too.
+    assert (await dispatcher.run_high_pass(settings)).dispatched == 0
+    # Budget room for 2 now, but the tenant's platform account is full: nothing goes.
+    settings = await _settings(pool, cluster_dispatch_per_minute=6)
+    active = await _rows(pool, "SELECT count(*) AS n FROM desktop_tasks WHERE tenant_id = %(t)s "
+                               "AND ai_platform_id = %(p)s AND status IN ('queued', 'in_progress')",
+                         {"t": tenant.tenant_id, "p": platform})
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE platform_settings SET max_concurrent = %(n)s WHERE ai_platform_id = %(p)s",
+                           {"n": active[0]["n"], "p": platform})
+    assert (await dispatcher.run_high_pass(settings)).dispatched == 0
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE platform_settings SET max_concurrent = 100")
+    # The client runs as many as it may (2 in progress): it takes no more, high or not.
+    assert (await dispatcher.run_high_pass(settings)).dispatched == 0
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 10")
+    outcome = await dispatcher.run_high_pass(settings)
+    assert outcome.dispatched == outcome.high_dispatched == 2  # what the budget leaves
+    assert await _lanes(pool) == {"normal": 4, "high": 2}
+    settings = await _settings(pool, cluster_dispatch_per_minute=100)
+    assert (await dispatcher.run_high_pass(settings)).dispatched == 1
+    assert await _lanes(pool) == {"normal": 4, "high": 3}  # never any normal work
+    high = await _rows(pool, "SELECT target_client_id, interrupt_generation, source, collect_request_id "
+                             "FROM desktop_tasks WHERE lane = 'high'")
+    assert {(r["target_client_id"], r["source"], r["collect_request_id"]) for r in high} == {
+        (client, "collect_now", request_id)}
+    outbox = await _rows(pool, "SELECT routing_key, priority FROM outbox WHERE routing_key LIKE 'monitor.high.%%' "
+                               "OR routing_key LIKE 'monitor.normal.%%'")
+    assert sorted((r["routing_key"].split(".")[1], r["priority"]) for r in outbox) == (
+        [("high", 1)] * 3 + [("normal", 0)] * 4)
+    request = await _rows(pool, "SELECT dispatched_task_count, status, first_dispatched_at "
+                                "FROM monitoring_collect_requests WHERE id = %(r)s", {"r": request_id})
+    assert request[0]["dispatched_task_count"] == 3 and request[0]["status"] == "dispatching"
+    assert request[0]["first_dispatched_at"] is not None
+
+
+async def test_full_pass_yields_to_waiting_high_work_a_bounded_number_of_times(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
+    dispatcher = Dispatcher(pool)
+    dispatcher.high_waiting = lambda: True
+    settings = await _settings(pool)
+    for _ in range(MAX_PREEMPTIONS):
+        outcome = await dispatcher.run_pass(settings)
+        assert outcome.preempted and outcome.dispatched == 0
+    assert await _lanes(pool) == {}  # rolled back before any write
+    outcome = await dispatcher.run_pass(settings)  # no starvation: this one writes
+    assert not outcome.preempted and outcome.dispatched > 0
+    dispatcher.high_waiting = lambda: False
+    assert not (await dispatcher.run_pass(settings)).preempted
