@@ -44,6 +44,7 @@ class ClaimedEvent:
     attempts: int
     max_attempts: int
     created_at: datetime
+    priority: int = 0
 
 
 class PublishError(Exception):
@@ -227,7 +228,8 @@ class OutboxPump:
     async def process(self, batch: list[ClaimedEvent]) -> int:
         chains: dict[str, list[ClaimedEvent]] = defaultdict(list)
         singles: list[list[ClaimedEvent]] = []
-        for event in sorted(batch, key=lambda e: e.id):  # per key: id order (= commit order)
+        # Prioritised events first (their chains start publishing first); per key, id order (= commit order).
+        for event in sorted(batch, key=lambda e: (-e.priority, e.id)):
             if event.ordering_key is None:
                 singles.append([event])
             else:

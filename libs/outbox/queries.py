@@ -50,7 +50,8 @@ SET status = 'running',
 FROM candidates c
 WHERE o.id = c.id
 RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload, o.headers,
-          o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at
+          o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at,
+          o.priority
 """
 
 MARK_PUBLISHED = """
