@@ -10,6 +10,7 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import uvloop
+from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
@@ -77,6 +78,19 @@ def pool_ready_check(pool: AsyncConnectionPool[Conn]) -> Callable[[], Awaitable[
 
 def add_pool_check(app: web.Application, pool: AsyncConnectionPool[Conn]) -> None:
     add_readiness_check(app, "postgres", pool_ready_check(pool))
+
+
+def add_consumer_check(app: web.Application, connection: AbstractRobustConnection, subscribed: asyncio.Event,
+                       what: str) -> None:
+    """Ready when the broker connection is open and the consumer has subscribed to its queues."""
+
+    async def check() -> None:
+        if connection.is_closed:
+            raise ConnectionError("broker connection closed")
+        if not subscribed.is_set():
+            raise ConnectionError(f"{what} not subscribed yet")
+
+    add_readiness_check(app, "rabbitmq", check)
 
 
 def serve(service: str, build: Callable[[Settings], web.Application]) -> None:

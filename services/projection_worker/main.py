@@ -9,10 +9,10 @@ from aiohttp import web
 
 from libs.config import Settings
 from libs.db.pool import make_pool
-from libs.http import add_readiness_check, make_app
+from libs.http import make_app
 from libs.mq.connection import connect
 from libs.mq.topology import Topology, declare_projection
-from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
+from libs.runtime import SETTINGS, add_consumer_check, add_pool_check, background, base_app, serve
 from services.projection_worker.consumer import ProjectionWorker
 from services.projection_worker.rebuild import ProjectionConfig, Rebuilder
 
@@ -41,13 +41,7 @@ def build(settings: Settings) -> web.Application:
                                        sweep_interval_s=settings.projection_sweep_interval_ms / 1000)
         add_pool_check(app, pool)
 
-        async def broker() -> None:
-            if connection.is_closed:
-                raise ConnectionError("broker connection closed")
-            if not app[WORKER].subscribed.is_set():
-                raise ConnectionError("projection queue not subscribed yet")
-
-        add_readiness_check(app, "rabbitmq", broker)
+        add_consumer_check(app, connection, app[WORKER].subscribed, "projection queue")
         yield
         await connection.close()
         await pool.close()
