@@ -47,8 +47,12 @@ async def _count(pool: AsyncConnectionPool[Conn], sql: str, params: dict[str, An
 async def test_scanner_creates_tasks_once_in_tenant_time_zone_and_by_rollout(pool: AsyncConnectionPool[Conn]) -> None:
     async with pool.connection() as conn:
         seeded = await seed_fleet(conn, plans_per_tenant=[6, 6], clients_per_tenant=1, time_zone="Asia/Shanghai")
-        # 20:00 UTC yesterday is already today in Shanghai (UTC+8): the business date is the local one.
-        slot = datetime.now(UTC).replace(hour=20, minute=0, second=0, microsecond=0) - timedelta(days=1)
+        # 20:00 UTC is already the next day in Shanghai (UTC+8): the business date is the local one. The
+        # latest 20:00 UTC in the past, so exactly one daily occurrence is due whatever the time of day.
+        now = datetime.now(UTC)
+        slot = now.replace(hour=20, minute=0, second=0, microsecond=0)
+        if slot > now:
+            slot -= timedelta(days=1)
         await conn.execute("UPDATE monitoring_plans SET next_run_at = %(s)s", {"s": slot})
         second = seeded.tenants[1].tenant_id
         # Rollout: only tenants with tenant_id % 100 < pct go to desktop_tasks.
