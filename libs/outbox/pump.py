@@ -185,6 +185,14 @@ class OutboxPump:
         self.published_total = 0
 
     def wake(self) -> None:
+        """New work: wake the first regular loop and the priority loop. Further regular loops are woken in
+        turn by a loop that claimed a full batch (a backlog), so a lone event does not make every loop
+        queue up on the claim lock."""
+        self._wakes[0].set()
+        if self._config.express:
+            self._wakes[-1].set()
+
+    def _wake_all(self) -> None:
         for event in self._wakes:
             event.set()
 
@@ -308,14 +316,17 @@ class OutboxPump:
             tasks.append(asyncio.create_task(self._listen(stop), name="outbox-listen"))
         try:
             regular = max(1, self._config.concurrency)  # the express loop, if any, is the last one
-            await asyncio.gather(*(self._claim_loop(stop, wake, express=index >= regular)
-                                   for index, wake in enumerate(self._wakes)))
+            await asyncio.gather(*(
+                self._claim_loop(stop, wake, express=index >= regular,
+                                 next_wake=self._wakes[index + 1] if index + 1 < regular else None)
+                for index, wake in enumerate(self._wakes)))
         finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _claim_loop(self, stop: asyncio.Event, wake: asyncio.Event, *, express: bool = False) -> None:
+    async def _claim_loop(self, stop: asyncio.Event, wake: asyncio.Event, *, express: bool = False,
+                          next_wake: asyncio.Event | None = None) -> None:
         # Several loops overlap one batch's claim with another's publishing; the claim lock and the
         # ordering rule of the CLAIM query keep per-key order across loops as across pumps.
         while not stop.is_set():
@@ -330,13 +341,15 @@ class OutboxPump:
                 log.warning("outbox claim failed; database unavailable?", extra={"error": str(exc)})
                 claimed = 0
             if claimed >= (self._config.express_batch_size if express else self._config.batch_size):
+                if next_wake is not None:
+                    next_wake.set()  # a backlog: bring the next loop in
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), self._config.poll_interval_s)
 
     async def _stop_watch(self, stop: asyncio.Event) -> None:
         await stop.wait()
-        self.wake()
+        self._wake_all()
 
     async def _listen(self, stop: asyncio.Event) -> None:
         assert self._listen_url is not None
