@@ -25,17 +25,15 @@ import aiohttp
 import msgspec
 
 from bench.common import bench_environment, summary
-from libs.auth import TenantPrincipal, issue_gateway_jwt
 from libs.config import Settings
 from libs.contracts.wire import TaskAvailable
 from libs.db.pool import connect
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
 from libs.mq.topology import Topology
-from tests.support.procs import ServiceProcess, service_env
+from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
-SERVICES = ("outbox-pump", "dispatch-coordinator", "dispatch-hub", "collect-now-api", "ingest-shard-workers")
 JWT_SECRET = "bench-collect-now-gateway-secret-0123456789"
 
 _BACKLOG = """
@@ -74,13 +72,13 @@ async def _prepare(settings: Settings, *, clicks: int, load: bool) -> dict[str, 
     return {"probe": probe["tenants"][0], "background": background}
 
 
-async def _measure(settings: Settings, stack: dict[str, ServiceProcess], world: dict[str, Any],
+async def _measure(settings: Settings, stack: Stack, world: dict[str, Any],
                    clicks: int) -> tuple[list[float], list[float]]:
     probe = world["probe"]
     client = probe["clients"][0]
     brand = probe["brands"][0]
-    jwt = issue_gateway_jwt(JWT_SECRET, TenantPrincipal(probe["tenant_id"], probe["workspace_id"], probe["user_id"]))
-    hub, api = stack["dispatch-hub"].url, stack["collect-now-api"].url
+    jwt = stack.jwt(probe)
+    hub, api = stack.hub_url, stack.api_url
     to_socket: list[float] = []
     to_lease: list[float] = []
     async with aiohttp.ClientSession() as http, http.ws_connect(
@@ -168,46 +166,45 @@ async def _scenario(name: str, *, clicks: int, load: bool) -> None:
         settings = replace(base, gateway_jwt_secret=JWT_SECRET)
         print(f"  {name}: preparing data", flush=True)
         world = await _prepare(settings, clicks=clicks, load=load)
-        print(f"  {name}: starting {', '.join(SERVICES)}", flush=True)
+        print(f"  {name}: starting {', '.join(DISPATCH_SERVICES)}", flush=True)
         with tempfile.TemporaryDirectory() as logs:
-            env = service_env(settings, DB_POOL_MAX=6)
-            stack: dict[str, ServiceProcess] = {}
-            fleet: list[SimClient] = []
-            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-            try:
-                for service in SERVICES:
-                    stack[service] = ServiceProcess(service, env, log_dir=Path(logs))
-                    await asyncio.to_thread(stack[service].start)
-                if load:
-                    # Realistic desktop pacing (a task takes seconds), so the load is the backlog, the
-                    # dispatching and 50 sockets, not a CPU-bound simulator sharing the benchmark's cores.
-                    timings = TIMING_PROFILES["demo"].scaled(0.5)
-                    for tenant in world["background"]["tenants"]:
-                        for c in tenant["clients"]:
-                            fleet.append(SimClient(SimOptions(hub_url=stack["dispatch-hub"].url, token=c["token"],
-                                                              timings=timings), session=session))
-                    for sim in fleet:
-                        await sim.start()
-                    await asyncio.sleep(5)  # let the fleet connect and dispatch reach its steady state
-                try:
-                    to_socket, to_lease = await _measure(settings, stack, world, clicks)
-                except TimeoutError:
-                    for service in ("dispatch-coordinator", "collect-now-api"):
-                        print(f"----- {service} log tail\n{stack[service].logs()[-3000:]}")
-                    raise
-                print(f"  {name}: click -> task_available on the socket (ms): {summary(to_socket)}", flush=True)
-                print(f"  {name}: click -> lease (ms):                        {summary(to_lease)}", flush=True)
-                await _breakdown(settings, name, world["probe"]["tenant_id"])
-                if load:
-                    connected = sum(1 for sim in fleet if sim.connected.is_set())
-                    executed = sum(len(sim.stats.executed) for sim in fleet)
-                    print(f"  {name}: {connected} clients connected; they executed {executed} normal tasks meanwhile",
-                          flush=True)
-            finally:
-                await asyncio.gather(*(sim.stop() for sim in fleet), return_exceptions=True)
-                await session.close()
-                for proc in reversed(stack.values()):
-                    await asyncio.to_thread(proc.stop)
+            async with running_stack(settings, Path(logs), DB_POOL_MAX=6) as stack:
+                await _run_scenario(name, stack, world, clicks=clicks, load=load)
+
+
+async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, clicks: int, load: bool) -> None:
+    settings = stack.settings
+    fleet: list[SimClient] = []
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    try:
+        if load:
+            # Realistic desktop pacing (a task takes seconds), so the load is the backlog, the
+            # dispatching and 50 sockets, not a CPU-bound simulator sharing the benchmark's cores.
+            timings = TIMING_PROFILES["demo"].scaled(0.5)
+            for tenant in world["background"]["tenants"]:
+                for c in tenant["clients"]:
+                    fleet.append(SimClient(SimOptions(hub_url=stack.hub_url, token=c["token"],
+                                                      timings=timings), session=session))
+            for sim in fleet:
+                await sim.start()
+            await asyncio.sleep(5)  # let the fleet connect and dispatch reach its steady state
+        try:
+            to_socket, to_lease = await _measure(settings, stack, world, clicks)
+        except TimeoutError:
+            for service in ("dispatch-coordinator", "collect-now-api"):
+                print(f"----- {service} log tail\n{stack.procs[service].logs()[-3000:]}")
+            raise
+        print(f"  {name}: click -> task_available on the socket (ms): {summary(to_socket)}", flush=True)
+        print(f"  {name}: click -> lease (ms):                        {summary(to_lease)}", flush=True)
+        await _breakdown(settings, name, world["probe"]["tenant_id"])
+        if load:
+            connected = sum(1 for sim in fleet if sim.connected.is_set())
+            executed = sum(len(sim.stats.executed) for sim in fleet)
+            print(f"  {name}: {connected} clients connected; they executed {executed} normal tasks meanwhile",
+                  flush=True)
+    finally:
+        await asyncio.gather(*(sim.stop() for sim in fleet), return_exceptions=True)
+        await session.close()
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -19,7 +19,8 @@ from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from tests.support.procs import BIN
-from tests.support.reconcile_stack import Stack, configure, running_stack
+from tests.support.reconcile_stack import FAST_ENV, SERVICES, configure
+from tests.support.stack import Stack, running_stack
 from tests.support.wait import eventually
 
 CHAOS_SECONDS = 15.0
@@ -99,7 +100,7 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
         await configure(conn, request_ttl_seconds=60)
     tenant = seeded["tenants"][0]
     tenant_id = tenant["tenant_id"]
-    async with running_stack(settings, tmp_path) as stack:
+    async with running_stack(settings, tmp_path, services=SERVICES, **FAST_ENV) as stack:
         fleet = Fleet(stack, tenant, rng, pool, tmp_path)
         try:
             for index in range(len(fleet.creds)):
@@ -111,8 +112,7 @@ async def test_fleet_chaos_every_task_terminal_no_double_execution_results_once(
                 if collect_nows and elapsed >= collect_nows[0]:
                     collect_nows.pop(0)
                     brand = tenant["brands"][len(requests) % len(tenant["brands"])]
-                    accepted = await stack.collect_now(tenant_id=tenant_id, workspace_id=tenant["workspace_id"],
-                                                       user_id=tenant["user_id"], brand_id=brand["brand_id"])
+                    accepted = await stack.collect_now(tenant, brand["brand_id"])
                     requests.append(accepted["request_id"])
                 await fleet.churn()
                 await asyncio.sleep(rng.uniform(0.4, 1.2))  # the pace of the chaos, not a wait for a condition

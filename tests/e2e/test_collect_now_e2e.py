@@ -4,11 +4,8 @@ desktop clients (tools.desktop_sim) over real WebSockets."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,7 +15,6 @@ import msgspec
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
-from libs.auth import TenantPrincipal, issue_gateway_jwt
 from libs.config import Settings
 from libs.contracts.wire import TaskAvailable, TaskControl
 from libs.db.pool import Conn
@@ -28,72 +24,16 @@ from libs.domain.lanes import lane_weight
 from libs.mq.topology import DISPATCH
 from libs.outbox import enqueue
 from tests.support.desktop import dispatch_execution, insert_ready_task
-from tests.support.procs import ServiceProcess, service_env
+from tests.support.stack import Stack, running_stack
 from tests.support.tcpproxy import TcpProxy
 from tests.support.wait import eventually
 from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
-JWT_SECRET = "collect-now-e2e-gateway-secret-0123456789"
-SERVICES = ("outbox-pump", "dispatch-coordinator", "dispatch-hub", "collect-now-api", "ingest-shard-workers")
 FAST = TIMING_PROFILES["fast"]
+# The hub flushes heartbeats and pings sockets often, so a client's coming and going shows quickly.
+HUB_ENV: dict[str, str | int] = {"HUB_HEARTBEAT_FLUSH_S": "0.3", "HUB_PING_INTERVAL_S": "1"}
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@dataclass
-class Stack:
-    settings: Settings
-    procs: dict[str, ServiceProcess] = field(default_factory=dict)
-
-    @property
-    def hub(self) -> str:
-        return self.procs["dispatch-hub"].url
-
-    @property
-    def api(self) -> str:
-        return self.procs["collect-now-api"].url
-
-    def jwt(self, tenant: dict[str, Any]) -> str:
-        return issue_gateway_jwt(JWT_SECRET, TenantPrincipal(tenant_id=tenant["tenant_id"],
-                                                             workspace_id=tenant["workspace_id"],
-                                                             user_id=tenant["user_id"]))
-
-    async def collect_now(self, tenant: dict[str, Any], brand_id: int, body: dict[str, Any],
-                          *, expect: tuple[int, ...] = (200, 201, 202)) -> tuple[int, dict[str, Any]]:
-        async with aiohttp.ClientSession() as http, http.post(
-                f"{self.api}/api/tenant/monitoring/brands/{brand_id}/collect-now", json=body,
-                headers={"Authorization": f"Bearer {self.jwt(tenant)}"}) as resp:
-            payload: dict[str, Any] = await resp.json()
-            assert resp.status in expect, (resp.status, payload)
-            return resp.status, payload
-
-    async def metric(self, service: str, sample: str) -> float:
-        async with aiohttp.ClientSession() as http, http.get(self.procs[service].url + "/metrics") as resp:
-            text = await resp.text()
-        for line in text.splitlines():
-            name, _, value = line.rpartition(" ")
-            if name == sample:
-                return float(value)
-        return 0.0
-
-    def logs(self) -> str:
-        return "\n".join(f"===== {n}\n{p.logs()[-5000:]}" for n, p in self.procs.items())
-
-
-@contextlib.asynccontextmanager
-async def running_stack(settings: Settings, log_dir: Path) -> AsyncIterator[Stack]:
-    settings = replace(settings, gateway_jwt_secret=JWT_SECRET)
-    stack = Stack(settings)
-    env = service_env(settings, HUB_HEARTBEAT_FLUSH_S="0.3", HUB_PING_INTERVAL_S="1")
-    try:
-        for name in SERVICES:
-            proc = ServiceProcess(name, env, log_dir=log_dir)
-            stack.procs[name] = proc
-            await asyncio.to_thread(proc.start)
-        yield stack
-    finally:
-        for proc in reversed(stack.procs.values()):
-            await asyncio.to_thread(proc.stop)
 
 
 async def rows(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> list[dict[str, Any]]:
@@ -128,7 +68,7 @@ async def seed_world(pool: AsyncConnectionPool[Conn], *, clients: int = 2, tenan
 
 
 def sim(stack: Stack, token: str, *, scale: float = 1.0, hub: str | None = None, **options: Any) -> SimClient:
-    return SimClient(SimOptions(hub_url=hub or stack.hub, token=token, timings=FAST.scaled(scale),
+    return SimClient(SimOptions(hub_url=hub or stack.hub_url, token=token, timings=FAST.scaled(scale),
                                 heartbeat_interval_s=1.0, ws_ping_interval_s=2.0, idle_poll_s=1.0, seed=7,
                                 **options))
 
@@ -156,7 +96,7 @@ async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, poo
             "INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, priority, lane, "
             "lane_weight, source) VALUES (%s, 'publish', %s, %s, %s, 12000, 'normal', %s, 'publish')",
             (publish_id, tenant["tenant_id"], tenant["workspace_id"], a_id, lane_weight("publish", "normal")))
-    async with running_stack(settings, tmp_path) as stack:
+    async with running_stack(settings, tmp_path, **HUB_ENV) as stack:
         # A alone is online while the scheduled work is dispatched, so it holds one running and two queued.
         busy = sim(stack, a_token, scale=12)   # ~3 s per scheduled task: long enough to be caught running
         other = sim(stack, b_token, scale=12)
@@ -186,7 +126,7 @@ async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, poo
                       "('queued', 'in_progress')", uuid.UUID(b_id))}
             executed_before = len(busy.stats.executed)
 
-            _, accepted = await stack.collect_now(tenant, clicked_brand, {"target_client_id": a_id, "preempt": True})
+            accepted = await stack.collect_now(tenant, clicked_brand, {"target_client_id": a_id, "preempt": True})
             generation = accepted["interrupt_generation"]
             assert accepted["target_client_id"] == a_id
             assert accepted["aborted_queued_count"] == len(queued_before) and accepted["interrupt_requested_count"] == 1
@@ -245,7 +185,7 @@ async def test_b_double_click_supersedes_and_the_old_generation_is_ignored(
     tenant = seed["tenants"][0]
     a_id, a_token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
     clicked = tenant["brands"][1]
-    async with running_stack(settings, tmp_path) as stack:
+    async with running_stack(settings, tmp_path, **HUB_ENV) as stack:
         busy = sim(stack, a_token, scale=20)   # WAITING lasts 2 s: both clicks land before the next safe point
         async with busy:
             async def waiting() -> bool:
@@ -253,9 +193,9 @@ async def test_b_double_click_supersedes_and_the_old_generation_is_ignored(
 
             await eventually(waiting, timeout=30, interval=0.02, message=f"a task in WAITING\n{stack.logs()}")
             running_id = busy.active_task_ids[0]
-            _, first = await stack.collect_now(tenant, clicked["brand_id"],
+            first = await stack.collect_now(tenant, clicked["brand_id"],
                                                {"target_client_id": a_id, "question_ids": clicked["question_ids"][:1]})
-            _, second = await stack.collect_now(tenant, clicked["brand_id"],
+            second = await stack.collect_now(tenant, clicked["brand_id"],
                                                 {"target_client_id": a_id, "question_ids": clicked["question_ids"]})
             assert second["interrupt_generation"] == first["interrupt_generation"] + 1
 
@@ -295,8 +235,8 @@ async def test_d_disconnected_client_gets_the_event_on_reconnect(settings: Setti
     seed = await seed_world(pool, clients=1, scheduled=False)
     tenant = seed["tenants"][0]
     a_id, a_token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
-    async with running_stack(settings, tmp_path) as stack:
-        port = int(stack.hub.rsplit(":", 1)[1])
+    async with running_stack(settings, tmp_path, **HUB_ENV) as stack:
+        port = int(stack.hub_url.rsplit(":", 1)[1])
         proxy = TcpProxy("127.0.0.1", port)
         await proxy.start()
         client = sim(stack, a_token, hub=f"http://127.0.0.1:{proxy.port}", reconnect_max_s=0.5)
@@ -348,22 +288,22 @@ async def test_e_f_isolation_stale_leases_and_malformed_input(settings: Settings
     async with pool.connection() as conn:
         ex = await dispatch_execution(conn, tenant=mine, platform_id=seed["platforms"][0]["ai_platform_id"],
                                       client_id=mine["clients"][0]["client_id"])
-    async with running_stack(settings, tmp_path) as stack, aiohttp.ClientSession() as http:
+    async with running_stack(settings, tmp_path, **HUB_ENV) as stack, aiohttp.ClientSession() as http:
         def bearer(value: str) -> dict[str, str]:
             return {"Authorization": f"Bearer {value}"}
 
         # (e) tenant API: another tenant's JWT sees neither the brand nor the request.
-        _, accepted = await stack.collect_now(mine, mine["brands"][1]["brand_id"], {"preempt": False})
-        async with http.get(f"{stack.api}/api/tenant/monitoring/collect-requests/{accepted['request_id']}",
+        accepted = await stack.collect_now(mine, mine["brands"][1]["brand_id"], {"preempt": False})
+        async with http.get(f"{stack.api_url}/api/tenant/monitoring/collect-requests/{accepted['request_id']}",
                             headers=bearer(stack.jwt(theirs))) as resp:
             assert resp.status in (403, 404) and "tasks" not in await resp.json()
-        _, body = await stack.collect_now(theirs, mine["brands"][1]["brand_id"], {}, expect=(403, 404))
+        body = await stack.collect_now(theirs, mine["brands"][1]["brand_id"], {}, expect=(403, 404))
         assert "request_id" not in body
         # (e) desktop API: another tenant's client token gets 404 and no data; a stale lease is refused.
-        async with http.post(f"{stack.hub}/api/desktop/monitor/lease", json={"max_tasks": 1},
+        async with http.post(f"{stack.hub_url}/api/desktop/monitor/lease", json={"max_tasks": 1},
                              headers=bearer(token)) as resp:
             (leased,) = (await resp.json())["tasks"]
-        task_path = f"{stack.hub}/api/desktop/tasks/{leased['task_id']}"
+        task_path = f"{stack.hub_url}/api/desktop/tasks/{leased['task_id']}"
         async with http.post(f"{task_path}/extend", json={"lease_token": leased["lease_token"]},
                              headers=bearer(their_token)) as resp:
             assert resp.status == 404 and (await resp.json())["error"] == "not_found"
@@ -376,13 +316,13 @@ async def test_e_f_isolation_stale_leases_and_malformed_input(settings: Settings
                 assert resp.status == 409 and (await resp.json())["error"] == "stale_lease", action
         assert leased["task_id"] == str(ex["task_id"])
         # (f) malformed bodies name the field; malformed WebSocket events get an error event naming it.
-        async with http.post(f"{stack.api}/api/tenant/monitoring/brands/{mine['brands'][1]['brand_id']}/collect-now",
-                             json={"keyword_id": "seven"}, headers=bearer(stack.jwt(mine))) as resp:
+        clicked_url = f"{stack.api_url}/api/tenant/monitoring/brands/{mine['brands'][1]['brand_id']}/collect-now"
+        async with http.post(clicked_url, json={"keyword_id": "seven"}, headers=bearer(stack.jwt(mine))) as resp:
             assert resp.status == 400 and (await resp.json())["field"] == "keyword_id"
         async with http.post(f"{task_path}/result", json={"lease_token": "x", "status": "maybe"},
                              headers=bearer(token)) as resp:
             assert resp.status == 400 and (await resp.json())["field"] == "status"
-        async with http.ws_connect(f"{stack.hub}/api/desktop/ws", headers=bearer(token)) as ws:
+        async with http.ws_connect(f"{stack.hub_url}/api/desktop/ws", headers=bearer(token)) as ws:
             assert msgspec.json.decode((await ws.receive(timeout=5)).data)["type"] == "hello"
             await ws.send_str('{"type": "heartbeat", "execution_phase": "DANCING"}')
             while True:
@@ -390,5 +330,5 @@ async def test_e_f_isolation_stale_leases_and_malformed_input(settings: Settings
                 if event["type"] == "error":
                     break
             assert event["field"] == "execution_phase"
-        async with http.get(f"{stack.hub}/api/desktop/events", headers=bearer(token)) as resp:
+        async with http.get(f"{stack.hub_url}/api/desktop/events", headers=bearer(token)) as resp:
             assert resp.status == 410

@@ -12,7 +12,8 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from tests.support.reconcile_factory import World, insert_task, make_world
-from tests.support.reconcile_stack import Stack, configure, running_stack
+from tests.support.reconcile_stack import FAST_ENV, SERVICES, configure
+from tests.support.stack import Stack, running_stack
 from tests.support.wait import eventually
 from tools.desktop_sim.client import SimClient, SimOptions
 from tools.desktop_sim.timings import TIMING_PROFILES
@@ -56,7 +57,7 @@ async def test_killed_client_task_rerun_elsewhere_and_ingested_once(
         world = await make_world(conn, clients=2, questions=1)
         await configure(conn)
         task = await insert_task(conn, world)
-    async with running_stack(settings, tmp_path) as stack:
+    async with running_stack(settings, tmp_path, services=SERVICES, **FAST_ENV) as stack:
         victim = await started(client(stack, world, 0, die_at_phase="WAITING"))
         rescuer = client(stack, world, 1)
         try:
@@ -95,7 +96,7 @@ async def test_client_ignoring_interrupts_loses_its_lease_and_high_task_complete
         await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1 WHERE id = %s",
                            (world.clients[0],))
         scheduled = await insert_task(conn, world, question_index=0)
-    async with running_stack(settings, tmp_path) as stack:
+    async with running_stack(settings, tmp_path, services=SERVICES, **FAST_ENV) as stack:
         # WAITING alone lasts 0.1 s x 300 = 30 s: the stubborn client is mid-answer when collect-now comes.
         stubborn = await started(client(stack, world, 0, scale=300, ignore_interrupts=True))
         helper: SimClient | None = None
@@ -103,9 +104,8 @@ async def test_client_ignoring_interrupts_loses_its_lease_and_high_task_complete
             await eventually(lambda: _true(bool(stubborn.stats.leased)), timeout=15, message="stubborn client leased")
             helper = await started(client(stack, world, 1))
             accepted = await stack.collect_now(
-                tenant_id=world.tenant_id, workspace_id=world.workspace_id, user_id=world.user_id,
-                brand_id=world.brand_id,
-                body={"target_client_id": str(world.clients[0]), "question_ids": [world.question_ids[1]]})
+                world.principal(), world.brand_id,
+                {"target_client_id": str(world.clients[0]), "question_ids": [world.question_ids[1]]})
             assert accepted["target_client_id"] == str(world.clients[0])
             assert accepted["interrupt_requested_count"] == 1
             request_id = accepted["request_id"]
@@ -136,10 +136,9 @@ async def test_all_clients_offline_for_the_whole_ttl_times_out(
     async with pool.connection() as conn:
         world = await make_world(conn, clients=1, questions=1)
         await configure(conn, request_ttl_seconds=6)
-    async with running_stack(settings, tmp_path) as stack:
+    async with running_stack(settings, tmp_path, services=SERVICES, **FAST_ENV) as stack:
         idle = await started(client(stack, world, 0, auto_lease=False))
-        accepted = await stack.collect_now(tenant_id=world.tenant_id, workspace_id=world.workspace_id,
-                                           user_id=world.user_id, brand_id=world.brand_id)
+        accepted = await stack.collect_now(world.principal(), world.brand_id)
         assert accepted["target_client_id"] == str(world.clients[0])
         await idle.stop()
 
@@ -158,10 +157,9 @@ async def test_client_back_within_ttl_completes_the_request(
     async with pool.connection() as conn:
         world = await make_world(conn, clients=1, questions=2)
         await configure(conn, request_ttl_seconds=30)
-    async with running_stack(settings, tmp_path) as stack:
+    async with running_stack(settings, tmp_path, services=SERVICES, **FAST_ENV) as stack:
         flaky = await started(client(stack, world, 0, auto_lease=False))
-        accepted = await stack.collect_now(tenant_id=world.tenant_id, workspace_id=world.workspace_id,
-                                           user_id=world.user_id, brand_id=world.brand_id)
+        accepted = await stack.collect_now(world.principal(), world.brand_id)
         assert accepted["target_client_id"] == str(world.clients[0])
         await flaky.stop()
 

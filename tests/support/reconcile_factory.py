@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from libs.auth import TenantPrincipal
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.domain.lanes import lane_weight
@@ -29,6 +30,9 @@ class World:
     @property
     def platform_id(self) -> int:
         return next(iter(self.platform_ids.values()))
+
+    def principal(self) -> TenantPrincipal:
+        return TenantPrincipal(self.tenant_id, self.workspace_id, self.user_id)
 
 
 async def make_world(conn: Conn, *, clients: int = 2, questions: int = 3, platforms: tuple[str, ...] = ("openai",),
