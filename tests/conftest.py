@@ -14,10 +14,10 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
-from libs.db.migrate import migrate
 from libs.db.pool import Conn, make_pool
 from libs.mq.topology import Topology, delete_all
-from tests.support.env import Backends, backends, schema_fingerprint
+from tests.support.env import Backends, backends
+from tests.support.templates import prepare_template
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -40,21 +40,12 @@ def _admin(url: str) -> psycopg.Connection[tuple[object, ...]]:
 
 
 @pytest.fixture(scope="session")
-def template_db(backend: Backends) -> str:
-    """A migrated template named after the migrations' checksums; rebuilt only when they change."""
-    name = f"mon_tpl_{schema_fingerprint()}"
+def template_db(backend: Backends) -> Iterator[str]:
+    """A migrated template named after the migrations' checksums; rebuilt only when they change.
+    Templates of other migration sets that no running session holds are dropped."""
     with _admin(backend.database_url) as conn:
-        # One session at a time builds the template.
-        conn.execute("SELECT pg_advisory_lock(7401552099)")
-        try:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
-            if not exists:
-                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-                asyncio.run(migrate(make_conninfo(backend.database_url, dbname=name)))
-                conn.execute(sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS false").format(sql.Identifier(name)))
-        finally:
-            conn.execute("SELECT pg_advisory_unlock(7401552099)")
-    return name
+        # The connection, and with it the hold on this template, lasts the session.
+        yield prepare_template(conn, backend.database_url)
 
 
 @pytest.fixture
