@@ -24,7 +24,7 @@ from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
 from libs.outbox import queries as q
 from libs.outbox.state import FailureKind, after_failure
-from libs.outbox.writer import NOTIFY_CHANNEL
+from libs.outbox.writer import NOTIFY_CHANNEL, PRIORITY_WAKE
 from libs.telemetry import metrics
 
 log = logging.getLogger("outbox.pump")
@@ -179,17 +179,22 @@ class OutboxPump:
         self._config = config
         self._listen_url = listen_url
         # One wake-up event per claim loop, so a NOTIFY wakes every loop.
-        self._wakes = [asyncio.Event() for _ in range(max(1, config.concurrency) + (1 if config.express else 0))]
+        self._regular = max(1, config.concurrency)
+        self._wakes = [asyncio.Event() for _ in range(self._regular + (1 if config.express else 0))]
+        # Which regular loops are between a claim and the end of its batch's publishing.
+        self._busy = [False] * self._regular
         self._stopping = False
         self.listening = asyncio.Event()
         self.published_total = 0
 
-    def wake(self) -> None:
-        """New work: wake the first regular loop and the priority loop. Further regular loops are woken in
-        turn by a loop that claimed a full batch (a backlog), so a lone event does not make every loop
-        queue up on the claim lock."""
-        self._wakes[0].set()
-        if self._config.express:
+    def wake(self, *, prioritised: bool = True) -> None:
+        """New work: wake one regular loop (the first that is not publishing a batch, so the new event does
+        not wait for a busy loop to finish), and the priority loop when prioritised rows may be waiting.
+        Further regular loops are woken in turn by a loop that claimed a full batch (a backlog), so a lone
+        event does not make every loop queue up on the claim lock."""
+        idle = next((i for i, busy in enumerate(self._busy) if not busy), 0)
+        self._wakes[idle].set()
+        if self._config.express and prioritised:
             self._wakes[-1].set()
 
     def _wake_all(self) -> None:
@@ -199,15 +204,18 @@ class OutboxPump:
     # ---- claim / publish / mark --------------------------------------------------------------
     async def claim(self, limit: int | None = None, *, min_priority: int = 0) -> list[ClaimedEvent]:
         """Claim up to `limit` rows in priority DESC, id order (`min_priority` > 0: prioritised rows only)."""
-        async with self._pool.connection() as conn, conn.transaction(), conn.pipeline():
-            # One round trip: take the claim lock and claim in the same pipeline.
-            await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
-            cur = await conn.execute(q.CLAIM, {
-                "limit": limit or self._config.batch_size,
-                "min_priority": min_priority,
-                "claimed_by": self._config.claimed_by,
-                "lease_seconds": self._config.lease_seconds,
-            })
+        async with self._pool.connection() as conn, conn.pipeline():
+            # One round trip: BEGIN, the claim lock, the claim and COMMIT go out in one pipeline (the rows
+            # are read after the commit is queued). The commit does not wait for the WAL flush (ASYNC_COMMIT).
+            async with conn.transaction():
+                await conn.execute(q.ASYNC_COMMIT)
+                await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
+                cur = await conn.execute(q.CLAIM, {
+                    "limit": limit or self._config.batch_size,
+                    "min_priority": min_priority,
+                    "claimed_by": self._config.claimed_by,
+                    "lease_seconds": self._config.lease_seconds,
+                })
             rows = await cur.fetchall()
         return [ClaimedEvent(**row) for row in rows]
 
@@ -227,7 +235,9 @@ class OutboxPump:
         return len(rows)
 
     async def _publish_chain(self, chain: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]]) -> None:
-        """Events of one ordering key, one after another; stop the chain at the first failure."""
+        """Events of one ordering key, one after another; stop the chain at the first failure.
+
+        A published event's outcome carries the time of its broker confirm: that is its `published_at`."""
         for index, event in enumerate(chain):
             try:
                 await self._publisher.publish(event)
@@ -236,7 +246,7 @@ class OutboxPump:
                 for rest in chain[index + 1:]:
                     outcomes[rest.id] = ("unattempted", None)
                 return
-            outcomes[event.id] = ("published", None)
+            outcomes[event.id] = ("published", datetime.now(UTC))
 
     async def process(self, batch: list[ClaimedEvent]) -> int:
         chains: dict[str, list[ClaimedEvent]] = defaultdict(list)
@@ -251,21 +261,23 @@ class OutboxPump:
         try:
             await asyncio.gather(*(self._publish_chain(c, outcomes) for c in [*chains.values(), *singles]))
         finally:
-            await asyncio.shield(self._record(batch, outcomes))
-        if chains:
-            # Successors of these keys may now be claimable by another pump: wake them.
-            async with self._pool.connection() as conn:
-                await conn.execute("SELECT pg_notify(%(c)s, '')", {"c": NOTIFY_CHANNEL})
+            await asyncio.shield(self._record(batch, outcomes, keys=list(chains)))
         return sum(1 for o, _ in outcomes.values() if o == "published")
 
-    async def _record(self, batch: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]]) -> None:
+    async def _record(self, batch: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]],
+                      *, keys: list[str]) -> None:
+        """Write the batch's outcomes in one pipelined transaction. `keys`: the batch's ordering keys; when
+        later events of those keys are waiting (claimable only now), NOTIFY wakes the pumps for them."""
         by_id = {e.id: e for e in batch}
-        published = [i for i, (o, _) in outcomes.items() if o == "published"]
+        published = {i: at for i, (o, at) in outcomes.items() if o == "published"}
         unattempted = [e.id for e in batch if outcomes.get(e.id, ("unattempted", None))[0] == "unattempted"]
-        now = datetime.now(UTC)
-        async with self._pool.connection() as conn, conn.transaction():
+        async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
+            await conn.execute(q.ASYNC_COMMIT)
+            if keys:
+                await conn.execute(q.NOTIFY_IF_SUCCESSORS, {"channel": NOTIFY_CHANNEL, "keys": keys})
             if published:
-                await conn.execute(q.MARK_PUBLISHED, {"ids": published, "claimed_by": self._config.claimed_by})
+                await conn.execute(q.MARK_PUBLISHED, {"ids": list(published), "published_at": list(published.values()),
+                                                      "claimed_by": self._config.claimed_by})
             if unattempted:
                 await conn.execute(q.RELEASE_UNATTEMPTED, {"ids": unattempted,
                                                            "claimed_by": self._config.claimed_by})
@@ -292,20 +304,28 @@ class OutboxPump:
                         "outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
                         "attempts": event.attempts, "retry_in_ms": decision.delay_ms,
                         "error": decision.reason[:300]})
-        for event_id in published:
+        for event_id, confirmed_at in published.items():
             event = by_id[event_id]
             metrics.outbox_published_count.inc(exchange=event.exchange)
-            metrics.outbox_commit_to_publish_ms.observe((now - event.created_at).total_seconds() * 1000)
+            metrics.outbox_commit_to_publish_ms.observe((confirmed_at - event.created_at).total_seconds() * 1000)
         self.published_total += len(published)
 
-    async def run_once(self, *, express: bool = False) -> int:
+    async def run_once(self, *, express: bool = False, loop: int | None = None) -> int:
         """Claim and publish one batch; returns how many rows were claimed.
 
-        `express`: prioritised rows only, in a small batch (the express loop).
+        `express`: prioritised rows only, in a small batch (the express loop). `loop`: the regular claim
+        loop running this (marked busy meanwhile).
         """
-        batch = await (self.claim(self._config.express_batch_size, min_priority=1) if express else self.claim())
-        if batch:
-            await self.process(batch)
+        if loop is not None:
+            self._busy[loop] = True
+        try:
+            batch = await (self.claim(self._config.express_batch_size, min_priority=1) if express
+                           else self.claim())
+            if batch:
+                await self.process(batch)
+        finally:
+            if loop is not None:
+                self._busy[loop] = False
         return len(batch)
 
     # ---- loops --------------------------------------------------------------------------------
@@ -315,9 +335,9 @@ class OutboxPump:
         if self._config.listen and self._listen_url:
             tasks.append(asyncio.create_task(self._listen(stop), name="outbox-listen"))
         try:
-            regular = max(1, self._config.concurrency)  # the express loop, if any, is the last one
+            regular = self._regular  # the express loop, if any, is the last one
             await asyncio.gather(*(
-                self._claim_loop(stop, wake, express=index >= regular,
+                self._claim_loop(stop, wake, express=index >= regular, loop=index if index < regular else None,
                                  next_wake=self._wakes[index + 1] if index + 1 < regular else None)
                 for index, wake in enumerate(self._wakes)))
         finally:
@@ -326,7 +346,7 @@ class OutboxPump:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _claim_loop(self, stop: asyncio.Event, wake: asyncio.Event, *, express: bool = False,
-                          next_wake: asyncio.Event | None = None) -> None:
+                          loop: int | None = None, next_wake: asyncio.Event | None = None) -> None:
         # Several loops overlap one batch's claim with another's publishing; the claim lock and the
         # ordering rule of the CLAIM query keep per-key order across loops as across pumps.
         while not stop.is_set():
@@ -336,7 +356,7 @@ class OutboxPump:
                 continue
             wake.clear()
             try:
-                claimed = await self.run_once(express=express)
+                claimed = await self.run_once(express=express, loop=loop)
             except (psycopg.OperationalError, psycopg_pool_errors()) as exc:
                 log.warning("outbox claim failed; database unavailable?", extra={"error": str(exc)})
                 claimed = 0
@@ -362,8 +382,8 @@ class OutboxPump:
                 self.listening.set()
                 delay = 0.2
                 self.wake()  # anything committed while we were not listening
-                async for _ in conn.notifies():
-                    self.wake()
+                async for notify in conn.notifies():
+                    self.wake(prioritised=notify.payload == PRIORITY_WAKE)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

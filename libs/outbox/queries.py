@@ -54,10 +54,18 @@ RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload
           o.priority
 """
 
+# The pump's own transactions (claim, mark) do not wait for the WAL flush. Losing one in a database crash
+# only repeats work, never loses an event: a lost claim puts the row back to queued, a lost mark leaves it
+# running until its lease expires; either way it is published again (at least once, as the rulebook
+# allows: consumers are idempotent). It takes an fsync off the path of every event.
+ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
+
+# published_at is the time of the broker's confirm (taken by the pump), not of this update.
 MARK_PUBLISHED = """
-UPDATE outbox
-SET status = 'published', published_at = now(), claim_expires_at = NULL, last_error = NULL
-WHERE id = ANY(%(ids)s) AND status = 'running' AND claimed_by = %(claimed_by)s
+UPDATE outbox o
+SET status = 'published', published_at = m.published_at, claim_expires_at = NULL, last_error = NULL
+FROM unnest(%(ids)s::bigint[], %(published_at)s::timestamptz[]) AS m(id, published_at)
+WHERE o.id = m.id AND o.status = 'running' AND o.claimed_by = %(claimed_by)s
 """
 
 MARK_RETRYABLE = """
@@ -72,6 +80,12 @@ UPDATE outbox
 SET status = 'dead_letter', claim_expires_at = NULL, claimed_by = NULL, last_error = %(error)s,
     dead_lettered_at = now()
 WHERE id = %(id)s AND status = 'running' AND claimed_by = %(claimed_by)s
+"""
+
+# Later events of a just-published key became claimable: wake the pumps, but only if there are any.
+NOTIFY_IF_SUCCESSORS = """
+SELECT pg_notify(%(channel)s, '') FROM (SELECT 1 FROM outbox
+    WHERE ordering_key = ANY(%(keys)s::text[]) AND status IN ('queued', 'retryable') LIMIT 1) waiting
 """
 
 # Claimed but never attempted (shutdown, or an earlier event of the same key failed): give the

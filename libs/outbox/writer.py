@@ -22,7 +22,14 @@ VALUES (%(event_id)s, %(exchange)s, %(routing_key)s, %(message_type)s, %(payload
 """
 # Writers of one ordering key take this lock until commit, so for one key id order = commit order.
 _LOCK_ORDERING_KEY = "SELECT pg_advisory_xact_lock(hashtextextended(%(key)s, 7401))"
-_NOTIFY = "SELECT pg_notify(%(channel)s, '')"
+_NOTIFY = "SELECT pg_notify(%(channel)s, %(payload)s)"
+# NOTIFY payloads: the pump wakes its priority loop only for PRIORITY_WAKE, a regular loop for anything.
+REGULAR_WAKE = ""
+PRIORITY_WAKE = "p"
+
+
+def notify_payload(priority: bool) -> str:
+    return PRIORITY_WAKE if priority else REGULAR_WAKE
 
 
 async def enqueue(
@@ -72,7 +79,7 @@ async def enqueue(
         },
     )
     if notify:
-        await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL})
+        await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": notify_payload(priority > 0)})
     return event_id
 
 
@@ -143,5 +150,6 @@ async def enqueue_many(conn: Conn, events: list[OutboxEvent], *, notify: bool = 
         "max_attempts": max_attempts,
     })
     if notify:
-        await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL})
+        prioritised = any((e.priority if priority is None else priority) > 0 for e in events)
+        await conn.execute(_NOTIFY, {"channel": NOTIFY_CHANNEL, "payload": notify_payload(prioritised)})
     return event_ids

@@ -205,7 +205,8 @@ RETURNING *
 """
 
 # Wakes the coordinator (dispatch the high work now) and the outbox pumps, at commit.
-NOTIFY = "SELECT pg_notify(%(dispatch_channel)s, ''), pg_notify(%(outbox_channel)s, '')"
+# The control events are prioritised: the outbox payload wakes the pump's priority loop.
+NOTIFY = "SELECT pg_notify(%(dispatch_channel)s, ''), pg_notify(%(outbox_channel)s, %(outbox_payload)s)"
 
 REQUEST_PROGRESS = """
 SELECT status, first_dispatched_at, dispatched_task_count FROM monitoring_collect_requests

@@ -24,6 +24,7 @@ from libs.domain.shard import ingest_shard_key
 from libs.http import ApiError
 from libs.mq.topology import DISPATCH
 from libs.outbox import NOTIFY_CHANNEL, enqueue
+from libs.outbox.writer import PRIORITY_WAKE
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
 from libs.telemetry import metrics
 from services.collect_now_api import queries as q
@@ -188,7 +189,8 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
                 "request_id": request_id, "tenant_id": tenant_id, "old_ids": old_ids})
         await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=request_id,
                             generation=generation, cancelled=cancelled, interrupted=interrupted)
-        await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL})
+        await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL,
+                                      "outbox_payload": PRIORITY_WAKE})
         await pipe.sync()
         request_row = await request_cur.fetchone()
         assert request_row is not None

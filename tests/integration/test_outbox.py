@@ -21,7 +21,7 @@ from libs.contracts.amqp import LifecycleEvent
 from libs.db.pool import Conn
 from libs.mq.topology import LIFECYCLE, Topology
 from libs.outbox import enqueue
-from libs.outbox.pump import AmqpPublisher, OutboxPump, PumpConfig
+from libs.outbox.pump import AmqpPublisher, ClaimedEvent, OutboxPump, PumpConfig
 from tests.support.capture import capture
 from tests.support.tcpproxy import TcpProxy
 from tests.support.wait import eventually
@@ -223,6 +223,56 @@ async def test_two_pumps_publish_5000_events_once_each_in_key_order(pool, settin
         per_key[seq % len(keys)].append(seq)
     for key, received in per_key.items():
         assert received == sorted(received), f"ordering key {key} delivered out of order"
+
+
+class _ConfirmClock:
+    """The real publisher; notes when each publish returned (= its broker confirm arrived)."""
+
+    def __init__(self, inner: AmqpPublisher, slow_reason: str) -> None:
+        self.inner = inner
+        self.slow_reason = slow_reason
+        self.confirmed: dict[int, datetime] = {}
+
+    def ready(self) -> bool:
+        return self.inner.ready()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        return await self.inner.wait_ready(timeout)
+
+    async def publish(self, event: ClaimedEvent) -> None:
+        if self.slow_reason.encode() in event.payload:
+            await asyncio.sleep(0.3)  # holds up the end of the batch (and its mark) on purpose
+        await self.inner.publish(event)
+        self.confirmed[event.id] = datetime.now(UTC)
+
+
+async def test_published_at_is_the_broker_confirm_time_of_each_event(pool, settings, topology, amqp) -> None:
+    """published_at is each event's own confirm time, not the time the batch was marked."""
+    tenant_id = await _tenant(pool)
+    async with pool.connection() as conn, conn.transaction():
+        await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=lifecycle(tenant_id, 1))
+        await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=lifecycle(tenant_id, 2))
+    inner = AmqpPublisher(settings.amqp_url, topology, timeout=5, name="confirm-clock")
+    await inner.start()
+    publisher = _ConfirmClock(inner, slow_reason="seq:2")
+    pump = OutboxPump(pool, publisher, PumpConfig(claimed_by="confirm-clock", listen=False))
+    try:
+        async with capture(amqp, topology.lifecycle_exchange) as cap:
+            assert await pump.run_once() == 2
+            await eventually(lambda: _true(len(cap.messages) == 2), message="both delivered")
+    finally:
+        await inner.close()
+    rows = {int(r["id"]): r for r in await outbox_rows(pool)}  # type: ignore[call-overload]
+    for outbox_id, confirmed in publisher.confirmed.items():
+        assert abs((rows[outbox_id]["published_at"] - confirmed).total_seconds()) < 0.05
+    fast, slow = sorted(publisher.confirmed, key=lambda i: publisher.confirmed[i])
+    # Both were marked after the slow one's confirm; the fast one's published_at is still its own.
+    assert (rows[slow]["published_at"] - rows[fast]["published_at"]).total_seconds() >= 0.25
+
+
+async def _tenant(pool: AsyncConnectionPool[Conn]) -> int:
+    async with pool.connection() as conn, conn.transaction():
+        return await make_tenant(conn)
 
 
 async def monitorctl(env: dict[str, str], *args: str) -> str:

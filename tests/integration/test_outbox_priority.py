@@ -98,3 +98,43 @@ async def test_priority_never_reorders_one_ordering_key(pool) -> None:
     assert _seqs(batch) == ["3"]
     await _finish(pool, batch)
     assert _seqs(await pump.claim(10, min_priority=1)) == ["4"]
+
+
+async def test_notify_payload_says_whether_prioritised_rows_were_written(pool, database_url) -> None:
+    """The pump wakes its priority loop only for a NOTIFY whose payload is PRIORITY_WAKE."""
+    from libs.db.pool import connect
+    from libs.outbox import NOTIFY_CHANNEL
+    from libs.outbox.writer import PRIORITY_WAKE, REGULAR_WAKE
+
+    listener = await connect(database_url, name="notify-test")
+    try:
+        await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        async with pool.connection() as conn:
+            async with conn.transaction():
+                await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=_event(1), notify=True)
+            async with conn.transaction():
+                await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=_event(2), notify=True,
+                              priority=1)
+            async with conn.transaction():
+                await enqueue_many(conn, [OutboxEvent(exchange=LIFECYCLE, routing_key="client.online",
+                                                      message=_event(3)),
+                                          OutboxEvent(exchange=LIFECYCLE, routing_key="client.online",
+                                                      message=_event(4), priority=1)], notify=True)
+        payloads = []
+        async for notify in listener.notifies(timeout=5, stop_after=3):
+            payloads.append(notify.payload)
+        assert payloads == [REGULAR_WAKE, PRIORITY_WAKE, PRIORITY_WAKE]
+    finally:
+        await listener.close()
+
+
+def test_a_notify_wakes_an_idle_regular_loop_and_the_priority_loop_only_when_asked() -> None:
+    pump = OutboxPump(None, _NoBroker(), PumpConfig(claimed_by="wake-test", concurrency=2))  # type: ignore[arg-type]
+    wakes = pump._wakes  # regular loops 0, 1, then the priority loop
+    pump.wake(prioritised=False)
+    assert [w.is_set() for w in wakes] == [True, False, False]
+    for w in wakes:
+        w.clear()
+    pump._busy[0] = True  # loop 0 is publishing a batch: the next idle loop takes the new event
+    pump.wake(prioritised=True)
+    assert [w.is_set() for w in wakes] == [False, True, True]
