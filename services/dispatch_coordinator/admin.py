@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from libs.contracts.wire import TaskControl
+from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
 from libs.dispatch_settings import as_dict, load_settings, set_setting
 from libs.domain.dispatch import window_start
@@ -15,7 +16,6 @@ from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL, end_execution
 from services.dispatch_coordinator import queries as q
-from services.dispatch_coordinator.explain import read_coordinator_state
 
 ROLLBACK_REASON = "phase2_emergency_rollback"
 

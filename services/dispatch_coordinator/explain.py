@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from libs.coordinator_state import read_coordinator_state, slowdown_from_state
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings
 from libs.domain.dispatch import (
@@ -59,20 +60,6 @@ _NORMAL_WORK = f"""
 SELECT EXISTS (SELECT 1 FROM monitoring_collect_tasks t
                WHERE t.dispatch_lane IN ('normal', 'normal_boosted', 'retry') AND {q.READY}) AS any
 """
-
-
-async def read_coordinator_state(conn: Conn) -> dict[str, Any]:
-    """What the active coordinator last published (slow-down, leader), with its age in seconds."""
-    cur = await conn.execute(q.READ_STATE)
-    return {r["key"]: {"value": r["value"], "age_s": float(r["age_s"])} for r in await cur.fetchall()}
-
-
-def slowdown_from_state(state: dict[str, Any], max_age_s: float = 30.0) -> tuple[bool, dict[str, Any]]:
-    entry = state.get("slowdown")
-    if entry is None or entry["age_s"] > max_age_s:
-        return False, {"active": None, "note": "no fresh state from an active coordinator"}
-    value = dict(entry["value"])
-    return bool(value.get("active")), value
 
 
 async def resolve_task_id(conn: Conn, raw: str) -> int | None:

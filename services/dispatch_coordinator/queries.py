@@ -378,7 +378,3 @@ PUBLISH_STATE = """
 INSERT INTO dispatch_coordinator_state (key, value, updated_at) VALUES (%(key)s, %(value)s, now())
 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, updated_at = now()
 """
-
-READ_STATE = """
-SELECT key, value, extract(epoch FROM (now() - updated_at)) AS age_s FROM dispatch_coordinator_state
-"""
