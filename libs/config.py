@@ -88,6 +88,9 @@ class Settings:
     projection_sweep_interval_ms: int = 1000
     projection_claim_lease_seconds: float = 30.0
     projection_max_attempts: int = 10
+    # merge mode while the coordinator reports auto slow-down (seed §12.4): one batch per window
+    projection_merge_window_ms: int = 5000
+    projection_merge_batch: int = 200
 
     @classmethod
     def from_env(cls, service: str | None = None, env: dict[str, str] | None = None) -> Settings:

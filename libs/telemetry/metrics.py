@@ -194,13 +194,21 @@ ingest_active_shards = Gauge("ingest_active_shards", "Shard queues this replica 
 
 # ---- projection-worker ------------------------------------------------------------------------
 projection_rebuild_count = ExactCounter(
-    "projection_rebuild_count", "Projection rebuilds done, by trigger (event | sweep).", ["trigger"])
+    "projection_rebuild_count", "Projection keys rebuilt, by trigger (event | sweep | merge).", ["trigger"])
 projection_rebuild_rerequested_count = ExactCounter(
     "projection_rebuild_rerequested_count", "Rebuilds whose key was requested again meanwhile (row kept).")
 projection_rebuild_failed_count = ExactCounter(
     "projection_rebuild_failed_count", "Projection rebuild attempts that failed.")
 projection_rebuild_duration_ms = _hist("projection_rebuild_duration_ms", "Duration of one projection rebuild (ms).")
 projection_queue_depth = Gauge("projection_queue_depth", "Rows waiting in projection_rebuild_queue.")
+projection_merge_mode_active = Gauge(
+    "projection_merge_mode_active",
+    "1 while auto slow-down (seed §12.4) has the projection worker merge rebuilds into batches.")
+projection_rebuild_deferred_count = ExactCounter(
+    "projection_rebuild_deferred_count",
+    "ProjectionRebuild events acked without a rebuild in merge mode (the queue row stays the request).")
+projection_merge_duration_ms = _hist(
+    "projection_merge_duration_ms", "Duration of one merged batch rebuild, all its keys in one transaction (ms).")
 
 # ---- dispatch-coordinator ---------------------------------------------------------------------
 dispatch_decisions_count = ExactCounter(

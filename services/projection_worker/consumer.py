@@ -1,11 +1,18 @@
 """projection-worker loops: ProjectionRebuild events (fast path) and a periodic sweep of the queue table
-(requests whose event was lost, keys requested again during a rebuild, abandoned claims)."""
+(requests whose event was lost, keys requested again during a rebuild, abandoned claims).
+
+Merge mode (seed §12.4): while the dispatch-coordinator publishes auto slow-down, events are acked without
+a rebuild (their queue rows stay the durable requests) and once per merge window up to `merge_batch` of
+the oldest keys are rebuilt together in one transaction. When slow-down ends, per-event rebuilds resume
+and the sweep drains what is left.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 
 import msgspec
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
@@ -15,6 +22,7 @@ from libs.contracts.amqp import ProjectionRebuild, projection_decoder
 from libs.mq.connection import dead_letter
 from libs.mq.topology import Topology
 from libs.telemetry import metrics as m
+from services.projection_worker.mode import RebuildMode, rebuild_mode
 from services.projection_worker.rebuild import Rebuilder
 
 log = logging.getLogger("projection.consumer")
@@ -24,13 +32,17 @@ BROKER_ERRORS = (AMQPError, ChannelInvalidStateError, ConnectionError, asyncio.T
 
 class ProjectionWorker:
     def __init__(self, connection: AbstractRobustConnection, topology: Topology, rebuilder: Rebuilder, *,
-                 concurrency: int = 2, sweep_interval_s: float = 1.0, sweep_batch: int = 50) -> None:
+                 concurrency: int = 2, sweep_interval_s: float = 1.0, sweep_batch: int = 50,
+                 merge_window_s: float = 5.0, merge_batch: int = 200) -> None:
         self.connection = connection
         self.topology = topology
         self.rebuilder = rebuilder
         self.concurrency = max(1, concurrency)
         self.sweep_interval_s = sweep_interval_s
         self.sweep_batch = sweep_batch
+        self.merge_window_s = merge_window_s
+        self.merge_batch = max(1, merge_batch)
+        self.mode = RebuildMode(merge=False)
         self.inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         self.channel: AbstractChannel | None = None
         self.subscribed = asyncio.Event()
@@ -39,6 +51,8 @@ class ProjectionWorker:
         channel = await self.connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=self.concurrency * 4)
         queue = await channel.get_queue(self.topology.projection_queue, ensure=False)
+        m.projection_merge_mode_active.set(0)
+        await self._refresh_mode()  # before the first event, so it is handled in the current mode
         tag = await queue.consume(self.inbox.put)
         self.channel = channel
         self.subscribed.set()
@@ -73,6 +87,10 @@ class ProjectionWorker:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             await self._settle(message, dead_letter_reason=f"invalid_message: {exc}")
             return
+        if self.mode.merge:
+            m.projection_rebuild_deferred_count.inc()
+            await self._settle(message)
+            return
         try:
             await self._rebuild_event(event)
         except Exception as exc:
@@ -102,16 +120,61 @@ class ProjectionWorker:
             log.warning("could not settle a projection event; it will be redelivered", extra={"error": str(exc)})
 
     async def _sweep(self, stop: asyncio.Event) -> None:
+        next_merge: float | None = None
         while not stop.is_set():
+            wait = self.sweep_interval_s
             try:
-                await self.sweep_once()
+                await self._refresh_mode()
+                if self.mode.merge:
+                    now = time.monotonic()
+                    if next_merge is None:  # just switched: let the first window fill
+                        next_merge = now + self.merge_window_s
+                    if now >= next_merge:
+                        next_merge += self.merge_window_s
+                        await self.merge_once()
+                        next_merge = max(next_merge, time.monotonic())
+                    wait = min(wait, max(0.0, next_merge - time.monotonic()))
+                else:
+                    next_merge = None
+                    await self.sweep_once()
                 depth, lag = await self.rebuilder.queue_stats()
                 m.projection_queue_depth.set(depth)
                 m.monitor_projection_rebuild_lag_ms.set(lag)
             except Exception as exc:
                 log.warning("projection sweep failed; retrying", exc_info=True, extra={"error": str(exc)[:300]})
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=self.sweep_interval_s)
+                await asyncio.wait_for(stop.wait(), timeout=wait)
+
+    async def _refresh_mode(self) -> None:
+        """Follow the coordinator's published slow-down; when it cannot be read, keep the current mode."""
+        try:
+            mode = rebuild_mode(await self.rebuilder.coordinator_state())
+        except Exception as exc:
+            log.warning("could not read the coordinator state; rebuild mode unchanged",
+                        extra={"merge_mode": self.mode.merge, "error": str(exc)[:300]})
+            return
+        self.set_mode(mode)
+
+    def set_mode(self, mode: RebuildMode) -> None:
+        if mode.merge and not self.mode.merge:
+            log.warning("projection merge mode on: events acked without a rebuild, the queue rebuilt in batches",
+                        extra={"reasons": list(mode.reasons), "merge_window_ms": round(self.merge_window_s * 1000),
+                               "merge_batch": self.merge_batch})
+        elif self.mode.merge and not mode.merge:
+            log.info("projection merge mode off: per-event rebuilds resume",
+                     extra={"reasons": list(self.mode.reasons), "note": mode.note or "auto slow-down over"})
+        elif mode.merge and mode.reasons != self.mode.reasons:
+            log.info("projection merge mode continues", extra={"reasons": list(mode.reasons)})
+        self.mode = mode
+        m.projection_merge_mode_active.set(1 if mode.merge else 0)
+
+    async def merge_once(self) -> int:
+        """Claim up to `merge_batch` of the oldest keys and rebuild them in one transaction; returns
+        how many keys were rebuilt."""
+        claims = await self.rebuilder.claim_oldest(self.merge_batch)
+        if not claims:
+            return 0
+        return (await self.rebuilder.rebuild_merged(claims)).rebuilt
 
     async def sweep_once(self) -> int:
         """Claim and rebuild the oldest unclaimed keys; returns how many were rebuilt."""

@@ -38,7 +38,9 @@ def build(settings: Settings) -> web.Application:
         app[AMQP] = connection
         app[WORKER] = ProjectionWorker(connection, topology, rebuilder,
                                        concurrency=settings.projection_concurrency,
-                                       sweep_interval_s=settings.projection_sweep_interval_ms / 1000)
+                                       sweep_interval_s=settings.projection_sweep_interval_ms / 1000,
+                                       merge_window_s=settings.projection_merge_window_ms / 1000,
+                                       merge_batch=settings.projection_merge_batch)
         add_pool_check(app, pool)
 
         add_consumer_check(app, connection, app[WORKER].subscribed, "projection queue")

@@ -1,4 +1,5 @@
-"""SQL of the projection worker: claim coalesced requests, recompute one key from raw facts, release."""
+"""SQL of the projection worker: claim coalesced requests, recompute one key (or, in merge mode, a batch of
+keys) from raw facts, release."""
 
 # Claim one key (event path). A row locked by a writer right now is skipped: it is being
 # re-requested, and the sweep (or its own event) picks it up.
@@ -132,4 +133,132 @@ QUEUE_STATS = """
 SELECT count(*) AS depth,
        coalesce(extract(epoch FROM now() - min(requested_at)) * 1000, 0)::float8 AS lag_ms
 FROM projection_rebuild_queue
+"""
+
+# ---- merge mode (auto slow-down, seed §12.4): many keys in one transaction ------------------------
+
+# REBUILD_KEY for an array of keys: every key's projections from one snapshot, in one statement. A key
+# without runs loses its rows, exactly as when rebuilt alone.
+REBUILD_KEYS = """
+WITH keys AS (
+    SELECT DISTINCT k.tenant_id, k.brand_id, k.business_date
+    FROM unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[])
+         AS k(tenant_id, brand_id, business_date)
+), runs AS (
+    SELECT r.tenant_id, r.brand_id, r.business_date, r.id, r.ai_platform_id, r.status, r.brand_mentioned
+    FROM keys k
+    JOIN question_monitor_runs r
+      ON r.tenant_id = k.tenant_id AND r.brand_id = k.brand_id AND r.business_date = k.business_date
+), cites AS (
+    SELECT r.tenant_id, r.brand_id, r.business_date, r.ai_platform_id, f.domain
+    FROM keys k
+    JOIN monitoring_citation_facts f
+      ON f.tenant_id = k.tenant_id AND f.brand_id = k.brand_id AND f.business_date = k.business_date
+    JOIN runs r
+      ON r.id = f.run_id AND r.status = 'succeeded'
+     AND r.tenant_id = k.tenant_id AND r.brand_id = k.brand_id AND r.business_date = k.business_date
+), platform_runs AS (
+    SELECT tenant_id, brand_id, business_date, ai_platform_id,
+           count(*) AS runs,
+           count(*) FILTER (WHERE status = 'succeeded') AS succeeded_runs,
+           count(*) FILTER (WHERE status = 'failed') AS failed_runs,
+           count(*) FILTER (WHERE status = 'succeeded' AND brand_mentioned) AS brand_mentioned_runs
+    FROM runs GROUP BY tenant_id, brand_id, business_date, ai_platform_id
+), platform_cites AS (
+    SELECT tenant_id, brand_id, business_date, ai_platform_id,
+           count(*) AS citations, count(DISTINCT nullif(domain, '')) AS domains
+    FROM cites GROUP BY tenant_id, brand_id, business_date, ai_platform_id
+), platform AS (
+    SELECT p.*, coalesce(c.citations, 0) AS citations, coalesce(c.domains, 0) AS domains
+    FROM platform_runs p LEFT JOIN platform_cites c USING (tenant_id, brand_id, business_date, ai_platform_id)
+), brand_runs AS (
+    SELECT tenant_id, brand_id, business_date,
+           count(*) AS runs,
+           count(*) FILTER (WHERE status = 'succeeded') AS succeeded_runs,
+           count(*) FILTER (WHERE status = 'failed') AS failed_runs,
+           count(*) FILTER (WHERE status = 'succeeded' AND brand_mentioned) AS brand_mentioned_runs
+    FROM runs GROUP BY tenant_id, brand_id, business_date
+), brand_cites AS (
+    SELECT tenant_id, brand_id, business_date, count(*) AS citations, count(DISTINCT nullif(domain, '')) AS domains
+    FROM cites GROUP BY tenant_id, brand_id, business_date
+), brand AS (
+    SELECT k.tenant_id, k.brand_id, k.business_date,
+           coalesce(r.runs, 0) AS runs, coalesce(r.succeeded_runs, 0) AS succeeded_runs,
+           coalesce(r.failed_runs, 0) AS failed_runs, coalesce(r.brand_mentioned_runs, 0) AS brand_mentioned_runs,
+           coalesce(c.citations, 0) AS citations, coalesce(c.domains, 0) AS domains
+    FROM keys k
+    LEFT JOIN brand_runs r USING (tenant_id, brand_id, business_date)
+    LEFT JOIN brand_cites c USING (tenant_id, brand_id, business_date)
+), drop_platforms AS (
+    DELETE FROM monitoring_brand_platform_daily d
+    USING keys k
+    WHERE d.tenant_id = k.tenant_id AND d.brand_id = k.brand_id AND d.business_date = k.business_date
+      AND NOT EXISTS (SELECT 1 FROM platform p
+                      WHERE p.tenant_id = d.tenant_id AND p.brand_id = d.brand_id
+                        AND p.business_date = d.business_date AND p.ai_platform_id = d.ai_platform_id)
+), write_platforms AS (
+    INSERT INTO monitoring_brand_platform_daily AS d (
+        tenant_id, brand_id, business_date, ai_platform_id, runs, succeeded_runs, failed_runs, brand_mentioned_runs,
+        mention_rate, citations, distinct_cited_domains, rebuilt_at)
+    SELECT p.tenant_id, p.brand_id, p.business_date, p.ai_platform_id, p.runs, p.succeeded_runs, p.failed_runs,
+           p.brand_mentioned_runs,
+           CASE WHEN p.succeeded_runs = 0 THEN 0 ELSE round(p.brand_mentioned_runs::numeric / p.succeeded_runs, 4) END,
+           p.citations, p.domains, now()
+    FROM platform p
+    ORDER BY p.tenant_id, p.brand_id, p.business_date, p.ai_platform_id
+    ON CONFLICT (tenant_id, brand_id, business_date, ai_platform_id) DO UPDATE
+    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
+        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
+        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
+        rebuilt_at = EXCLUDED.rebuilt_at
+), drop_brand AS (
+    DELETE FROM monitoring_brand_daily d
+    USING brand b
+    WHERE d.tenant_id = b.tenant_id AND d.brand_id = b.brand_id AND d.business_date = b.business_date AND b.runs = 0
+), write_brand AS (
+    INSERT INTO monitoring_brand_daily AS d (
+        tenant_id, brand_id, business_date, runs, succeeded_runs, failed_runs, brand_mentioned_runs, mention_rate,
+        citations, distinct_cited_domains, rebuilt_at)
+    SELECT b.tenant_id, b.brand_id, b.business_date, b.runs, b.succeeded_runs, b.failed_runs, b.brand_mentioned_runs,
+           CASE WHEN b.succeeded_runs = 0 THEN 0 ELSE round(b.brand_mentioned_runs::numeric / b.succeeded_runs, 4) END,
+           b.citations, b.domains, now()
+    FROM brand b WHERE b.runs > 0
+    ORDER BY b.tenant_id, b.brand_id, b.business_date
+    ON CONFLICT (tenant_id, brand_id, business_date) DO UPDATE
+    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
+        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
+        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
+        rebuilt_at = EXCLUDED.rebuilt_at
+)
+SELECT (SELECT count(*) FROM keys) AS keys, (SELECT coalesce(sum(runs), 0) FROM brand) AS runs,
+       (SELECT count(*) FROM platform) AS platforms
+"""
+
+# COMPLETE_CLAIM / RELEASE_RE_REQUESTED per key of a merged batch, with each claim's own snapshot of
+# request_count and last_requested_at.
+COMPLETE_CLAIMS = """
+DELETE FROM projection_rebuild_queue q
+USING unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[], %(request_counts)s::int[],
+             %(last_requested)s::timestamptz[]) AS k(tenant_id, brand_id, business_date, request_count,
+                                                    last_requested_at)
+WHERE q.tenant_id = k.tenant_id AND q.brand_id = k.brand_id AND q.business_date = k.business_date
+  AND q.claimed_by = %(me)s AND q.request_count = k.request_count AND q.last_requested_at = k.last_requested_at
+RETURNING q.tenant_id, q.brand_id, q.business_date
+"""
+RELEASE_RE_REQUESTED_KEYS = """
+UPDATE projection_rebuild_queue q
+SET claimed_by = NULL, claim_expires_at = NULL, attempts = 0,
+    requested_at = greatest(q.requested_at, k.last_requested_at)
+FROM unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[],
+            %(last_requested)s::timestamptz[]) AS k(tenant_id, brand_id, business_date, last_requested_at)
+WHERE q.tenant_id = k.tenant_id AND q.brand_id = k.brand_id AND q.business_date = k.business_date
+  AND q.claimed_by = %(me)s
+RETURNING q.tenant_id, q.brand_id, q.business_date
+"""
+RELEASE_FAILED_KEYS = """
+UPDATE projection_rebuild_queue q SET claimed_by = NULL, claim_expires_at = NULL
+FROM unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[])
+     AS k(tenant_id, brand_id, business_date)
+WHERE q.tenant_id = k.tenant_id AND q.brand_id = k.brand_id AND q.business_date = k.business_date
+  AND q.claimed_by = %(me)s
 """

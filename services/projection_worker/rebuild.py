@@ -1,4 +1,6 @@
-"""One projection rebuild: claim a coalesced key, recompute it from raw facts, release or delete it."""
+"""Projection rebuilds: claim coalesced keys, recompute them from raw facts, release or delete the requests.
+
+One key per transaction normally; in merge mode (auto slow-down) a batch of keys in one transaction."""
 
 from __future__ import annotations
 
@@ -8,15 +10,17 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any, Literal
 
-from psycopg_pool import AsyncConnectionPool
+import psycopg
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
 from libs.telemetry import metrics as m
 from services.projection_worker import queries as q
 
 log = logging.getLogger("projection.rebuild")
 
-Trigger = Literal["event", "sweep"]
+Trigger = Literal["event", "sweep", "merge"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,21 @@ class Claim:
     def key(self) -> dict[str, object]:
         return {"tenant_id": self.tenant_id, "brand_id": self.brand_id, "business_date": self.business_date}
 
+    @property
+    def key_tuple(self) -> tuple[int, int, date]:
+        return self.tenant_id, self.brand_id, self.business_date
+
+
+@dataclass(frozen=True, slots=True)
+class MergeOutcome:
+    """One merged batch: keys rebuilt (committed), of which `served` were deleted and `rerequested`
+    kept unclaimed for the next pass; `lost` claims were taken over by another worker (not written)."""
+
+    rebuilt: int = 0
+    served: int = 0
+    rerequested: int = 0
+    lost: int = 0
+
 
 @dataclass(frozen=True, slots=True)
 class ProjectionConfig:
@@ -42,6 +61,12 @@ class ProjectionConfig:
 
 class ClaimLost(Exception):
     """The claim expired and another worker took the key: this rebuild is rolled back."""
+
+
+class _ClaimsLost(Exception):
+    def __init__(self, claims: list[Claim]) -> None:
+        super().__init__(f"{len(claims)} claims lost")
+        self.claims = claims
 
 
 def _claim(row: dict[str, Any]) -> Claim:
@@ -101,6 +126,87 @@ class Rebuilder:
                                                "runs": stats["runs"] if stats else 0})
         return served
 
+    async def rebuild_merged(self, claims: list[Claim]) -> MergeOutcome:
+        """Recompute every claimed key with one statement and finish every claim, all in one transaction
+        (merge mode). A key requested again since its claim is kept, unclaimed, as in `rebuild`. When
+        some claims were taken over meanwhile, the batch is rolled back and redone without them."""
+        held = list(dict.fromkeys(claims))
+        lost = 0
+        started = time.monotonic()
+        while held:
+            try:
+                served, rerequested = await self._merge_transaction(held)
+            except _ClaimsLost as exc:
+                lost += len(exc.claims)
+                gone = set(exc.claims)
+                held = [c for c in held if c not in gone]
+                log.warning("projection claims lost; merged batch rolled back and redone without them",
+                            extra={"lost": len(exc.claims), "remaining": len(held)})
+                continue
+            except (psycopg.OperationalError, PoolTimeout):
+                # Not about any one key (connection, timeout, deadlock): give the batch back.
+                m.projection_rebuild_failed_count.inc()
+                await self._release_failed_keys(held)
+                raise
+            except Exception as exc:
+                # Possibly one bad key: rebuild the batch one key at a time so it cannot drag every
+                # other key of the batch to max_attempts with it.
+                m.projection_rebuild_failed_count.inc()
+                log.warning("merged batch failed; rebuilding its keys one by one", exc_info=True,
+                            extra={"keys": len(held), "error": str(exc)[:300]})
+                return await self._rebuild_one_by_one(held, lost)
+            m.projection_rebuild_count.inc(len(held), trigger="merge")
+            if rerequested:
+                m.projection_rebuild_rerequested_count.inc(rerequested)
+            m.projection_merge_duration_ms.observe((time.monotonic() - started) * 1000)
+            log.debug("projection batch merged", extra={"keys": len(held), "served": served,
+                                                        "rerequested": rerequested, "lost": lost})
+            return MergeOutcome(rebuilt=len(held), served=served, rerequested=rerequested, lost=lost)
+        return MergeOutcome(lost=lost)
+
+    async def _rebuild_one_by_one(self, held: list[Claim], lost: int) -> MergeOutcome:
+        rebuilt = served = 0
+        for claim in held:
+            try:
+                done = await self.rebuild(claim, "merge")
+            except Exception:
+                log.warning("projection rebuild failed; key released", exc_info=True, extra=_log_key(claim))
+                continue
+            rebuilt += 1
+            served += done
+        return MergeOutcome(rebuilt=rebuilt, served=served, rerequested=rebuilt - served, lost=lost)
+
+    async def _merge_transaction(self, held: list[Claim]) -> tuple[int, int]:
+        me = self.config.instance_id
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute(q.REBUILD_KEYS, _key_arrays(held))
+            cur = await conn.execute(q.COMPLETE_CLAIMS, {
+                **_key_arrays(held), "me": me, "request_counts": [c.request_count for c in held],
+                "last_requested": [c.last_requested_at for c in held]})
+            served = {_row_key(r) for r in await cur.fetchall()}
+            rest = [c for c in held if c.key_tuple not in served]
+            released: set[tuple[int, int, date]] = set()
+            if rest:
+                cur = await conn.execute(q.RELEASE_RE_REQUESTED_KEYS, {
+                    **_key_arrays(rest), "me": me, "last_requested": [c.last_requested_at for c in rest]})
+                released = {_row_key(r) for r in await cur.fetchall()}
+            lost = [c for c in rest if c.key_tuple not in released]
+            if lost:
+                raise _ClaimsLost(lost)  # rolls the whole batch back
+        return len(served), len(released)
+
+    async def _release_failed_keys(self, claims: list[Claim]) -> None:
+        try:
+            async with self.pool.connection() as conn:
+                await conn.execute(q.RELEASE_FAILED_KEYS, {**_key_arrays(claims), "me": self.config.instance_id})
+        except Exception:
+            log.warning("could not release failed claims; they expire by themselves", extra={"keys": len(claims)})
+
+    async def coordinator_state(self) -> dict[str, Any]:
+        """What the dispatch-coordinator last published (auto slow-down decides the rebuild mode)."""
+        async with self.pool.connection() as conn:
+            return await read_coordinator_state(conn)
+
     async def _release_failed(self, claim: Claim) -> None:
         try:
             async with self.pool.connection() as conn:
@@ -113,6 +219,15 @@ class Rebuilder:
             cur = await conn.execute(q.QUEUE_STATS)
             row = await cur.fetchone()
         return (0, 0.0) if row is None else (int(row["depth"]), max(0.0, float(row["lag_ms"])))
+
+
+def _key_arrays(claims: list[Claim]) -> dict[str, object]:
+    return {"tenant_ids": [c.tenant_id for c in claims], "brand_ids": [c.brand_id for c in claims],
+            "dates": [c.business_date for c in claims]}
+
+
+def _row_key(row: dict[str, Any]) -> tuple[int, int, date]:
+    return int(row["tenant_id"]), int(row["brand_id"]), row["business_date"]
 
 
 def _log_key(claim: Claim) -> dict[str, object]:
