@@ -6,7 +6,8 @@ in-progress execution each, N MonitorResults published to the shard queues up fr
 - steady results/s: applied results per second while every worker process is active (from the
   `ingest_applied_results` ledger: window from the moment the last worker applied its first result),
 - overall results/s: all N over first-to-last applied (includes start-up and shard rebalancing).
-Projection: rebuilds/s of one projection worker (2 concurrent loops) over brand/day keys of 500 runs.
+Projection: rebuilds/s of one projection worker (2 concurrent loops) over brand/day keys of 500 runs, and
+keys/s rebuilt in merge mode (auto slow-down): every key in one transaction per batch, one loop.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from libs.config import Settings
 from libs.db.pool import Conn, make_pool
 from libs.mq.topology import Topology, declare_ingest
 from services.projection_worker.rebuild import ProjectionConfig, Rebuilder
-from tests.support.ingest_factory import make_executions, make_result, make_world, publish_results
+from tests.support.ingest_factory import World, make_executions, make_result, make_world, publish_results
 from tests.support.procs import ServiceProcess, service_env
 
 SHARDS = 16
@@ -98,48 +99,73 @@ async def run_ingest(workers: int, n_results: int) -> dict[str, float]:
             await pool.close()
 
 
-async def run_projection(keys: int, runs_per_key: int, seconds: float) -> float:
+async def _projection_world(pool: AsyncConnectionPool[Conn], keys: int, runs_per_key: int) -> tuple[World, date]:
+    """`keys` brand/day keys of `runs_per_key` runs each, 3 citation facts per run, written straight in
+    (the ingest figure is measured above)."""
+    questions = runs_per_key // 4
+    day = date(2026, 3, 21)
+    async with pool.connection() as conn:
+        world = await make_world(conn, brands=keys, questions=questions, platforms=4)
+        await make_executions(conn, world, business_date=day)
+        await conn.execute(
+            "INSERT INTO question_monitor_runs (tenant_id, workspace_id, brand_id, question_id, "
+            "ai_platform_id, collector_type, run_mode, business_date, status, brand_mentioned, citation_count) "
+            "SELECT tenant_id, workspace_id, brand_id, question_id, ai_platform_id, 'desktop', 'daily', "
+            "business_date, CASE WHEN id % 10 = 0 THEN 'failed' ELSE 'succeeded' END, id % 3 = 0, 3 "
+            "FROM monitoring_collect_tasks")
+        await conn.execute(
+            "INSERT INTO monitoring_citation_facts (run_id, tenant_id, brand_id, question_id, ai_platform_id, "
+            "business_date, citation_fingerprint, url, domain) "
+            "SELECT r.id, r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.business_date, "
+            "md5(r.id || '-' || g), 'https://d' || (r.id * g) % 50 || '.example/', "
+            "'d' || (r.id * g) % 50 || '.example' FROM question_monitor_runs r, generate_series(1, 3) g")
+    return world, day
+
+
+async def run_projection(keys: int, runs_per_key: int, seconds: float) -> tuple[float, float, float]:
+    """(per-key rebuilds/s with 2 loops, keys/s rebuilt in merge batches of all `keys` with 1 loop,
+    mean ms per merged batch)."""
     async with bench_environment(shards=SHARDS) as settings:
         pool = make_pool(settings, name="bench-projection", min_size=1, max_size=4)
         await pool.open(wait=True)
         try:
-            questions = runs_per_key // 4
-            async with pool.connection() as conn:
-                world = await make_world(conn, brands=keys, questions=questions, platforms=4)
-                day = date(2026, 3, 21)
-                await make_executions(conn, world, business_date=day)
-                # Raw facts straight in (the ingest figure is measured above): one run per task, 3 citations.
-                await conn.execute(
-                    "INSERT INTO question_monitor_runs (tenant_id, workspace_id, brand_id, question_id, "
-                    "ai_platform_id, collector_type, run_mode, business_date, status, brand_mentioned, citation_count) "
-                    "SELECT tenant_id, workspace_id, brand_id, question_id, ai_platform_id, 'desktop', 'daily', "
-                    "business_date, CASE WHEN id % 10 = 0 THEN 'failed' ELSE 'succeeded' END, id % 3 = 0, 3 "
-                    "FROM monitoring_collect_tasks")
-                await conn.execute(
-                    "INSERT INTO monitoring_citation_facts (run_id, tenant_id, brand_id, question_id, ai_platform_id, "
-                    "business_date, citation_fingerprint, url, domain) "
-                    "SELECT r.id, r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.business_date, "
-                    "md5(r.id || '-' || g), 'https://d' || (r.id * g) % 50 || '.example/', "
-                    "'d' || (r.id * g) % 50 || '.example' FROM question_monitor_runs r, generate_series(1, 3) g")
+            world, day = await _projection_world(pool, keys, runs_per_key)
             rebuilder = Rebuilder(pool, ProjectionConfig(instance_id="bench"))
+
+            async def request_all() -> None:
+                async with pool.connection() as conn:
+                    await conn.execute(
+                        "INSERT INTO projection_rebuild_queue (tenant_id, brand_id, business_date) "
+                        "SELECT %s, b, %s FROM unnest(%s::bigint[]) b ON CONFLICT DO NOTHING",
+                        (world.tenant_id, day, world.brand_ids))
+
             done = 0
             deadline = time.monotonic() + seconds
 
             async def loop() -> None:
                 nonlocal done
                 while time.monotonic() < deadline:
-                    async with pool.connection() as conn:
-                        await conn.execute(
-                            "INSERT INTO projection_rebuild_queue (tenant_id, brand_id, business_date) "
-                            "SELECT %s, b, %s FROM unnest(%s::bigint[]) b ON CONFLICT DO NOTHING",
-                            (world.tenant_id, day, world.brand_ids))
+                    await request_all()
                     for claim in await rebuilder.claim_oldest(10):
                         await rebuilder.rebuild(claim, "sweep")
                         done += 1
 
             began = time.monotonic()
             await asyncio.gather(loop(), loop())
-            return done / (time.monotonic() - began)
+            per_key = done / (time.monotonic() - began)
+
+            # Merge mode: one worker, one batch of every key per transaction, back to back.
+            async with pool.connection() as conn:
+                await conn.execute("DELETE FROM projection_rebuild_queue")
+            merged = batches = 0
+            deadline = time.monotonic() + seconds
+            began = time.monotonic()
+            while time.monotonic() < deadline:
+                await request_all()
+                merged += (await rebuilder.rebuild_merged(await rebuilder.claim_oldest(keys))).rebuilt
+                batches += 1
+            elapsed = time.monotonic() - began
+            return per_key, merged / elapsed, elapsed * 1000 / max(1, batches)
         finally:
             await pool.close()
 
@@ -154,6 +180,8 @@ async def run(args: argparse.Namespace) -> None:
         print(f"  {workers} worker process(es): steady {steady:,.0f} results/s, overall {overall:,.0f} results/s "
               f"({int(stats['total'])} in {stats['wall_s']:.2f}s, {int(stats['workers'])} applied)", flush=True)
     seconds = 3.0 if args.quick else 10.0
-    rate = await run_projection(keys=20, runs_per_key=500, seconds=seconds)
+    rate, merged, batch_ms = await run_projection(keys=20, runs_per_key=500, seconds=seconds)
     print(f"projection: {rate:,.0f} rebuilds/s (brand/day keys of 500 runs + 1,350 citation facts, 2 loops)",
           flush=True)
+    print(f"projection merge mode: {merged:,.0f} keys/s rebuilt in merge batches (20 keys per transaction, "
+          f"{batch_ms:,.0f} ms per batch, 1 loop)", flush=True)

@@ -145,40 +145,41 @@ WITH keys AS (
     FROM unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[])
          AS k(tenant_id, brand_id, business_date)
 ), runs AS (
-    SELECT r.tenant_id, r.brand_id, r.business_date, r.id, r.ai_platform_id, r.status, r.brand_mentioned
+    -- per key, as REBUILD_KEY reads it (an index probe per key whatever the estimates)
+    SELECT k.tenant_id, k.brand_id, k.business_date, r.id, r.ai_platform_id, r.status, r.brand_mentioned
     FROM keys k
-    JOIN question_monitor_runs r
-      ON r.tenant_id = k.tenant_id AND r.brand_id = k.brand_id AND r.business_date = k.business_date
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.ai_platform_id, r.status, r.brand_mentioned FROM question_monitor_runs r
+        WHERE r.tenant_id = k.tenant_id AND r.brand_id = k.brand_id AND r.business_date = k.business_date
+    ) r
 ), cites AS (
+    -- a run's facts carry the run's key (ingest writes both from one result): found by run_id, so
+    -- the work grows with the batch's runs and facts, not with runs x facts of a key
     SELECT r.tenant_id, r.brand_id, r.business_date, r.ai_platform_id, f.domain
-    FROM keys k
-    JOIN monitoring_citation_facts f
-      ON f.tenant_id = k.tenant_id AND f.brand_id = k.brand_id AND f.business_date = k.business_date
-    JOIN runs r
-      ON r.id = f.run_id AND r.status = 'succeeded'
-     AND r.tenant_id = k.tenant_id AND r.brand_id = k.brand_id AND r.business_date = k.business_date
-), platform_runs AS (
+    FROM runs r JOIN monitoring_citation_facts f ON f.run_id = r.id
+    WHERE r.status = 'succeeded'
+), platform_runs AS MATERIALIZED (
     SELECT tenant_id, brand_id, business_date, ai_platform_id,
            count(*) AS runs,
            count(*) FILTER (WHERE status = 'succeeded') AS succeeded_runs,
            count(*) FILTER (WHERE status = 'failed') AS failed_runs,
            count(*) FILTER (WHERE status = 'succeeded' AND brand_mentioned) AS brand_mentioned_runs
     FROM runs GROUP BY tenant_id, brand_id, business_date, ai_platform_id
-), platform_cites AS (
+), platform_cites AS MATERIALIZED (
     SELECT tenant_id, brand_id, business_date, ai_platform_id,
            count(*) AS citations, count(DISTINCT nullif(domain, '')) AS domains
     FROM cites GROUP BY tenant_id, brand_id, business_date, ai_platform_id
 ), platform AS (
     SELECT p.*, coalesce(c.citations, 0) AS citations, coalesce(c.domains, 0) AS domains
     FROM platform_runs p LEFT JOIN platform_cites c USING (tenant_id, brand_id, business_date, ai_platform_id)
-), brand_runs AS (
+), brand_runs AS MATERIALIZED (
     SELECT tenant_id, brand_id, business_date,
            count(*) AS runs,
            count(*) FILTER (WHERE status = 'succeeded') AS succeeded_runs,
            count(*) FILTER (WHERE status = 'failed') AS failed_runs,
            count(*) FILTER (WHERE status = 'succeeded' AND brand_mentioned) AS brand_mentioned_runs
     FROM runs GROUP BY tenant_id, brand_id, business_date
-), brand_cites AS (
+), brand_cites AS MATERIALIZED (
     SELECT tenant_id, brand_id, business_date, count(*) AS citations, count(DISTINCT nullif(domain, '')) AS domains
     FROM cites GROUP BY tenant_id, brand_id, business_date
 ), brand AS (
