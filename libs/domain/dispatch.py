@@ -373,13 +373,35 @@ def window_start(epoch_seconds: float, window_seconds: int) -> float:
     return math.floor(epoch_seconds / window) * window
 
 
-def pair_fetch_limit(room: int, tenant_room: int, *, lane: str, cap: int) -> int:
+def pair_fetch_limit(room: int, tenant_room: int, *, lane: str, cap: int, client_room: int | None = None) -> int:
     """How many ready tasks of one (tenant, platform, lane) a pass should look at.
 
     Platform room bounds what can go; a couple more let a pass look past a bound task whose client
-    is busy. High ignores the tenant budget.
+    is busy. High ignores the tenant budget. `client_room`: how much non-high work the tenant's clients
+    can still take (`normal_client_room`); none means no non-high task of the tenant can go this pass.
     """
     if room <= 0:
         return 0
     usable = room if lane == "high" else min(room, tenant_room)
+    if lane != "high" and client_room is not None:
+        usable = min(usable, client_room)
     return 0 if usable <= 0 else min(cap, usable + 2)
+
+
+_NORMAL_PROBE = Candidate(id=0, tenant_id=0, workspace_id=0, ai_platform_id=0, lane="normal", priority=0,
+                          enqueued_at=0.0)
+
+
+def normal_client_room(clients: Sequence[ClientState]) -> tuple[dict[int, int], dict[int, RejectReason]]:
+    """Per tenant: how many more non-high tasks its eligible clients can take this pass (tree steps 3 and 4),
+    and for a tenant whose clients take none, the reason its least-loaded client gives (rejection count).
+    A pass need not read candidates that no client could take."""
+    room: dict[int, int] = {}
+    refused: dict[int, RejectReason] = {}
+    for client in sorted(clients, key=lambda c: (c.load, c.in_progress, str(c.id))):
+        reason = client_reject_reason(_NORMAL_PROBE, client)
+        if reason is None:
+            room[client.tenant_id] = room.get(client.tenant_id, 0) + client.max_queue_depth - client.queued
+        elif client.tenant_id not in refused:
+            refused[client.tenant_id] = reason
+    return room, {tenant: reason for tenant, reason in refused.items() if tenant not in room}

@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import AsyncCursor
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
@@ -33,6 +34,7 @@ from libs.domain.dispatch import (
     Ledger,
     PassLimits,
     PassResult,
+    normal_client_room,
     pair_fetch_limit,
     plan_pass,
     retry_allowed,
@@ -196,8 +198,10 @@ class Dispatcher:
         self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()}
         self._pairs_at = time.monotonic()
 
-    async def _candidates(self, conn: Conn, snap: Snapshot, limits: PassLimits,
-                          settings: DispatchSettings) -> dict[str, list[Candidate]]:
+    async def _candidates(self, conn: Conn, snap: Snapshot, limits: PassLimits, settings: DispatchSettings,
+                          blocked: Counter[str] | None = None) -> dict[str, list[Candidate]]:
+        """Ready candidates per lane. Pairs whose tenant has no client able to take non-high work are not
+        read at all (their rejection is counted once per pair in `blocked`)."""
         batch = max(1, settings.dispatch_batch_size)
         found: dict[str, list[Candidate]] = defaultdict(list)
         if "high" not in limits.paused_lanes:
@@ -207,6 +211,7 @@ class Dispatcher:
         if limits.slowdown or snap.ledger.non_high_used >= limits.non_high_cap:
             return found  # non-high cannot go this pass: no need to read its candidates
         lanes = [lane for lane in LANE_ORDER if lane != "high" and lane not in limits.paused_lanes]
+        client_room, refused = normal_client_room(snap.clients)
         tenants: list[int] = []
         platforms: list[int] = []
         pair_lanes: list[str] = []
@@ -216,12 +221,17 @@ class Dispatcher:
             tenant_room = limits.tenant_per_window - snap.ledger.tenant_used.get(tenant_id, 0)
             if platform_id in snap.ledger.paused_platforms:
                 continue
+            if client_room.get(tenant_id, 0) <= 0:
+                if blocked is not None and tenant_room > 0 and room > 0:
+                    blocked[refused.get(tenant_id, "no_eligible_client")] += 1
+                continue
             for lane in lanes:
                 if lane == "retry" and not retry_allowed(
                         tenant_id, cluster_high_backlog=self.cluster_high_backlog,
                         tenant_normal_backlog=self.tenant_normal_backlog, watermark=limits.retry_low_watermark):
                     continue
-                k = pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch))
+                k = pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch),
+                                     client_room=client_room[tenant_id])
                 if k > 0:
                     tenants.append(tenant_id)
                     platforms.append(platform_id)
@@ -253,23 +263,25 @@ class Dispatcher:
         window = max(1, settings.budget_window_seconds)
         async with self._pool.connection() as conn:
             write_started = 0.0
+            written: _Written | None = None
             try:
-                async with conn.transaction():
-                    async with conn.pipeline():  # every read in one round trip
-                        await conn.execute(q.PASS_LOCK)
-                        budget = await conn.execute(q.BUDGET_USED_NOW, {"window": window})
-                        clock = await conn.execute(q.NOW)
-                        found = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
-                        platforms = await conn.execute(q.PLATFORM_SETTINGS)
-                        active = await conn.execute(HIGH_ACTIVE_SQL, {"limit": batch})
-                        loads = await conn.execute(HIGH_CLIENTS_SQL, {
-                            "limit": batch, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
-                        budget_rows = await budget.fetchall()
-                        stamp = await clock.fetchone()
-                        candidates = [_candidate(r) for r in await found.fetchall()]
-                        platform_rows = await platforms.fetchall()
-                        active_rows = await active.fetchall()
-                        client_rows = await loads.fetchall()
+                # Three round trips in all: BEGIN + every read; the claim re-check; the writes + COMMIT (queued
+                # in the pipeline and sent together when it ends).
+                async with conn.pipeline(), conn.transaction():
+                    await conn.execute(q.PASS_LOCK)
+                    budget = await conn.execute(q.BUDGET_USED_NOW, {"window": window})
+                    clock = await conn.execute(q.NOW)
+                    found = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
+                    platforms = await conn.execute(q.PLATFORM_SETTINGS)
+                    active = await conn.execute(HIGH_ACTIVE_SQL, {"limit": batch})
+                    loads = await conn.execute(HIGH_CLIENTS_SQL, {
+                        "limit": batch, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+                    budget_rows = await budget.fetchall()
+                    stamp = await clock.fetchone()
+                    candidates = [_candidate(r) for r in await found.fetchall()]
+                    platform_rows = await platforms.fetchall()
+                    active_rows = await active.fetchall()
+                    client_rows = await loads.fetchall()
                     assert stamp is not None and budget_rows
                     start = float(budget_rows[0]["window_start"])
                     if not candidates or window_start(float(stamp["now"]), window) != start:
@@ -292,8 +304,12 @@ class Dispatcher:
                     if plan.decisions:
                         # Stamped with the clock read with the budgets (same window, under the pass lock).
                         write_started = time.perf_counter()
-                        rows = await self._write(conn, plan, stamp["ts"])
-                        outcome.dispatched = outcome.high_dispatched = len(rows)
+                        rows = await self._claim(conn, plan)
+                        if rows:
+                            written = await self._queue_writes(conn, rows, stamp["ts"])
+                if written is not None:
+                    await self._after_write(written)
+                    outcome.dispatched = outcome.high_dispatched = len(written.rows)
             except CONFLICT_ERRORS as exc:
                 self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
                                         if write_started else 0.0, True)
@@ -325,13 +341,15 @@ class Dispatcher:
                 async with conn.transaction():
                     await conn.execute(q.PASS_LOCK)
                     snap = await read_snapshot(conn, settings)
-                    candidates = await self._candidates(conn, snap, limits, settings)
+                    blocked: Counter[str] = Counter()
+                    candidates = await self._candidates(conn, snap, limits, settings, blocked)
                     outcome.considered = sum(len(v) for v in candidates.values())
                     plan = plan_pass(candidates, snap.clients, snap.ledger, limits, last_served=self.last_served,
                                      cluster_high_backlog=self.cluster_high_backlog,
                                      tenant_normal_backlog=self.tenant_normal_backlog,
                                      max_dispatches=max(1, settings.dispatch_batch_size))
                     self._count_blocked_without_candidates(plan, snap, limits, candidates)
+                    plan.rejections.update(blocked)
                     outcome.seconds_to_next_window = snap.window_start + snap.window_seconds - snap.now
                     if plan.decisions and self._yield_to_high(plan):
                         raise Preempted
@@ -401,6 +419,17 @@ class Dispatcher:
                 plan.rejections["platform_concurrency"] += 1
 
     async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> list[dict[str, Any]]:
+        """Claim re-check, then the writes in one round trip (inside the caller's transaction)."""
+        rows = await self._claim(conn, plan)
+        if not rows:
+            return rows
+        async with conn.pipeline():
+            written = await self._queue_writes(conn, rows, ts)
+        await self._after_write(written)
+        return rows
+
+    async def _claim(self, conn: Conn, plan: PassResult) -> list[dict[str, Any]]:
+        """Lock the clients, claim the decided tasks and re-check each (one round trip); the rows to write."""
         decisions = plan.decisions
         clients = sorted({d.client_id for d in decisions}, key=str)
         normal_clients = sorted({d.client_id for d in decisions if d.task.lane != "high"}, key=str)
@@ -417,8 +446,14 @@ class Dispatcher:
         if len(rows) < len(decisions):
             log.info("some decided tasks changed before the write (e.g. promoted by collect-now); skipped",
                      extra={"decided": len(decisions), "written": len(rows)})
-        if not rows:
-            return rows
+        for r in rows:
+            r["row_ref"] = claimed[r["monitor_task_id"]]["row_ref"]
+        return rows
+
+    async def _queue_writes(self, conn: Conn, rows: list[dict[str, Any]], ts: datetime) -> _Written:
+        """Queue the writes of claimed rows in the caller's pipeline: executions, attempts, outbox events
+        (NOTIFY when high work is among them), collect-request counters. Nothing is read back here: the
+        caller syncs (or commits) and then calls `_after_write`."""
         events = [
             OutboxEvent(
                 exchange=DISPATCH, routing_key=routing_key(r["lane"], r["target_client_id"]),
@@ -437,29 +472,35 @@ class Dispatcher:
         for r in rows:
             if r["lane"] == "high" and r["collect_request_id"] is not None:
                 requests[r["collect_request_id"]] += 1
-        refs = [claimed[r["monitor_task_id"]]["row_ref"] for r in rows]
-        async with conn.pipeline():  # one round trip for the writes
-            await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": refs})
-            await conn.execute(q.INSERT_EXECUTIONS, {
-                "ids": [r["id"] for r in rows], "tenant_ids": [r["tenant_id"] for r in rows],
-                "workspace_ids": [r["workspace_id"] for r in rows], "clients": [r["target_client_id"] for r in rows],
-                "priorities": [r["priority"] for r in rows], "lanes": [r["lane"] for r in rows],
-                "weights": [r["lane_weight"] for r in rows], "sources": [r["source"] for r in rows],
-                "group_keys": [r["scheduler_group_key"] for r in rows],
-                "task_ids": [r["monitor_task_id"] for r in rows],
-                "generations": [r["interrupt_generation"] for r in rows],
-                "enqueued": [r["enqueued_at"] for r in rows],
-                "brand_ids": [r["brand_id"] for r in rows], "question_ids": [r["question_id"] for r in rows],
-                "platform_ids": [r["ai_platform_id"] for r in rows], "dates": [r["business_date"] for r in rows],
-                "request_ids": [r["collect_request_id"] for r in rows], "ts": ts,
-            })
-            await enqueue_many(conn, events, notify=any(r["lane"] == "high" for r in rows))
-            if requests:
-                cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests),
-                                                                 "counts": list(requests.values())})
-                for r in await cur.fetchall():
-                    if r["first"]:
-                        metrics.collect_now_first_dispatch_latency_ms.observe(max(0.0, float(r["latency_ms"])))
+        refs = [r["row_ref"] for r in rows]
+        await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": refs})
+        await conn.execute(q.INSERT_EXECUTIONS, {
+            "ids": [r["id"] for r in rows], "tenant_ids": [r["tenant_id"] for r in rows],
+            "workspace_ids": [r["workspace_id"] for r in rows], "clients": [r["target_client_id"] for r in rows],
+            "priorities": [r["priority"] for r in rows], "lanes": [r["lane"] for r in rows],
+            "weights": [r["lane_weight"] for r in rows], "sources": [r["source"] for r in rows],
+            "group_keys": [r["scheduler_group_key"] for r in rows],
+            "task_ids": [r["monitor_task_id"] for r in rows],
+            "generations": [r["interrupt_generation"] for r in rows],
+            "enqueued": [r["enqueued_at"] for r in rows],
+            "brand_ids": [r["brand_id"] for r in rows], "question_ids": [r["question_id"] for r in rows],
+            "platform_ids": [r["ai_platform_id"] for r in rows], "dates": [r["business_date"] for r in rows],
+            "request_ids": [r["collect_request_id"] for r in rows], "ts": ts,
+        })
+        await enqueue_many(conn, events, notify=any(r["lane"] == "high" for r in rows))
+        cur = None
+        if requests:
+            cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests),
+                                                             "counts": list(requests.values())})
+        return _Written(rows, cur)
+
+    async def _after_write(self, written: _Written) -> None:
+        """Once the queued writes went out: first-dispatch latencies, metrics, logs."""
+        if written.requests is not None:
+            for r in await written.requests.fetchall():
+                if r["first"]:
+                    metrics.collect_now_first_dispatch_latency_ms.observe(max(0.0, float(r["latency_ms"])))
+        rows = written.rows
         for r in rows:
             metrics.dispatch_decisions_count.inc(lane=r["lane"])
             if r["lane"] == "high":
@@ -467,7 +508,12 @@ class Dispatcher:
                     "tenant_id": r["tenant_id"], "task_id": str(r["id"]), "monitor_task_id": r["monitor_task_id"],
                     "client_id": str(r["target_client_id"]),
                     "collect_request_id": str(r["collect_request_id"]) if r["collect_request_id"] else None})
-        return rows
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    rows: list[dict[str, Any]]
+    requests: AsyncCursor[dict[str, Any]] | None
 
 
 def execution_source(lane: str, trigger_source: str, collect_request_id: uuid.UUID | None) -> str:

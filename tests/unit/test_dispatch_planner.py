@@ -16,6 +16,7 @@ from libs.domain.dispatch import (
     PassLimits,
     cluster_room,
     evaluate,
+    normal_client_room,
     pair_fetch_limit,
     plan_pass,
     round_robin,
@@ -336,3 +337,25 @@ def test_window_start_and_pair_fetch_limit() -> None:
     assert pair_fetch_limit(3, 0, lane="normal", cap=50) == 0
     assert pair_fetch_limit(3, 0, lane="high", cap=50) == 5
     assert pair_fetch_limit(100, 100, lane="normal", cap=50) == 50
+
+
+def test_pair_fetch_limit_is_bounded_by_what_the_tenants_clients_can_take() -> None:
+    assert pair_fetch_limit(100, 100, lane="normal", cap=50, client_room=3) == 5
+    assert pair_fetch_limit(100, 100, lane="normal", cap=50, client_room=0) == 0
+    assert pair_fetch_limit(100, 100, lane="high", cap=50, client_room=0) == 50  # high ignores it
+
+
+def test_normal_client_room_per_tenant_and_the_reason_when_none() -> None:
+    def client(tenant: int, **kw: object) -> ClientState:
+        return ClientState(id=uuid.uuid4(), tenant_id=tenant, workspace_id=1, max_concurrent=2, max_queue_depth=5,
+                           **kw)  # type: ignore[arg-type]
+
+    room, refused = normal_client_room([
+        client(1, queued=2), client(1, queued=5),            # one full queue; the other takes 3 more
+        client(2, in_progress=2), client(2, pending_high=True),  # busy, and reserved for high work
+        client(3, interrupt_overdue=True),
+    ])
+    assert room == {1: 3}
+    # As choose_client reports it: the least-loaded client's reason.
+    assert refused == {2: "client_has_high", 3: "client_interrupt_overdue"}
+    assert 4 not in room and 4 not in refused  # no eligible client at all: the caller's "no_eligible_client"
