@@ -265,20 +265,23 @@ class Dispatcher:
             write_started = 0.0
             written: _Written | None = None
             try:
-                # Three round trips in all: BEGIN + every read; the claim re-check; the writes + COMMIT (queued
-                # in the pipeline and sent together when it ends).
+                # Two round trips in all: BEGIN + the locks + every read; the writes + COMMIT (queued in the
+                # pipeline and sent together when it ends).
                 async with conn.pipeline(), conn.transaction():
                     await conn.execute(q.PASS_LOCK)
+                    locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
+                    found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
                     budget = await conn.execute(q.BUDGET_USED_NOW, {"window": window})
                     clock = await conn.execute(q.NOW)
-                    found = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
                     platforms = await conn.execute(q.PLATFORM_SETTINGS)
                     active = await conn.execute(HIGH_ACTIVE_SQL, {"limit": batch})
                     loads = await conn.execute(HIGH_CLIENTS_SQL, {
                         "limit": batch, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+                    locked = {r["id"] for r in await locked_cur.fetchall()}
+                    found_rows = await found.fetchall()
                     budget_rows = await budget.fetchall()
                     stamp = await clock.fetchone()
-                    candidates = [_candidate(r) for r in await found.fetchall()]
+                    candidates = [_candidate(r) for r in found_rows]
                     platform_rows = await platforms.fetchall()
                     active_rows = await active.fetchall()
                     client_rows = await loads.fetchall()
@@ -304,7 +307,12 @@ class Dispatcher:
                     if plan.decisions:
                         # Stamped with the clock read with the budgets (same window, under the pass lock).
                         write_started = time.perf_counter()
-                        rows = await self._claim(conn, plan)
+                        if all(d.client_id in locked for d in plan.decisions):
+                            # Clients and tasks were locked by the reads: nothing to re-check.
+                            rows = _dispatchable_rows(plan.decisions, {
+                                r["id"]: {**r, "enqueued_at": r["enqueued_ts"]} for r in found_rows}, set())
+                        else:  # an unbound task went to a client not locked above: the full re-check
+                            rows = await self._claim(conn, plan)
                         if rows:
                             written = await self._queue_writes(conn, rows, stamp["ts"])
                 if written is not None:
@@ -442,13 +450,7 @@ class Dispatcher:
             claimed = {r["id"]: r for r in await cur.fetchall()}
             if with_high is not None:
                 high_clients = {r["client_id"] for r in await with_high.fetchall()}
-        rows = [r for d in decisions if (r := _still_dispatchable(d, claimed.get(d.task.id), high_clients))]
-        if len(rows) < len(decisions):
-            log.info("some decided tasks changed before the write (e.g. promoted by collect-now); skipped",
-                     extra={"decided": len(decisions), "written": len(rows)})
-        for r in rows:
-            r["row_ref"] = claimed[r["monitor_task_id"]]["row_ref"]
-        return rows
+        return _dispatchable_rows(decisions, claimed, high_clients)
 
     async def _queue_writes(self, conn: Conn, rows: list[dict[str, Any]], ts: datetime) -> _Written:
         """Queue the writes of claimed rows in the caller's pipeline: executions, attempts, outbox events
@@ -521,6 +523,18 @@ def execution_source(lane: str, trigger_source: str, collect_request_id: uuid.UU
     if lane == "high" and (trigger_source == "manual" or collect_request_id is not None):
         return "collect_now"
     return "retry_recovery" if lane == "retry" else "daily_schedule"
+
+
+def _dispatchable_rows(decisions: Sequence[Decision], claimed: dict[int, dict[str, Any]],
+                       clients_with_high: set[uuid.UUID]) -> list[dict[str, Any]]:
+    """The execution rows to write: the decisions whose locked, re-read business task still allows them."""
+    rows = [r for d in decisions if (r := _still_dispatchable(d, claimed.get(d.task.id), clients_with_high))]
+    if len(rows) < len(decisions):
+        log.info("some decided tasks changed before the write (e.g. promoted by collect-now); skipped",
+                 extra={"decided": len(decisions), "written": len(rows)})
+    for r in rows:
+        r["row_ref"] = claimed[r["monitor_task_id"]]["row_ref"]
+    return rows
 
 
 def _still_dispatchable(decision: Decision, task: dict[str, Any] | None,

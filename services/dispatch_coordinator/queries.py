@@ -162,6 +162,29 @@ ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
 LIMIT %(limit)s
 """
 
+# The high pass takes its locks while it reads, in the order every writer uses (clients, then tasks), so
+# its write needs no CLAIM round trip: first the clients that ready high work is bound to (share mode,
+# as LOCK_CLIENTS), then the high candidates themselves, locked (SKIP LOCKED: a task a collect-now is
+# promoting right now is left to the pass its commit wakes) with the columns CLAIM would re-read.
+LOCK_HIGH_CLIENTS = """
+SELECT c.id FROM desktop_clients c
+WHERE c.id IN (SELECT t.target_client_id FROM monitoring_collect_tasks t
+               WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
+                 AND t.target_client_id IS NOT NULL)
+ORDER BY c.id
+FOR SHARE OF c
+"""
+
+HIGH_CANDIDATES_LOCKED = f"""
+SELECT {_CANDIDATE_COLUMNS}, t.ctid AS row_ref, t.dispatch_priority, t.dispatch_lane, t.trigger_source,
+       t.collect_request_id, t.question_id, t.enqueued_at AS enqueued_ts, t.brand_id, t.business_date
+FROM monitoring_collect_tasks t {ACTIVE_PROBE}
+WHERE t.dispatch_lane = 'high' AND {READY_PROBED}
+ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
+LIMIT %(limit)s
+FOR UPDATE OF t SKIP LOCKED
+"""
+
 PAIR_CANDIDATES = f"""
 SELECT c.* FROM unnest(%(tenants)s::bigint[], %(platforms)s::bigint[], %(lanes)s::text[], %(limits)s::int[])
      AS p(tenant_id, ai_platform_id, lane, k)

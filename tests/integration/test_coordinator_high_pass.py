@@ -12,6 +12,7 @@ from services.dispatch_coordinator.dispatcher import MAX_PREEMPTIONS, Dispatcher
 from services.dispatch_coordinator.scanner import scan_once
 from tests.integration.test_coordinator_load import collect_now
 from tests.support.dispatch_fleet import Seeded, seed_fleet
+from tests.support.wait import eventually
 
 
 async def _prepare(pool: AsyncConnectionPool[Conn], **settings: Any) -> Seeded:
@@ -112,3 +113,56 @@ async def test_full_pass_yields_to_waiting_high_work_a_bounded_number_of_times(
     assert not outcome.preempted and outcome.dispatched > 0
     dispatcher.high_waiting = lambda: False
     assert not (await dispatcher.run_pass(settings)).preempted
+
+
+async def test_high_pass_skips_a_task_being_promoted_and_waits_for_a_client_being_changed(
+        pool: AsyncConnectionPool[Conn], database_url: str) -> None:
+    """The high pass reads under its locks: a high task another transaction holds is left to a later pass
+    (never dispatched from a stale read), and a client whose row a collect-now is changing is waited for,
+    so the generation the pass writes is the committed one."""
+    import asyncio
+
+    from libs.db.pool import connect
+
+    seeded = await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
+    tenant = seeded.tenants[0]
+    client = tenant.clients[0]
+    picked = await _rows(pool, "SELECT id FROM monitoring_collect_tasks WHERE status = 'pending' ORDER BY id LIMIT 2")
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 10")
+        await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client, task_ids=[r["id"] for r in picked])
+    dispatcher = Dispatcher(pool)
+    settings = await _settings(pool)
+    other = await connect(database_url, autocommit=False)
+    try:
+        # Another transaction holds the first task's row (as a collect-now promoting it would).
+        await other.execute("SELECT 1 FROM monitoring_collect_tasks WHERE id = %(id)s FOR UPDATE",
+                            {"id": picked[0]["id"]})
+        outcome = await dispatcher.run_high_pass(settings)
+        assert outcome.high_dispatched == 1
+        assert [r["monitor_task_id"] for r in await _rows(pool, "SELECT monitor_task_id FROM desktop_tasks")] == [
+            picked[1]["id"]]
+        await other.rollback()
+        # A collect-now on the client is mid-transaction (generation bumped, not committed): the pass waits
+        # for it and then dispatches with the committed generation.
+        await other.execute("UPDATE desktop_clients SET interrupt_generation = interrupt_generation + 1 "
+                            "WHERE id = %(c)s", {"c": client})
+        await other.execute("UPDATE monitoring_collect_tasks SET interrupt_generation = interrupt_generation + 1 "
+                            "WHERE id = %(id)s", {"id": picked[0]["id"]})
+        waiting = asyncio.create_task(dispatcher.run_high_pass(settings))
+
+        async def pass_waits_on_a_lock() -> bool:
+            found = await _rows(pool, "SELECT 1 FROM pg_stat_activity WHERE datname = current_database() "
+                                      "AND wait_event_type = 'Lock' AND query LIKE '%%FOR SHARE OF c%%'")
+            return bool(found)
+
+        await eventually(pass_waits_on_a_lock, message="the high pass waits for the client row")
+        assert not waiting.done()
+        await other.commit()
+        assert (await asyncio.wait_for(waiting, 10)).high_dispatched == 1
+    finally:
+        await other.close()
+    rows = await _rows(pool, "SELECT d.monitor_task_id, d.interrupt_generation AS sent, c.interrupt_generation AS now "
+                             "FROM desktop_tasks d JOIN desktop_clients c ON c.id = d.target_client_id "
+                             "WHERE d.monitor_task_id = %(id)s", {"id": picked[0]["id"]})
+    assert len(rows) == 1 and rows[0]["sent"] == rows[0]["now"]
