@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import sys
 import tempfile
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,6 @@ from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
 from libs.mq.topology import Topology
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
-from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
 JWT_SECRET = "bench-collect-now-gateway-secret-0123456789"
 
@@ -72,8 +73,19 @@ async def _prepare(settings: Settings, *, clicks: int, load: bool) -> dict[str, 
     return {"probe": probe["tenants"][0], "background": background}
 
 
+@dataclass(frozen=True, slots=True)
+class Click:
+    """One click's wall-clock marks (the same clock the services stamp the database with)."""
+
+    request_id: str
+    task_id: str
+    clicked: float
+    accepted: float  # the 202 received
+    on_socket: float  # the high task_available received
+
+
 async def _measure(settings: Settings, stack: Stack, world: dict[str, Any],
-                   clicks: int) -> tuple[list[float], list[float]]:
+                   clicks: int) -> tuple[list[float], list[float], list[Click]]:
     probe = world["probe"]
     client = probe["clients"][0]
     brand = probe["brands"][0]
@@ -81,20 +93,24 @@ async def _measure(settings: Settings, stack: Stack, world: dict[str, Any],
     hub, api = stack.hub_url, stack.api_url
     to_socket: list[float] = []
     to_lease: list[float] = []
+    marks: list[Click] = []
     async with aiohttp.ClientSession() as http, http.ws_connect(
             f"{hub}/api/desktop/ws", headers={"Authorization": f"Bearer {client['token']}"}) as ws:
         assert msgspec.json.decode((await ws.receive()).data)["type"] == "hello"
         for question_id in brand["question_ids"][:clicks]:
-            clicked = time.perf_counter()
+            clicked, clicked_wall = time.perf_counter(), time.time()
             async with http.post(f"{api}/api/tenant/monitoring/brands/{brand['brand_id']}/collect-now",
                                  json={"target_client_id": client["client_id"], "question_ids": [question_id]},
                                  headers={"Authorization": f"Bearer {jwt}"}) as resp:
                 assert resp.status in (200, 201, 202), await resp.text()
+                request_id = (await resp.json())["request_id"]
+            accepted_wall = time.time()
             while True:
                 event = msgspec.json.decode((await ws.receive(timeout=10)).data)
                 if event.get("type") == "task_available" and event.get("lane") == "high":
                     break
             to_socket.append((time.perf_counter() - clicked) * 1000)
+            marks.append(Click(request_id, event["task_id"], clicked_wall, accepted_wall, time.time()))
             async with http.post(f"{hub}/api/desktop/monitor/lease", json={"max_tasks": 1},
                                  headers={"Authorization": f"Bearer {client['token']}"}) as resp:
                 tasks = (await resp.json())["tasks"]
@@ -107,7 +123,7 @@ async def _measure(settings: Settings, stack: Stack, world: dict[str, Any],
             await asyncio.sleep(0.05)  # clicks are human-paced; keep them apart
         hub_hop = await _hub_hop(settings, ws, client["client_id"], samples=max(clicks, 50))
     print(f"  hub hop (broker publish -> socket, ms): {summary(hub_hop)}", flush=True)
-    return to_socket, to_lease
+    return to_socket, to_lease, marks
 
 
 async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, client_id: str, *,
@@ -135,30 +151,37 @@ async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, clie
     return hops
 
 
-_BREAKDOWN = """
-SELECT
-  (SELECT array_agg(extract(epoch FROM first_dispatched_at - created_at) * 1000)
-   FROM monitoring_collect_requests WHERE tenant_id = %(tenant)s AND first_dispatched_at IS NOT NULL) AS to_dispatch,
-  (SELECT array_agg(extract(epoch FROM published_at - created_at) * 1000)
-   FROM outbox WHERE tenant_id = %(tenant)s AND routing_key LIKE 'monitor.high.%%' AND published_at IS NOT NULL)
-   AS to_publish
+# The high TaskAvailable of a click's task: its outbox row was written by the coordinator's high pass
+# (created_at = that transaction's start) and published_at is the pump's broker-confirm time.
+_DISPATCH_ROW = """
+SELECT extract(epoch FROM created_at)::float8 AS dispatched, extract(epoch FROM published_at)::float8 AS confirmed
+FROM outbox WHERE routing_key LIKE 'monitor.high.%%' AND payload LIKE %(task)s
 """
 
 
-async def _breakdown(settings: Settings, name: str, tenant_id: int) -> None:
-    """Where the time goes: click -> coordinator dispatch (request row), dispatch commit -> broker confirm."""
+async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
+    """Where a click's time goes, per click from the same wall clock: the collect-now request (HTTP and its
+    transaction), then until the coordinator's high pass began, then that pass + commit + the pump's claim
+    and publish until the broker confirmed, then the hub to the socket."""
+    stages: dict[str, list[float]] = {"click -> 202 (collect-now request)": [],
+                                      "click -> coordinator high pass starts": [],
+                                      "high pass start -> broker confirm (pass, commit, pump)": [],
+                                      "broker confirm -> task_available on the socket": []}
     conn = await connect(settings.database_url)
     try:
-        cur = await conn.execute(_BREAKDOWN, {"tenant": tenant_id})
-        row = await cur.fetchone()
+        for mark in marks:
+            cur = await conn.execute(_DISPATCH_ROW, {"task": f"%{mark.task_id}%".encode()})
+            row = await cur.fetchone()
+            if row is None or row["confirmed"] is None:
+                continue
+            values = ((mark.accepted - mark.clicked), (row["dispatched"] - mark.clicked),
+                      (row["confirmed"] - row["dispatched"]), (mark.on_socket - row["confirmed"]))
+            for stage, value in zip(stages.values(), values, strict=True):
+                stage.append(value * 1000)
     finally:
         await conn.close()
-    if row and row["to_dispatch"]:
-        values = [float(v) for v in row["to_dispatch"]]
-        print(f"  {name}: click -> dispatched by the coordinator (ms): {summary(values)}", flush=True)
-    if row and row["to_publish"]:
-        values = [float(v) for v in row["to_publish"]]
-        print(f"  {name}: dispatch -> published by the pump (ms):      {summary(values)}", flush=True)
+    for label, values in stages.items():
+        print(f"  {name}: {label} (ms): {summary(values)}", flush=True)
 
 
 async def _scenario(name: str, *, clicks: int, load: bool) -> None:
@@ -172,39 +195,66 @@ async def _scenario(name: str, *, clicks: int, load: bool) -> None:
                 await _run_scenario(name, stack, world, clicks=clicks, load=load)
 
 
+async def _start_fleet(stack: Stack, world: dict[str, Any]) -> asyncio.subprocess.Process:
+    """The 50 background clients run in their own `desktop-sim` process, as desktops run on other machines:
+    the probe's clock in this process then never waits for the fleet's work on the same event loop.
+    Realistic desktop pacing (a task takes seconds), so the load is the backlog, the dispatching and
+    50 sockets, not a CPU-bound simulator sharing the benchmark's cores."""
+    tokens = [c["token"] for tenant in world["background"]["tenants"] for c in tenant["clients"]]
+    args = ["--hub", stack.hub_url, "--timings", "demo", "--scale", "0.5", "--stats-interval", "3600"]
+    for token in tokens:
+        args += ["--token", token]
+    fleet = await asyncio.create_subprocess_exec(
+        str(Path(sys.executable).with_name("desktop-sim")), *args, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL)
+    tenants = [t["tenant_id"] for t in world["background"]["tenants"]]
+    conn = await connect(stack.settings.database_url)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # every client said hello (the hub marks it online)
+            cur = await conn.execute("SELECT count(*) AS n FROM desktop_clients WHERE online AND tenant_id = ANY(%s)",
+                                     (tenants,))
+            row = await cur.fetchone()
+            if row is not None and int(row["n"]) >= len(tokens):
+                break
+            if time.monotonic() > deadline or fleet.returncode is not None:
+                raise RuntimeError("the desktop-sim fleet did not connect")
+            await asyncio.sleep(0.2)  # polling the database for the fleet's connections
+    finally:
+        await conn.close()
+    return fleet
+
+
+async def _stop_fleet(fleet: asyncio.subprocess.Process) -> dict[str, Any]:
+    """SIGTERM; the fleet prints its totals on the way out."""
+    fleet.terminate()
+    out, _ = await asyncio.wait_for(fleet.communicate(), 30)
+    stats = [json.loads(line) for line in out.decode().splitlines() if '"fleet stats"' in line]
+    return stats[-1] if stats else {}
+
+
 async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, clicks: int, load: bool) -> None:
     settings = stack.settings
-    fleet: list[SimClient] = []
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    fleet: asyncio.subprocess.Process | None = None
     try:
         if load:
-            # Realistic desktop pacing (a task takes seconds), so the load is the backlog, the
-            # dispatching and 50 sockets, not a CPU-bound simulator sharing the benchmark's cores.
-            timings = TIMING_PROFILES["demo"].scaled(0.5)
-            for tenant in world["background"]["tenants"]:
-                for c in tenant["clients"]:
-                    fleet.append(SimClient(SimOptions(hub_url=stack.hub_url, token=c["token"],
-                                                      timings=timings), session=session))
-            for sim in fleet:
-                await sim.start()
-            await asyncio.sleep(5)  # let the fleet connect and dispatch reach its steady state
+            fleet = await _start_fleet(stack, world)
+            await asyncio.sleep(5)  # let dispatch reach its steady state with the fleet working
         try:
-            to_socket, to_lease = await _measure(settings, stack, world, clicks)
+            to_socket, to_lease, marks = await _measure(settings, stack, world, clicks)
         except TimeoutError:
             for service in ("dispatch-coordinator", "collect-now-api"):
                 print(f"----- {service} log tail\n{stack.procs[service].logs()[-3000:]}")
             raise
         print(f"  {name}: click -> task_available on the socket (ms): {summary(to_socket)}", flush=True)
         print(f"  {name}: click -> lease (ms):                        {summary(to_lease)}", flush=True)
-        await _breakdown(settings, name, world["probe"]["tenant_id"])
-        if load:
-            connected = sum(1 for sim in fleet if sim.connected.is_set())
-            executed = sum(len(sim.stats.executed) for sim in fleet)
-            print(f"  {name}: {connected} clients connected; they executed {executed} normal tasks meanwhile",
-                  flush=True)
+        await _breakdown(settings, name, marks)
     finally:
-        await asyncio.gather(*(sim.stop() for sim in fleet), return_exceptions=True)
-        await session.close()
+        if fleet is not None:
+            totals = await _stop_fleet(fleet)
+            print(f"  {name}: the fleet's {sum(len(t['clients']) for t in world['background']['tenants'])} clients "
+                  f"executed {totals.get('executed', '?')} normal tasks meanwhile (leased {totals.get('leased', '?')})",
+                  flush=True)
 
 
 async def run(args: argparse.Namespace) -> None:
