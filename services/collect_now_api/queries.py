@@ -18,13 +18,14 @@ KEYWORD_OF_BRAND = """
 SELECT 1 FROM monitoring_keywords WHERE id = %(keyword_id)s AND brand_id = %(brand_id)s AND tenant_id = %(tenant_id)s
 """
 
-IDEMPOTENT_REQUEST = """
+# The user's recent requests on this brand (newest first); the caller picks the one with its scope hash.
+# (Read in the same round trip as the brand row the hash depends on.)
+RECENT_REQUESTS = """
 SELECT * FROM monitoring_collect_requests
-WHERE requested_by_user_id = %(user_id)s AND brand_id = %(brand_id)s AND scope_hash = %(scope_hash)s
+WHERE requested_by_user_id = %(user_id)s AND brand_id = %(brand_id)s
   AND tenant_id = %(tenant_id)s AND status <> 'superseded'
   AND created_at > now() - make_interval(secs => %(window_s)s)
 ORDER BY created_at DESC
-LIMIT 1
 """
 
 # Eligible clients of the caller's tenant and workspace with what §10.6 ranks them by. Preemption

@@ -238,6 +238,14 @@ async def test_the_same_click_within_the_window_is_an_idempotent_replay(settings
     async with api_client(settings) as http:
         late = await http.post(collect_path(world.brand_id), json=body, headers=world.auth())
         assert late.status == 202 and (await late.json())["idempotent_replay"] is False
+        # Within the window, the same user and brand with another scope is a new request too.
+        narrower = await http.post(collect_path(world.brand_id), headers=world.auth(),
+                                   json={**body, "question_ids": world.brand["question_ids"][:1]})
+        assert narrower.status == 202 and (await narrower.json())["idempotent_replay"] is False
+        replayed = await http.post(collect_path(world.brand_id), headers=world.auth(),
+                                   json={**body, "question_ids": world.brand["question_ids"][:1]})
+        assert replayed.status == 200
+        assert (await replayed.json())["request_id"] == (await narrower.json())["request_id"]
 
 
 async def test_rate_limits_answer_429_with_a_reason(settings: Settings, pool) -> None:
