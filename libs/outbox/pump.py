@@ -209,7 +209,8 @@ class OutboxPump:
             # are read after the commit is queued). The commit does not wait for the WAL flush (ASYNC_COMMIT).
             async with conn.transaction():
                 await conn.execute(q.ASYNC_COMMIT)
-                await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
+                if min_priority <= 0:  # prioritised-only claims need no claim lock (queries.CLAIM)
+                    await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
                 cur = await conn.execute(q.CLAIM, {
                     "limit": limit or self._config.batch_size,
                     "min_priority": min_priority,

@@ -24,7 +24,11 @@ RETURNING id, status
 # only when its key has no earlier unfinished row at all (it is then the head of its key), and a normal
 # row also waits while its key has an earlier unfinished prioritised row (that row is claimed alone
 # first). Hence every earlier unfinished row of a claimed row's key is in the same batch, before it.
-# `min_priority` > 0 claims prioritised rows only (the pump's express loop).
+# `min_priority` > 0 claims prioritised rows only (the pump's express loop), and needs no claim lock: a
+# prioritised row is claimable only as the head of its key (no earlier unfinished row, whatever its state),
+# and while it is unfinished no later row of its key is claimable, so two claimers can at worst race for
+# the same head row, which FOR UPDATE SKIP LOCKED (re-checking the row's status) gives to one of them. The
+# lock is for batches of consecutive normal rows of one key, which must all go to the same claimer.
 CLAIM = """
 WITH candidates AS (
     SELECT o.id

@@ -138,3 +138,39 @@ def test_a_notify_wakes_an_idle_regular_loop_and_the_priority_loop_only_when_ask
     pump._busy[0] = True  # loop 0 is publishing a batch: the next idle loop takes the new event
     pump.wake(prioritised=True)
     assert [w.is_set() for w in wakes] == [False, True, True]
+
+
+async def test_concurrent_claimers_never_split_one_key_even_without_the_lock_for_prioritised_claims(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """Prioritised-only claims (the express loop) take no claim lock. Racing them against regular claims
+    (which do) and against each other, no two concurrent batches ever hold rows of the same key, and each
+    key's rows are finished in id order."""
+    import asyncio
+    import collections
+
+    pattern = [0, 1, 0, 1, 1, 0, 0, 1]
+    for n in range(len(pattern)):
+        for key in range(12):
+            await _add(pool, n * 100 + key, key=f"k{key}", priority=pattern[n])
+    pumps = [_pump(pool) for _ in range(4)]
+    finished: dict[str, list[int]] = collections.defaultdict(list)
+    rounds = 0
+    while True:
+        rounds += 1
+        assert rounds < 200, "the outbox never drained"
+        batches = await asyncio.gather(pumps[0].claim(), pumps[1].claim(limit=3),
+                                       pumps[2].claim(5, min_priority=1), pumps[3].claim(5, min_priority=1))
+        if not any(batches):
+            break
+        owner: dict[str, int] = {}
+        for index, batch in enumerate(batches):
+            for event in batch:
+                assert owner.setdefault(str(event.ordering_key), index) == index, (
+                    f"key {event.ordering_key} claimed by two concurrent batches")
+        for batch in batches:
+            for event in sorted(batch, key=lambda e: e.id):
+                finished[str(event.ordering_key)].append(event.id)
+            await _finish(pool, batch)
+    assert sum(len(ids) for ids in finished.values()) == len(pattern) * 12
+    for key, ids in finished.items():
+        assert ids == sorted(ids), f"key {key} finished out of order"
