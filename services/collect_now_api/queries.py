@@ -21,7 +21,10 @@ SELECT 1 FROM monitoring_keywords WHERE id = %(keyword_id)s AND brand_id = %(bra
 # The user's recent requests on this brand (newest first); the caller picks the one with its scope hash.
 # (Read in the same round trip as the brand row the hash depends on.)
 RECENT_REQUESTS = """
-SELECT * FROM monitoring_collect_requests
+SELECT id, scope_hash, target_client_id, requested_task_count, aborted_queued_count, interrupt_requested_count,
+       interrupt_generation, ttl_expires_at, status,
+       coalesce((request_scope ->> 'affected_task_count')::int, requested_task_count) AS affected_task_count
+FROM monitoring_collect_requests
 WHERE requested_by_user_id = %(user_id)s AND brand_id = %(brand_id)s
   AND tenant_id = %(tenant_id)s AND status <> 'superseded'
   AND created_at > now() - make_interval(secs => %(window_s)s)

@@ -264,10 +264,9 @@ def _execution(row: dict[str, Any]) -> _Execution:
 
 
 def _replay_response(row: dict[str, Any]) -> CollectNowResponse:
-    scope = row["request_scope"] or {}
     return CollectNowResponse(
         request_id=row["id"], target_client_id=row["target_client_id"],
-        affected_task_count=int(scope.get("affected_task_count", row["requested_task_count"])),
+        affected_task_count=int(row["affected_task_count"]),
         promoted_task_count=row["requested_task_count"], aborted_queued_count=row["aborted_queued_count"],
         interrupt_requested_count=row["interrupt_requested_count"], interrupt_generation=row["interrupt_generation"],
         ttl_expires_at=row["ttl_expires_at"], status=row["status"], idempotent_replay=True,

@@ -279,7 +279,11 @@ class Coordinator:
             await message.ack()
             return
         if event.event == "collect_now.accepted":
-            self.wake_high()
+            # The request's transaction also sent a NOTIFY; while LISTEN is up that one already woke the
+            # high pass (a second pass would only compete with the first). This is the fallback for a
+            # NOTIFY lost with the LISTEN connection.
+            if not self.listening.is_set():
+                self.wake_high()
         elif event.event in WAKE_EVENTS:
             self.wake()
         await message.ack()
