@@ -51,8 +51,8 @@ from services.dispatch_coordinator import queries as q
 log = logging.getLogger("dispatch.pass")
 
 CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, active_probe=q.ACTIVE_PROBE)
-HIGH_CLIENTS_SQL = q.HIGH_CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, candidates=q.HIGH_CANDIDATES)
-HIGH_ACTIVE_SQL = q.PLATFORM_ACTIVE_OF_CANDIDATES.format(candidates=q.HIGH_CANDIDATES)
+HIGH_CLIENTS_SQL = q.HIGH_CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, candidates=q.HIGH_PENDING)
+HIGH_ACTIVE_SQL = q.PLATFORM_ACTIVE_OF_CANDIDATES.format(candidates=q.HIGH_PENDING)
 CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
     pg_errors.LockNotAvailable,
@@ -274,9 +274,9 @@ class Dispatcher:
                     budget = await conn.execute(q.BUDGET_USED_NOW, {"window": window})
                     clock = await conn.execute(q.NOW)
                     platforms = await conn.execute(q.PLATFORM_SETTINGS)
-                    active = await conn.execute(HIGH_ACTIVE_SQL, {"limit": batch})
+                    active = await conn.execute(HIGH_ACTIVE_SQL)
                     loads = await conn.execute(HIGH_CLIENTS_SQL, {
-                        "limit": batch, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+                        "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
                     locked = {r["id"] for r in await locked_cur.fetchall()}
                     found_rows = await found.fetchall()
                     budget_rows = await budget.fetchall()

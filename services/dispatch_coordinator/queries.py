@@ -162,6 +162,16 @@ ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
 LIMIT %(limit)s
 """
 
+# Where ready high work is (a superset of the high pass's candidates: tasks with an active execution are not
+# filtered out), for the pass's client and platform-load reads: a walk of the high lane of
+# ix_collect_tasks_ready, without the per-task probes and ordering of the candidate query.
+HIGH_PENDING = """
+SELECT DISTINCT t.tenant_id, t.workspace_id, t.target_client_id
+FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
+  AND t.dispatch_after <= now()
+"""
+
 # The high pass takes its locks while it reads, in the order every writer uses (clients, then tasks), so
 # its write needs no CLAIM round trip: first the clients that ready high work is bound to (share mode,
 # as LOCK_CLIENTS), then the high candidates themselves, locked (SKIP LOCKED: a task a collect-now is
