@@ -144,26 +144,35 @@ class ExecutionEnd:
     error: str | None = None
 
 
+# Both statements probe each execution (attempt) by its key in a LATERAL .. OFFSET 0 subquery: a plan that
+# does not depend on statistics. With a join the planner trusted a stale "few active executions" estimate
+# and scanned every active execution (every attempt) per batch: ~6 ms each for 100 of 20,000 in progress.
+# The ids come sorted, so the rows are locked in id order.
 _END_EXECUTIONS = """
-WITH wanted AS (
+WITH wanted AS MATERIALIZED (
     SELECT * FROM unnest(%(task_ids)s::uuid[], %(statuses)s::text[], %(epochs)s::int[], %(reasons)s::text[],
-                         %(errors)s::text[]) AS w(task_id, status, lease_epoch, reason, error)
-), prev AS (
-    SELECT d.id, d.status AS previous_status
-    FROM desktop_tasks d JOIN wanted w ON w.task_id = d.id
-    WHERE d.status IN ('queued', 'in_progress', 'unknown')
-      AND (w.lease_epoch IS NULL OR d.lease_epoch = w.lease_epoch)
-    ORDER BY d.id
-    FOR UPDATE OF d
+                         %(errors)s::text[]) WITH ORDINALITY AS w(task_id, status, lease_epoch, reason, error, ord)
+), prev AS MATERIALIZED (
+    SELECT d.id, d.previous_status, w.status, w.reason, w.error
+    FROM wanted w
+    CROSS JOIN LATERAL (
+        SELECT d.id, d.status AS previous_status
+        FROM desktop_tasks d
+        WHERE d.id = w.task_id AND d.status IN ('queued', 'in_progress', 'unknown')
+          AND (w.lease_epoch IS NULL OR d.lease_epoch = w.lease_epoch)
+        OFFSET 0
+        FOR UPDATE OF d
+    ) d
+    ORDER BY w.ord
 )
 UPDATE desktop_tasks d
-SET status = w.status,
+SET status = prev.status,
     finished_at = now(),
     updated_at = now(),
-    error = coalesce(w.error, d.error),
-    interrupt_reason = coalesce(w.reason, d.interrupt_reason),
+    error = coalesce(prev.error, d.error),
+    interrupt_reason = coalesce(prev.reason, d.interrupt_reason),
     lease_token_hash = NULL
-FROM prev JOIN wanted w ON w.task_id = prev.id
+FROM prev
 WHERE d.id = prev.id
 RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.ai_platform_id, d.lane, d.lease_epoch,
           prev.previous_status
@@ -171,10 +180,18 @@ RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.ai_platfor
 
 _END_ATTEMPTS = """
 UPDATE desktop_task_attempts a
-SET status = w.outcome, finished_at = now(), error = w.error, abort_reason = w.reason
-FROM unnest(%(task_ids)s::uuid[], %(epochs)s::int[], %(outcomes)s::text[], %(errors)s::text[], %(reasons)s::text[])
-     AS w(task_id, lease_epoch, outcome, error, reason)
-WHERE a.task_id = w.task_id AND a.lease_epoch = w.lease_epoch AND a.status = 'in_progress'
+SET status = x.outcome, finished_at = now(), error = x.error, abort_reason = x.reason
+FROM (
+    SELECT p.id, w.outcome, w.error, w.reason
+    FROM unnest(%(task_ids)s::uuid[], %(epochs)s::int[], %(outcomes)s::text[], %(errors)s::text[],
+                %(reasons)s::text[]) AS w(task_id, lease_epoch, outcome, error, reason)
+    CROSS JOIN LATERAL (
+        SELECT a.id FROM desktop_task_attempts a
+        WHERE a.task_id = w.task_id AND a.lease_epoch = w.lease_epoch AND a.status = 'in_progress'
+        OFFSET 0
+    ) p
+) x
+WHERE a.id = x.id
 """
 
 _FINISH_BUSINESS_MANY = """
@@ -196,7 +213,7 @@ async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExec
         unique.setdefault(end.task_id, end)
     if not unique:
         return []
-    items = list(unique.values())
+    items = sorted(unique.values(), key=lambda e: e.task_id)  # lock order
     cur = await conn.execute(_END_EXECUTIONS, {
         "task_ids": [e.task_id for e in items],
         "statuses": ["aborted" if e.outcome == "expired" else e.outcome for e in items],

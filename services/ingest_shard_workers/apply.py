@@ -16,7 +16,7 @@ from datetime import UTC, date, datetime
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind, MonitorResult, ProjectionRebuild
 from libs.contracts.wire import TaskControl
-from libs.db.pool import Conn
+from libs.db.pool import Conn, json_rows
 from libs.dispatch_settings import load_settings
 from libs.ingest.citations import ParsedCitation, parse_citations
 from libs.ingest.progress import CountDelta, request_count_delta, request_status_after
@@ -112,15 +112,8 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
             outcome.rejected[r.result_id] = reason
     if not valid:
         return
-    cur = await conn.execute(q.RECORD_APPLIED, {
-        "applied_by": applied_by,
-        "result_ids": [r.result_id for r in valid],
-        "tenant_ids": [r.tenant_id for r in valid],
-        "shards": [r.shard for r in valid],
-        "task_ids": [r.task_id for r in valid],
-        "monitor_task_ids": [r.monitor_task_id for r in valid],
-        "statuses": [r.status for r in valid],
-    })
+    cur = await conn.execute(q.RECORD_APPLIED, {"applied_by": applied_by, "rows": json_rows(
+        (r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status) for r in valid)})
     fresh_ids = {row["result_id"] for row in await cur.fetchall()}
     fresh = [r for r in valid if r.result_id in fresh_ids]
     outcome.duplicates += len(valid) - len(fresh)
@@ -172,45 +165,19 @@ async def _upsert_runs(conn: Conn, fresh: list[MonitorResult], outcome: BatchOut
     winners = list(fold_latest_effective(fresh, run_key).values())
     parsed: dict[uuid.UUID, list[ParsedCitation]] = {
         r.result_id: parse_citations(r.citations) if r.status == "succeeded" else [] for r in winners}
-    cur = await conn.execute(q.UPSERT_RUNS, {
-        "tenant_ids": [r.tenant_id for r in winners],
-        "workspace_ids": [r.workspace_id for r in winners],
-        "brand_ids": [r.brand_id for r in winners],
-        "question_ids": [r.question_id for r in winners],
-        "platform_ids": [r.ai_platform_id for r in winners],
-        "collector_types": [r.collector_type for r in winners],
-        "run_modes": [r.run_mode for r in winners],
-        "dates": [r.business_date for r in winners],
-        "statuses": [r.status for r in winners],
-        "answers": [r.answer_text for r in winners],
-        "mentioned": [r.brand_mentioned and r.status == "succeeded" for r in winners],
-        "citation_counts": [len(parsed[r.result_id]) for r in winners],
-        "errors": [r.error for r in winners],
-        "task_ids": [r.task_id for r in winners],
-        "client_ids": [r.client_id for r in winners],
-        "result_ids": [r.result_id for r in winners],
-        "started": [r.started_at for r in winners],
-        "finished": [r.finished_at for r in winners],
-    })
+    cur = await conn.execute(q.UPSERT_RUNS, {"rows": json_rows(
+        (r.tenant_id, r.workspace_id, r.brand_id, r.question_id, r.ai_platform_id, r.collector_type, r.run_mode,
+         r.business_date, r.status, r.answer_text, r.brand_mentioned and r.status == "succeeded",
+         len(parsed[r.result_id]), r.error, r.task_id, r.client_id, r.result_id, r.started_at, r.finished_at)
+        for r in winners)})
     run_ids = {row["result_id"]: int(row["id"]) for row in await cur.fetchall()}
     if not run_ids:
         return set()
     won = [r for r in winners if r.result_id in run_ids]
     cites = [(run_ids[r.result_id], r, c) for r in won for c in parsed[r.result_id]]
-    params = {
-        "run_ids": sorted(run_ids.values()),
-        "c_run_ids": [rid for rid, _, _ in cites],
-        "c_tenant_ids": [r.tenant_id for _, r, _ in cites],
-        "c_brand_ids": [r.brand_id for _, r, _ in cites],
-        "c_question_ids": [r.question_id for _, r, _ in cites],
-        "c_platform_ids": [r.ai_platform_id for _, r, _ in cites],
-        "c_dates": [r.business_date for _, r, _ in cites],
-        "c_fps": [c.fingerprint for _, _, c in cites],
-        "c_urls": [c.url for _, _, c in cites],
-        "c_titles": [c.title for _, _, c in cites],
-        "c_positions": [c.position for _, _, c in cites],
-        "c_domains": [c.domain for _, _, c in cites],
-    }
+    params = {"run_ids": sorted(run_ids.values()), "cites": json_rows(
+        (rid, r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.business_date, c.fingerprint, c.url,
+         c.title, c.position, c.domain) for rid, r, c in cites)}
     async with conn.pipeline():
         await conn.execute(q.DELETE_STALE_PARSE_RESULTS, params)
         await conn.execute(q.DELETE_STALE_CITATION_FACTS, params)
