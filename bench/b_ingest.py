@@ -172,7 +172,9 @@ async def run_projection(keys: int, runs_per_key: int, seconds: float) -> tuple[
 
 async def run(args: argparse.Namespace) -> None:
     n_results = 4_000 if args.quick else 20_000
-    print(f"ingest: {n_results} results, {SHARDS} shards, batch 200, prefetch 400, 90% succeeded, 0-5 citations")
+    defaults = Settings()
+    print(f"ingest: {n_results} results, {SHARDS} shards, batch {defaults.ingest_batch_size}, prefetch "
+          f"{defaults.ingest_prefetch}, 90% succeeded, 0-5 citations")
     for workers in (1, 2, 4):
         stats = await run_ingest(workers, n_results)
         steady = stats["steady_n"] / stats["steady_s"] if stats["steady_s"] > 0 else float("nan")

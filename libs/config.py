@@ -78,8 +78,10 @@ class Settings:
     heartbeat_timeout_seconds: int = 30
     max_body_bytes: int = 256 * 1024
     # ingest-shard-workers
-    ingest_batch_size: int = 200
-    ingest_prefetch: int = 400
+    # Results per ingest transaction (at most) and unacked deliveries per shard channel. Measured: 200/400
+    # -> ~3,700-4,200 results/s with 2 workers, 500/1000 -> ~4,200-5,000 (fewer commits and round trips).
+    ingest_batch_size: int = 500
+    ingest_prefetch: int = 1000
     ingest_member_heartbeat_seconds: float = 2.0
     ingest_member_timeout_seconds: float = 10.0
     ingest_applied_retention_hours: int = 168
