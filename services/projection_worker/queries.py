@@ -41,9 +41,12 @@ WITH runs AS (
     FROM question_monitor_runs
     WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
 ), cites AS (
+    -- found by run_id (a run's facts carry the run's key): the work grows with the key's runs and facts,
+    -- not with runs x facts, whatever the statistics say (from the projection key's index it was a join
+    -- of every fact of the key against every run: ~45 ms for 500 runs and 1,350 facts)
     SELECT r.ai_platform_id, f.domain
-    FROM monitoring_citation_facts f JOIN runs r ON r.id = f.run_id AND r.status = 'succeeded'
-    WHERE f.tenant_id = %(tenant_id)s AND f.brand_id = %(brand_id)s AND f.business_date = %(business_date)s
+    FROM runs r JOIN monitoring_citation_facts f ON f.run_id = r.id
+    WHERE r.status = 'succeeded'
 ), platform_runs AS (
     SELECT ai_platform_id,
            count(*) AS runs,
