@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
 DEV_JWT_SECRET = "dev-only-gateway-secret-change-me"
@@ -77,6 +78,13 @@ class Settings:
     lease_ttl_seconds: int = 120
     heartbeat_timeout_seconds: int = 30
     max_body_bytes: int = 256 * 1024
+    # WebSocket ping period, also the heartbeat period the hub announces to clients. from_env derives it
+    # from HEARTBEAT_TIMEOUT_SECONDS when unset (a third of it, at least 1 s): 10 for the default 30.
+    hub_ping_interval_s: float = 10.0
+    # How often buffered client heartbeats are written to Postgres.
+    hub_heartbeat_flush_s: float = 2.0
+    # How long a result publish waits for the broker's confirm before the client is told to retry.
+    hub_result_confirm_timeout_s: float = 5.0
     # ingest-shard-workers
     # Results per ingest transaction (at most) and unacked deliveries per shard channel. Measured: 200/400
     # -> ~3,700-4,200 results/s with 2 workers, 500/1000 -> ~4,200-5,000 (fewer commits and round trips).
@@ -110,8 +118,14 @@ class Settings:
             else:
                 values["http_port"] = SERVICE_PORTS.get(service, 0)
         settings = cls(**values)
+        if "hub_ping_interval_s" not in values:
+            settings = replace(settings, hub_ping_interval_s=max(settings.heartbeat_timeout_seconds / 3, 1.0))
         if settings.ingest_shards <= 0:
             raise ConfigError("INGEST_SHARDS must be positive")
+        for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s"):
+            value = getattr(settings, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name.upper()}={value!r} must be a positive number of seconds")
         return settings
 
     def jwt_key(self) -> tuple[str, str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -22,11 +21,6 @@ from services.dispatch_hub.results import AmqpResultPublisher
 POOL_MAX = 6
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    return float(raw) if raw else default
-
-
 def build(settings: Settings) -> web.Application:
     app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
     app[MAX_BODY] = settings.max_body_bytes
@@ -38,13 +32,13 @@ def build(settings: Settings) -> web.Application:
         pool = make_pool(settings, name="dispatch-hub", min_size=2, max_size=POOL_MAX)
         await pool.open(wait=True, timeout=30)
         amqp = await mq_connect(settings.amqp_url, name=f"dispatch-hub-{settings.instance_id}")
-        publisher = AmqpResultPublisher(amqp, topology, timeout=_env_float("HUB_RESULT_CONFIRM_TIMEOUT_S", 5.0))
+        publisher = AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s)
         await publisher.start()
         gateway = Gateway(
             pool, amqp, topology, hub_id=settings.instance_id,
-            heartbeat_interval_s=_env_float("HUB_PING_INTERVAL_S", max(settings.heartbeat_timeout_seconds / 3, 1)),
+            heartbeat_interval_s=settings.hub_ping_interval_s,
             heartbeat_timeout_s=settings.heartbeat_timeout_seconds,
-            heartbeat_flush_s=_env_float("HUB_HEARTBEAT_FLUSH_S", 2.0))
+            heartbeat_flush_s=settings.hub_heartbeat_flush_s)
         await gateway.start()
         app[AUTH] = ClientAuthenticator(pool)
         app[GATEWAY] = gateway
