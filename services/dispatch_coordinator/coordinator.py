@@ -71,6 +71,7 @@ class Coordinator:
         self.dispatcher.high_waiting = self._high_wake.is_set
         self.slowdown = SlowdownState()
         self._wake = asyncio.Event()
+        self._full_requested = True
         self._settings: DispatchSettings | None = None
         self._settings_at = 0.0
         self._last_aging = time.monotonic()
@@ -79,10 +80,12 @@ class Coordinator:
         self.dispatched_total = 0
 
     def wake(self) -> None:
+        """Something may be dispatchable (a completion, new tasks): run a full pass now."""
+        self._full_requested = True
         self._wake.set()
 
     def wake_high(self) -> None:
-        """Collect-now work is ready: run a high-only pass first, then the full pass."""
+        """Collect-now work is ready: run a high-only pass now (and a full pass if it leaves work behind)."""
         self._high_wake.set()
         self._wake.set()
 
@@ -135,17 +138,28 @@ class Coordinator:
                 waiter.cancel()
 
     async def _dispatch_loop(self, stop: asyncio.Event) -> None:
+        full_due_at = 0.0  # monotonic: the next full pass without a wake-up (tick, budget window rollover)
         while not stop.is_set():
             self._wake.clear()
             settings = await self._guarded_settings(stop)
             if settings is None:
                 continue
             started = time.perf_counter()
+            full = self._full_requested or time.monotonic() >= full_due_at
             try:
                 if self._high_wake.is_set():
                     self._high_wake.clear()
                     high = await self.dispatcher.run_high_pass(settings)
                     self.dispatched_total += high.dispatched
+                    # A full pass re-decides what the high pass left (work held back for the normal
+                    # guarantee, a busy client, a conflict). A click whose high work all went needs none
+                    # right now: the next wake-up or tick runs it, instead of competing with the click's
+                    # publish for the same cores.
+                    full = full or high.conflicted or high.dispatched < high.considered
+                if not full:
+                    await self._wait(stop, self._wake, full_due_at - time.monotonic())
+                    continue
+                self._full_requested = False
                 outcome = await self.dispatcher.run_pass(settings)
             except Exception as exc:
                 if not is_transient(exc):
@@ -156,8 +170,10 @@ class Coordinator:
             metrics.dispatch_pass_duration_ms.observe((time.perf_counter() - started) * 1000)
             self.dispatched_total += outcome.dispatched
             if outcome.conflicted or outcome.full_batch or outcome.preempted:
+                full_due_at = 0.0
                 continue
             timeout = min(max(0.05, settings.dispatch_tick_ms / 1000), outcome.seconds_to_next_window + 0.005)
+            full_due_at = time.monotonic() + timeout
             await self._wait(stop, self._wake, timeout)
 
     async def _guarded_settings(self, stop: asyncio.Event) -> DispatchSettings | None:

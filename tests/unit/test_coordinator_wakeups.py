@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 import msgspec
@@ -10,6 +11,7 @@ import pytest
 from libs.contracts.amqp import LifecycleEvent
 from libs.mq.topology import Topology
 from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
+from tests.support.wait import eventually
 
 
 class _Message:
@@ -44,3 +46,67 @@ async def test_a_completion_wakes_a_full_pass_but_not_the_high_pass() -> None:
     message = _Message("task.completed")
     await coordinator._on_lifecycle(None, "dlq", message)  # type: ignore[arg-type]
     assert coordinator._wake.is_set() and not coordinator._high_wake.is_set()
+
+
+class _FakeDispatcher:
+    """Counts passes; the high pass dispatches `high_dispatched` of `high_considered` candidates."""
+
+    def __init__(self, high_considered: int, high_dispatched: int) -> None:
+        from services.dispatch_coordinator.dispatcher import PassOutcome
+
+        self.outcome = PassOutcome
+        self.high = (high_considered, high_dispatched)
+        self.high_passes = 0
+        self.full_passes = 0
+
+    async def run_high_pass(self, settings: object) -> object:
+        self.high_passes += 1
+        return self.outcome(considered=self.high[0], dispatched=self.high[1], high_dispatched=self.high[1])
+
+    async def run_pass(self, settings: object) -> object:
+        self.full_passes += 1
+        return self.outcome(seconds_to_next_window=60.0)
+
+
+async def _run_loop(fake: _FakeDispatcher) -> tuple[Coordinator, asyncio.Task[None], asyncio.Event]:
+    from libs.dispatch_settings import DispatchSettings
+
+    coordinator = _coordinator()
+    coordinator.dispatcher = fake  # type: ignore[assignment]
+
+    async def settings(stop: asyncio.Event) -> DispatchSettings:
+        return DispatchSettings(dispatch_tick_ms=60_000)
+
+    coordinator._guarded_settings = settings  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(coordinator._dispatch_loop(stop))
+    await eventually(lambda: _true(fake.full_passes == 1), message="the first full pass")
+    return coordinator, task, stop
+
+
+async def test_a_click_whose_high_work_all_went_runs_no_full_pass_until_something_else_asks() -> None:
+    fake = _FakeDispatcher(high_considered=1, high_dispatched=1)
+    coordinator, task, stop = await _run_loop(fake)
+    for n in range(1, 4):
+        coordinator.wake_high()
+        await eventually(lambda n=n: _true(fake.high_passes == n), message=f"high pass {n}")  # type: ignore[misc]
+    assert fake.full_passes == 1
+    coordinator.wake()  # a completion
+    await eventually(lambda: _true(fake.full_passes == 2), message="the full pass after a completion")
+    stop.set()
+    coordinator.wake()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_high_pass_that_leaves_work_behind_is_followed_by_a_full_pass() -> None:
+    fake = _FakeDispatcher(high_considered=3, high_dispatched=1)
+    coordinator, task, stop = await _run_loop(fake)
+    coordinator.wake_high()
+    await eventually(lambda: _true(fake.high_passes == 1 and fake.full_passes == 2), message="high then full pass")
+    stop.set()
+    coordinator.wake()
+    await asyncio.wait_for(task, 5)
+
+
+async def _true(value: bool) -> bool:
+    return value
