@@ -26,7 +26,11 @@ from services.dispatch_hub.auth import ClientPrincipal
 from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.heartbeats import HeartbeatWriter
 from services.dispatch_hub.leases import current_interrupt
-from services.dispatch_hub.logic import client_id_from_routing_key, routing_keys_for_client
+from services.dispatch_hub.logic import (
+    announced_heartbeat_interval,
+    client_id_from_routing_key,
+    routing_keys_for_client,
+)
 
 log = logging.getLogger("hub.gateway")
 
@@ -161,7 +165,8 @@ class Gateway:
         replay = await self.replay(principal)
         available = sum(1 for t in replay if '"task_available"' in t)
         hello = Hello(client_id=client_id, tenant_id=principal.tenant_id, hub_instance=self.hub_id,
-                      server_time=datetime.now(UTC), heartbeat_interval_s=int(self.heartbeat_interval_s),
+                      server_time=datetime.now(UTC),
+                      heartbeat_interval_s=announced_heartbeat_interval(self.heartbeat_interval_s),
                       interrupt_generation=generation, replayed_available=available,
                       replayed_controls=len(replay) - available)
         log.info("client connected", extra={"client_id": str(client_id), "tenant_id": principal.tenant_id,

@@ -61,6 +61,12 @@ def is_stale_generation(callback_generation: int, task_generation: int) -> bool:
     return callback_generation < task_generation
 
 
+def announced_heartbeat_interval(seconds: float) -> int:
+    """`hello.heartbeat_interval_s` is whole seconds: the hub's interval rounded down, at least 1 (a
+    sub-second interval must not be announced as 0, which a client would read as "heartbeat constantly")."""
+    return max(1, math.floor(seconds))
+
+
 def routing_keys_for_client(client_id: uuid.UUID) -> tuple[str, str]:
     """What a hub binds for one connected client: every monitor lane plus control, and publish."""
     return (f"monitor.*.{client_id}", f"publish.{client_id}")

@@ -9,6 +9,7 @@ from services.dispatch_hub.logic import (
     LeaseCheck,
     LeaseState,
     RollingWindow,
+    announced_heartbeat_interval,
     bearer_token,
     check_lease,
     client_id_from_routing_key,
@@ -76,3 +77,7 @@ def test_percentile_and_rolling_window() -> None:
     for value in range(100):
         window.add(float(value))
     assert len(window) == 10 and window.p95() == 99.0
+
+
+def test_the_announced_heartbeat_interval_is_whole_seconds_and_never_zero() -> None:
+    assert [announced_heartbeat_interval(s) for s in (0.3, 1.0, 2.9, 10.0)] == [1, 1, 2, 10]
