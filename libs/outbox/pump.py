@@ -19,7 +19,8 @@ from pamqp.commands import Basic
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import MESSAGE_TYPES
-from libs.db.pool import Conn, connect
+from libs.db.listen import listen_forever
+from libs.db.pool import Conn
 from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
 from libs.outbox import queries as q
@@ -374,29 +375,13 @@ class OutboxPump:
 
     async def _listen(self, stop: asyncio.Event) -> None:
         assert self._listen_url is not None
-        delay = 0.2
-        while not stop.is_set():
-            conn: Conn | None = None
-            try:
-                conn = await connect(self._listen_url, name="outbox-pump-listen")
-                await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                self.listening.set()
-                delay = 0.2
-                self.wake()  # anything committed while we were not listening
-                async for notify in conn.notifies():
-                    self.wake(prioritised=notify.payload == PRIORITY_WAKE)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.listening.clear()
-                log.warning("LISTEN connection lost; polling until it is back", extra={"error": str(exc)})
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
-                delay = min(delay * 2, 5.0)
-            finally:
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        await conn.close()
+
+        def on_notify(payload: str | None) -> None:
+            # None: (re)connected, anything committed meanwhile is waiting.
+            self.wake(prioritised=payload is None or payload == PRIORITY_WAKE)
+
+        await listen_forever(self._listen_url, NOTIFY_CHANNEL, on_notify, stop=stop, listening=self.listening,
+                             name="outbox-pump-listen", meanwhile="polling")
 
     async def _maintain(self, stop: asyncio.Event) -> None:
         last_cleanup = last_depth = 0.0

@@ -9,7 +9,6 @@ scanner, at the start of every budget window, and on a periodic tick as a safety
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import socket
@@ -23,7 +22,8 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import lifecycle_decoder
-from libs.db.pool import Conn, connect
+from libs.db.listen import listen_forever
+from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, as_dict, load_settings
 from libs.mq.connection import dead_letter
 from libs.mq.topology import Topology, declare_lifecycle
@@ -242,29 +242,10 @@ class Coordinator:
                                                  "dispatched_total": self.dispatched_total})
 
     async def _listen_loop(self, stop: asyncio.Event) -> None:
-        """LISTEN dispatch_wakeup on a dedicated connection (reconnects; a pass runs after every reconnect)."""
-        delay = 0.2
-        while not stop.is_set():
-            conn: Conn | None = None
-            try:
-                conn = await connect(self._config.database_url, name="dispatch-coordinator-listen")
-                await conn.execute(f"LISTEN {DISPATCH_WAKE_CHANNEL}")
-                self.listening.set()
-                delay = 0.2
-                self.wake_high()
-                async for _ in conn.notifies():
-                    self.wake_high()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.listening.clear()
-                log.warning("LISTEN connection lost; relying on ticks until it is back", extra={"error": str(exc)})
-                await self._wait(stop, None, delay)
-                delay = min(delay * 2, 5.0)
-            finally:
-                if conn is not None:
-                    with contextlib.suppress(Exception):
-                        await conn.close()
+        """LISTEN dispatch_wakeup on a dedicated connection (reconnects; a high pass after every reconnect)."""
+        await listen_forever(self._config.database_url, DISPATCH_WAKE_CHANNEL, lambda _: self.wake_high(),
+                             stop=stop, listening=self.listening, name="dispatch-coordinator-listen",
+                             meanwhile="relying on ticks")
 
     async def _lifecycle_loop(self, stop: asyncio.Event) -> None:
         """Consume `monitor.lifecycle` (shared coordinator queue) while leading; wake dispatch on completions."""
