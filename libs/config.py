@@ -98,7 +98,8 @@ class Settings:
     projection_sweep_interval_ms: int = 1000
     projection_claim_lease_seconds: float = 30.0
     projection_max_attempts: int = 10
-    # merge mode while the coordinator reports auto slow-down (seed §12.4): one batch per window
+    # merge mode while the coordinator reports auto slow-down (seed §12.4): every window, batches of at most
+    # this many keys, one transaction each, until the queue is drained
     projection_merge_window_ms: int = 5000
     projection_merge_batch: int = 200
 

@@ -2,9 +2,9 @@
 (requests whose event was lost, keys requested again during a rebuild, abandoned claims).
 
 Merge mode (seed §12.4): while the dispatch-coordinator publishes auto slow-down, events are acked without
-a rebuild (their queue rows stay the durable requests) and once per merge window up to `merge_batch` of
-the oldest keys are rebuilt together in one transaction. When slow-down ends, per-event rebuilds resume
-and the sweep drains what is left.
+a rebuild (their queue rows stay the durable requests) and once per merge window the oldest keys are
+rebuilt in batches of up to `merge_batch`, one transaction each, batch after batch while they come back
+full. When slow-down ends, per-event rebuilds resume and the sweep drains what is left.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class ProjectionWorker:
                         next_merge = now + self.merge_window_s
                     if now >= next_merge:
                         next_merge += self.merge_window_s
-                        await self.merge_once()
+                        await self.merge_window(stop)
                         next_merge = max(next_merge, time.monotonic())
                     wait = min(wait, max(0.0, next_merge - time.monotonic()))
                 else:
@@ -168,13 +168,30 @@ class ProjectionWorker:
         self.mode = mode
         m.projection_merge_mode_active.set(1 if mode.merge else 0)
 
+    async def merge_window(self, stop: asyncio.Event) -> int:
+        """One merge window's work: batches back to back while they come back full (a backlog of keys
+        whose requests waited out the window), for at most one window's time, so the merge keeps up with
+        any request rate instead of rebuilding `merge_batch` keys per window; returns the keys rebuilt."""
+        deadline = time.monotonic() + self.merge_window_s
+        total = 0
+        while not stop.is_set():
+            claimed, rebuilt = await self._merge_batch()
+            total += rebuilt
+            if claimed < self.merge_batch or time.monotonic() >= deadline:
+                return total
+        return total
+
     async def merge_once(self) -> int:
         """Claim up to `merge_batch` of the oldest keys and rebuild them in one transaction; returns
         how many keys were rebuilt."""
+        return (await self._merge_batch())[1]
+
+    async def _merge_batch(self) -> tuple[int, int]:
+        """(keys claimed, keys rebuilt) of one merged batch."""
         claims = await self.rebuilder.claim_oldest(self.merge_batch)
         if not claims:
-            return 0
-        return (await self.rebuilder.rebuild_merged(claims)).rebuilt
+            return 0, 0
+        return len(claims), (await self.rebuilder.rebuild_merged(claims)).rebuilt
 
     async def sweep_once(self) -> int:
         """Claim and rebuild the oldest unclaimed keys; returns how many were rebuilt."""

@@ -3,6 +3,7 @@ auto slow-down, events are acked without a rebuild and the queue is rebuilt in b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from datetime import date, timedelta
@@ -276,3 +277,24 @@ async def test_a_claim_taken_over_is_left_out_and_the_rest_of_the_batch_redone(p
     assert (queued["brand_id"], queued["claimed_by"]) == (taken_brand, "b")
     assert await b.rebuild(taken, "sweep") is True
     assert await fetch(pool, "SELECT 1 FROM monitoring_brand_daily") == []
+
+
+async def test_a_merge_window_drains_a_backlog_in_batches(pool, settings, topology, amqp) -> None:
+    """More keys than one batch: the window merges batch after batch until the queue is drained, so merge
+    mode keeps up with any request rate (each batch one transaction)."""
+    keys, results = await make_results(pool, topology.ingest_shards, seed=5)
+    await set_slowdown(pool, True, ["projection_lag"])
+    async with (running_ingest(pool, settings, topology),
+                running_projection(pool, settings, topology, sweep_interval_s=0.1, merge_window_s=3600,
+                                   merge_batch=3) as worker):
+        await ingest(pool, amqp, topology, results)
+        rows = await fetch(pool, "SELECT count(*) AS n FROM projection_rebuild_queue")
+        assert rows[0]["n"] == len(keys) > 2 * worker.merge_batch
+        before = rebuilds()["merge"]
+        assert await worker.merge_window(asyncio.Event()) == len(keys)
+        assert rebuilds()["merge"] - before == len(keys)
+        assert await fetch(pool, "SELECT 1 FROM projection_rebuild_queue") == []
+        stamps = await fetch(pool, "SELECT count(DISTINCT rebuilt_at) AS n FROM monitoring_brand_daily")
+        assert stamps[0]["n"] == -(-len(keys) // worker.merge_batch)  # one transaction per batch
+        for t, b, d in keys:
+            assert await stored(pool, t, b, d) == as_rows(await recomputed_from_facts(pool, t, b, d))
