@@ -18,6 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
+from tests.support.db import fetch
 from tests.support.procs import BIN
 from tests.support.reconcile_stack import FAST_ENV, SERVICES, configure
 from tests.support.stack import Stack, running_stack
@@ -25,12 +26,6 @@ from tests.support.wait import eventually
 
 CHAOS_SECONDS = 15.0
 TERMINAL = ("completed", "failed", "skipped", "expired")
-
-
-async def fetch(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> list[dict[str, Any]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(query, params)
-        return [dict(r) for r in await cur.fetchall()]
 
 
 class Fleet:

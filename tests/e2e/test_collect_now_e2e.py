@@ -23,6 +23,8 @@ from libs.dispatch_settings import set_setting
 from libs.domain.lanes import lane_weight
 from libs.mq.topology import DISPATCH
 from libs.outbox import enqueue
+from tests.support.db import fetch as rows
+from tests.support.db import one
 from tests.support.desktop import dispatch_execution, insert_ready_task
 from tests.support.stack import Stack, running_stack
 from tests.support.tcpproxy import TcpProxy
@@ -34,18 +36,6 @@ FAST = TIMING_PROFILES["fast"]
 HUB_ENV: dict[str, str | int] = {"HUB_HEARTBEAT_FLUSH_S": "0.3", "HUB_PING_INTERVAL_S": "1"}
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def rows(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> list[dict[str, Any]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(query, params)
-        return [dict(r) for r in await cur.fetchall()]
-
-
-async def one(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> dict[str, Any]:
-    found = await rows(pool, query, *params)
-    assert len(found) == 1, found
-    return found[0]
 
 
 async def seed_world(pool: AsyncConnectionPool[Conn], *, clients: int = 2, tenants: int = 1,

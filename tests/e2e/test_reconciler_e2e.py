@@ -11,24 +11,13 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
 from libs.db.pool import Conn
+from tests.support.db import fetch, one
 from tests.support.reconcile_factory import World, insert_task, make_world
 from tests.support.reconcile_stack import FAST_ENV, SERVICES, configure
 from tests.support.stack import Stack, running_stack
 from tests.support.wait import eventually
 from tools.desktop_sim.client import SimClient, SimOptions
 from tools.desktop_sim.timings import TIMING_PROFILES
-
-
-async def fetch(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> list[dict[str, Any]]:
-    async with pool.connection() as conn:
-        cur = await conn.execute(query, params)
-        return [dict(r) for r in await cur.fetchall()]
-
-
-async def one(pool: AsyncConnectionPool[Conn], query: str, *params: Any) -> dict[str, Any]:
-    rows = await fetch(pool, query, *params)
-    assert len(rows) == 1, rows
-    return rows[0]
 
 
 def client(stack: Stack, world: World, index: int, *, scale: float = 2.0, **kwargs: Any) -> SimClient:
