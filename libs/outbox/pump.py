@@ -179,7 +179,7 @@ class OutboxPump:
         self._publisher = publisher
         self._config = config
         self._listen_url = listen_url
-        # One wake-up event per claim loop, so a NOTIFY wakes every loop.
+        # One wake-up event per claim loop (see wake(): a NOTIFY wakes one idle regular loop).
         self._regular = max(1, config.concurrency)
         self._wakes = [asyncio.Event() for _ in range(self._regular + (1 if config.express else 0))]
         # Which regular loops are between a claim and the end of its batch's publishing.
