@@ -63,13 +63,6 @@ def sim(stack: Stack, token: str, *, scale: float = 1.0, hub: str | None = None,
                                 **options))
 
 
-def _true(value: bool) -> Any:
-    async def probe() -> bool:
-        return value
-
-    return probe()
-
-
 async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, pool: AsyncConnectionPool[Conn],
                                                         tmp_path: Path) -> None:
     seed = await seed_world(pool)
@@ -102,7 +95,7 @@ async def test_a_c_e2_collect_now_preempts_a_busy_client(settings: Settings, poo
             await eventually(a_running_with_queue, timeout=30, interval=0.05,
                              message=f"client A running a scheduled task with more queued\n{stack.logs()}")
             await other.start()
-            await eventually(lambda: _true(bool(other.stats.leased)), timeout=15, message="B working on its task")
+            await eventually(lambda: bool(other.stats.leased), timeout=15, message="B working on its task")
             running_id = busy.active_task_ids[0]
             running_before = await one(pool, "SELECT monitor_task_id FROM desktop_tasks WHERE id = %s",
                                        uuid.UUID(running_id))
@@ -232,7 +225,7 @@ async def test_d_disconnected_client_gets_the_event_on_reconnect(settings: Setti
         client = sim(stack, a_token, hub=f"http://127.0.0.1:{proxy.port}", reconnect_max_s=0.5)
         try:
             async with client:
-                await eventually(lambda: _true(client.stats.hellos == 1), timeout=10, message="connected")
+                await eventually(lambda: client.stats.hellos == 1, timeout=10, message="connected")
                 await proxy.cut()
 
                 async def offline() -> bool:

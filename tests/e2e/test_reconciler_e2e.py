@@ -30,7 +30,7 @@ def client(stack: Stack, world: World, index: int, *, scale: float = 2.0, **kwar
 
 async def started(sim: SimClient) -> SimClient:
     await sim.start()
-    await eventually(lambda: _true(sim.connected.is_set()), timeout=10, message="simulated client connected")
+    await eventually(lambda: sim.connected.is_set(), timeout=10, message="simulated client connected")
     return sim
 
 
@@ -50,7 +50,7 @@ async def test_killed_client_task_rerun_elsewhere_and_ingested_once(
         victim = await started(client(stack, world, 0, die_at_phase="WAITING"))
         rescuer = client(stack, world, 1)
         try:
-            await eventually(lambda: _true(victim.stats.died), timeout=15, message="victim crashed mid-task")
+            await eventually(lambda: victim.stats.died, timeout=15, message="victim crashed mid-task")
             assert len(victim.stats.leased) == 1 and not victim.stats.executed
             await started(rescuer)
 
@@ -90,7 +90,7 @@ async def test_client_ignoring_interrupts_loses_its_lease_and_high_task_complete
         stubborn = await started(client(stack, world, 0, scale=300, ignore_interrupts=True))
         helper: SimClient | None = None
         try:
-            await eventually(lambda: _true(bool(stubborn.stats.leased)), timeout=15, message="stubborn client leased")
+            await eventually(lambda: bool(stubborn.stats.leased), timeout=15, message="stubborn client leased")
             helper = await started(client(stack, world, 1))
             accepted = await stack.collect_now(
                 world.principal(), world.brand_id,
@@ -168,7 +168,3 @@ async def test_client_back_within_ttl_completes_the_request(
             await back.stop()
         runs = await fetch(pool, "SELECT status FROM question_monitor_runs WHERE tenant_id = %s", world.tenant_id)
         assert [r["status"] for r in runs] == ["succeeded"] * 2
-
-
-async def _true(value: bool) -> bool:
-    return value

@@ -54,7 +54,7 @@ async def test_same_result_delivered_three_times_gives_one_run(pool, settings, t
     dupes = m.ingest_results_duplicate_count.value()
     async with running_ingest(pool, settings, topology):
         await publish(amqp, topology, [result, result, result])
-        await eventually(lambda: _true(m.ingest_results_duplicate_count.value() - dupes >= 2),
+        await eventually(lambda: m.ingest_results_duplicate_count.value() - dupes >= 2,
                          message="two duplicates recognised")
     runs = await fetch(pool, "SELECT * FROM question_monitor_runs")
     assert len(runs) == 1
@@ -78,10 +78,6 @@ async def test_same_result_delivered_three_times_gives_one_run(pool, settings, t
     rebuilds = await fetch(pool, "SELECT 1 FROM outbox WHERE exchange = 'monitor.projection'")
     assert len(rebuilds) == 1
     assert await applied_count(pool) == 1
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_failed_after_succeeded_keeps_succeeded(pool, settings, topology, amqp, world) -> None:

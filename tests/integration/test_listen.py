@@ -21,22 +21,18 @@ async def test_listen_delivers_payloads_and_reconnects_after_its_connection_dies
         await asyncio.wait_for(listening.wait(), 10)
         async with pool.connection() as conn:
             await conn.execute("SELECT pg_notify('listen_test', 'p')")
-        await eventually(lambda: _true(received == [None, "p"]), message="the connect call and the payload")
+        await eventually(lambda: received == [None, "p"], message="the connect call and the payload")
 
         async with pool.connection() as conn:  # the LISTEN connection dies (a failover, an idle timeout)
             await conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                                "WHERE application_name = 'listen-under-test'")
         # Back, and the reconnect is reported (None) so the caller looks for what it missed.
-        await eventually(lambda: _true(received[-1] is None and len(received) == 3 and listening.is_set()),
+        await eventually(lambda: received[-1] is None and len(received) == 3 and listening.is_set(),
                          message="reconnected")
         async with pool.connection() as conn:
             await conn.execute("SELECT pg_notify('listen_test', '')")
-        await eventually(lambda: _true(received[-1] == ""), message="a notification after the reconnect")
+        await eventually(lambda: received[-1] == "", message="a notification after the reconnect")
     finally:
         stop.set()
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-
-
-async def _true(value: bool) -> bool:
-    return value

@@ -66,7 +66,7 @@ async def outbox_rows(pool: AsyncConnectionPool[Conn]) -> list[dict[str, object]
 
 async def test_committed_event_is_published_with_trace_context(pool, settings, topology, amqp) -> None:
     async with capture(amqp, topology.lifecycle_exchange) as cap, running_pump(pool, settings, topology) as pump:
-        await eventually(lambda: _true(pump.listening.is_set()), message="pump listening")
+        await eventually(lambda: pump.listening.is_set(), message="pump listening")
         async with pool.connection() as conn, conn.transaction():
             tenant_id = await make_tenant(conn)
             await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=lifecycle(tenant_id),
@@ -213,7 +213,7 @@ async def test_two_pumps_publish_5000_events_once_each_in_key_order(pool, settin
                                   message=lifecycle(tenant_id, sequence), ordering_key=key)
                     sequence += 1
                 await conn.execute("SELECT pg_notify('outbox_pending', '')")
-        await eventually(lambda: _true(len(cap.messages) >= 5000), timeout=60, message="5000 deliveries")
+        await eventually(lambda: len(cap.messages) >= 5000, timeout=60, message="5000 deliveries")
         await eventually(lambda: _status_count(pool, "published", 5000), timeout=10, message="all marked")
     seqs = [int(msgspec.json.decode(b, type=LifecycleEvent).reason.split(":")[1]) for b in cap.bodies]  # type: ignore[union-attr]
     assert len(seqs) == 5000
@@ -259,7 +259,7 @@ async def test_published_at_is_the_broker_confirm_time_of_each_event(pool, setti
     try:
         async with capture(amqp, topology.lifecycle_exchange) as cap:
             assert await pump.run_once() == 2
-            await eventually(lambda: _true(len(cap.messages) == 2), message="both delivered")
+            await eventually(lambda: len(cap.messages) == 2, message="both delivered")
     finally:
         await inner.close()
     rows = {int(r["id"]): r for r in await outbox_rows(pool)}  # type: ignore[call-overload]
@@ -281,10 +281,6 @@ async def monitorctl(env: dict[str, str], *args: str) -> str:
     out, err = await proc.communicate()
     assert proc.returncode == 0, err.decode()
     return out.decode()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def _status_is(pool: AsyncConnectionPool[Conn], status: str) -> bool:

@@ -80,7 +80,7 @@ async def _run_loop(fake: _FakeDispatcher) -> tuple[Coordinator, asyncio.Task[No
     coordinator._guarded_settings = settings  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(coordinator._dispatch_loop(stop))
-    await eventually(lambda: _true(fake.full_passes == 1), message="the first full pass")
+    await eventually(lambda: fake.full_passes == 1, message="the first full pass")
     return coordinator, task, stop
 
 
@@ -89,10 +89,10 @@ async def test_a_click_whose_high_work_all_went_runs_no_full_pass_until_somethin
     coordinator, task, stop = await _run_loop(fake)
     for n in range(1, 4):
         coordinator.wake_high()
-        await eventually(lambda n=n: _true(fake.high_passes == n), message=f"high pass {n}")  # type: ignore[misc]
+        await eventually(lambda n=n: fake.high_passes == n, message=f"high pass {n}")  # type: ignore[misc]
     assert fake.full_passes == 1
     coordinator.wake()  # a completion
-    await eventually(lambda: _true(fake.full_passes == 2), message="the full pass after a completion")
+    await eventually(lambda: fake.full_passes == 2, message="the full pass after a completion")
     stop.set()
     coordinator.wake()
     await asyncio.wait_for(task, 5)
@@ -102,11 +102,7 @@ async def test_a_high_pass_that_leaves_work_behind_is_followed_by_a_full_pass() 
     fake = _FakeDispatcher(high_considered=3, high_dispatched=1)
     coordinator, task, stop = await _run_loop(fake)
     coordinator.wake_high()
-    await eventually(lambda: _true(fake.high_passes == 1 and fake.full_passes == 2), message="high then full pass")
+    await eventually(lambda: fake.high_passes == 1 and fake.full_passes == 2, message="high then full pass")
     stop.set()
     coordinator.wake()
     await asyncio.wait_for(task, 5)
-
-
-async def _true(value: bool) -> bool:
-    return value
