@@ -1,6 +1,15 @@
 """SQL of the projection worker: claim coalesced requests, recompute one key (or, in merge mode, a batch of
 keys) from raw facts, release."""
 
+# Both claims: the keys locked in CTE `c` become this worker's for a lease, one more attempt counted.
+_CLAIM_KEYS_OF_C = """
+UPDATE projection_rebuild_queue q
+SET claimed_by = %(me)s, claim_expires_at = now() + make_interval(secs => %(lease_s)s), attempts = q.attempts + 1
+FROM c
+WHERE (q.tenant_id, q.brand_id, q.business_date) = (c.tenant_id, c.brand_id, c.business_date)
+RETURNING q.tenant_id, q.brand_id, q.business_date, q.request_count, q.last_requested_at, q.requested_at
+"""
+
 # Claim one key (event path). A row locked by a writer right now is skipped: it is being
 # re-requested, and the sweep (or its own event) picks it up.
 CLAIM_KEY = """
@@ -9,13 +18,7 @@ WITH c AS (
     WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
       AND (claimed_by IS NULL OR claim_expires_at < now()) AND attempts < %(max_attempts)s
     FOR UPDATE SKIP LOCKED
-)
-UPDATE projection_rebuild_queue q
-SET claimed_by = %(me)s, claim_expires_at = now() + make_interval(secs => %(lease_s)s), attempts = q.attempts + 1
-FROM c
-WHERE (q.tenant_id, q.brand_id, q.business_date) = (c.tenant_id, c.brand_id, c.business_date)
-RETURNING q.tenant_id, q.brand_id, q.business_date, q.request_count, q.last_requested_at, q.requested_at
-"""
+)""" + _CLAIM_KEYS_OF_C
 
 # Claim the oldest unclaimed (or abandoned) keys: requests whose event was lost, re-requested keys.
 CLAIM_OLDEST = """
@@ -25,13 +28,7 @@ WITH c AS (
     ORDER BY requested_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
-)
-UPDATE projection_rebuild_queue q
-SET claimed_by = %(me)s, claim_expires_at = now() + make_interval(secs => %(lease_s)s), attempts = q.attempts + 1
-FROM c
-WHERE (q.tenant_id, q.brand_id, q.business_date) = (c.tenant_id, c.brand_id, c.business_date)
-RETURNING q.tenant_id, q.brand_id, q.business_date, q.request_count, q.last_requested_at, q.requested_at
-"""
+)""" + _CLAIM_KEYS_OF_C
 
 # Recompute both projections of one key from the raw facts in one statement (one snapshot) and
 # overwrite them in place. Column definitions: libs/ingest/aggregates.py.
