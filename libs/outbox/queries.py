@@ -58,6 +58,44 @@ RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload
           o.priority
 """
 
+# A writer claims its own rows (`event_ids`, written earlier in the same transaction; see relay.claim_own) to
+# publish them itself after its commit. Same per-key rule as CLAIM, with the writer's batch as the batch: a
+# row is claimed only when no earlier unfinished row of its key exists outside that batch (its own earlier
+# rows of the key are claimed with it and published before it). The writer holds its keys' advisory locks
+# (enqueue_many), so every earlier row of those keys is committed and visible here. No claim lock: the rows
+# are invisible to every pump until this transaction commits, and then they are running.
+CLAIM_OWN = """
+WITH own AS (SELECT unnest(%(event_ids)s::uuid[]) AS event_id),
+candidates AS (
+    SELECT o.id
+    FROM outbox o JOIN own USING (event_id)
+    WHERE o.status = 'queued'
+      AND (o.ordering_key IS NULL OR NOT EXISTS (
+            SELECT 1 FROM outbox p
+            WHERE p.ordering_key = o.ordering_key
+              AND p.id < o.id
+              AND p.status IN ('queued', 'running', 'retryable')
+              AND p.event_id <> ALL(%(event_ids)s::uuid[])))
+    FOR UPDATE
+)
+UPDATE outbox o
+SET status = 'running',
+    attempts = o.attempts + 1,
+    claimed_by = %(claimed_by)s,
+    claim_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+FROM candidates c
+WHERE o.id = c.id
+RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload, o.headers,
+          o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at,
+          o.priority
+"""
+
+# After CLAIM_OWN: the rows it left queued need a pump, woken at commit.
+NOTIFY_IF_UNCLAIMED = """
+SELECT pg_notify(%(channel)s, %(payload)s) FROM (SELECT 1 FROM outbox
+    WHERE event_id = ANY(%(event_ids)s::uuid[]) AND status = 'queued' LIMIT 1) left_queued
+"""
+
 # The pump's own transactions (claim, mark) do not wait for the WAL flush. Losing one in a database crash
 # only repeats work, never loses an event: a lost claim puts the row back to queued, a lost mark leaves it
 # running until its lease expires; either way it is published again (at least once, as the rulebook

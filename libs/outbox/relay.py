@@ -1,0 +1,286 @@
+"""Publishing claimed outbox rows: the publisher, and the relay that publishes a claimed batch and records
+each outcome (published, retryable, dead letter, released) under the claimer's name.
+
+The pump (libs/outbox/pump.py) claims rows and hands them to its relay. A writer whose events are on a
+latency-critical path (the dispatch coordinator's high TaskAvailable) may also claim its own rows in the
+writing transaction (`claim_own`) and relay them right after its commit, saving the NOTIFY -> pump -> claim
+hop. Same state machine and rules as the pump (seed 003): the claim is an atomic UPDATE with a lease, it
+counts the attempt, per-key order holds (a row is claimed only when no earlier unfinished row of its key
+exists outside the claimer's own batch), and a claimer that dies after its commit leaves running rows whose
+lease expires, which any pump then reclaims and publishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol
+
+import aio_pika
+import msgspec
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
+from pamqp.commands import Basic
+from psycopg import AsyncCursor
+from psycopg_pool import AsyncConnectionPool
+
+from libs.contracts.amqp import MESSAGE_TYPES
+from libs.db.pool import Conn
+from libs.mq.connection import connect as mq_connect
+from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
+from libs.outbox import queries as q
+from libs.outbox.state import FailureKind, after_failure
+from libs.outbox.writer import NOTIFY_CHANNEL, PRIORITY_WAKE
+from libs.telemetry import metrics
+
+log = logging.getLogger("outbox.relay")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedEvent:
+    id: int
+    event_id: Any
+    exchange: str
+    routing_key: str
+    message_type: str
+    payload: bytes
+    headers: dict[str, Any]
+    ordering_key: str | None
+    tenant_id: int | None
+    traceparent: str | None
+    attempts: int
+    max_attempts: int
+    created_at: datetime
+    priority: int = 0
+
+
+class PublishError(Exception):
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Publisher(Protocol):
+    def ready(self) -> bool: ...
+
+    async def wait_ready(self, timeout: float) -> bool: ...
+
+    async def publish(self, event: ClaimedEvent) -> None: ...
+
+
+def validate_payload(event: ClaimedEvent) -> None:
+    """Only events whose payload matches their contract leave the outbox (payload allow-list)."""
+    if event.exchange not in LOGICAL_EXCHANGES:
+        raise PublishError("permanent", f"unknown exchange {event.exchange!r}")
+    contract = MESSAGE_TYPES.get(event.message_type)
+    if contract is None:
+        raise PublishError("permanent", f"unknown message_type {event.message_type!r}")
+    try:
+        msgspec.json.decode(event.payload, type=contract)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise PublishError("permanent", f"payload does not match {event.message_type}: {exc}") from exc
+
+
+class AmqpPublisher:
+    """Publishes with publisher confirms on one robust channel."""
+
+    def __init__(self, amqp_url: str, topology: Topology, *, timeout: float, name: str) -> None:
+        self._url = amqp_url
+        self._topology = topology
+        self._timeout = timeout
+        self._name = name
+        self._connection: AbstractRobustConnection | None = None
+        self._channel: AbstractChannel | None = None
+        self._exchanges: dict[str, AbstractExchange] = {}
+        self._channel_lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        self._connection = await mq_connect(self._url, name=self._name)
+        await self._open_channel()
+
+    async def _open_channel(self) -> None:
+        assert self._connection is not None
+        self._channel = await self._connection.channel(publisher_confirms=True)
+        self._exchanges = await declare_exchanges(self._channel, self._topology)
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+    def ready(self) -> bool:
+        return (self._connection is not None and self._connection.connected.is_set()
+                and self._channel is not None and not self._channel.is_closed)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        if self._connection is None:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connection.connected.wait(), timeout)
+        if self._connection.connected.is_set() and (self._channel is None or self._channel.is_closed):
+            async with self._channel_lock:
+                if self._channel is None or self._channel.is_closed:
+                    with contextlib.suppress(Exception):
+                        await self._open_channel()
+        return self.ready()
+
+    async def publish(self, event: ClaimedEvent) -> None:
+        validate_payload(event)
+        exchange = self._exchanges.get(event.exchange)
+        if exchange is None or not self.ready():
+            raise PublishError("transient", "broker connection is not ready")
+        headers: dict[str, Any] = {k: v for k, v in event.headers.items() if isinstance(v, str | int | bool)}
+        if event.traceparent:
+            headers["traceparent"] = event.traceparent
+        headers["x-outbox-id"] = event.id
+        # The AMQP properties are built directly (not through aio_pika.Message): the pump is CPU-bound in
+        # Python at a few thousand events/s, and this is its per-event hot path.
+        properties = Basic.Properties(
+            content_type="application/json",
+            delivery_mode=2,  # persistent
+            message_id=str(event.event_id),
+            message_type=event.message_type,
+            timestamp=event.created_at,
+            headers=headers,
+        )
+        try:
+            assert self._channel is not None
+            underlay = await self._channel.get_underlay_channel()
+            # mandatory=False: a dispatch event for an offline client is unroutable by design (the hub
+            # replays from the database on reconnect), not an error.
+            await underlay.basic_publish(event.payload, exchange=exchange.name, routing_key=event.routing_key,
+                                         properties=properties, mandatory=False, timeout=self._timeout)
+        except aio_pika.exceptions.DeliveryError as exc:
+            raise PublishError("transient", f"broker refused the message: {exc}") from exc
+        except TimeoutError as exc:
+            raise PublishError("transient", "no publisher confirm before the timeout") from exc
+        except Exception as exc:  # connection and channel failures of any kind: retry later
+            raise PublishError("transient", f"{type(exc).__name__}: {exc}") from exc
+
+
+Outcome = Literal["published", "failed", "unattempted"]
+
+
+class OutboxRelay:
+    """Publishes a claimed batch (per ordering key in id order, keys in parallel) and records every outcome in
+    one transaction, under `claimed_by` (the claimer's name: only rows it still holds are marked)."""
+
+    def __init__(self, pool: AsyncConnectionPool[Conn], publisher: Publisher, *, claimed_by: str,
+                 backoff_base_ms: int = 500, backoff_max_ms: int = 300_000) -> None:
+        self._pool = pool
+        self._publisher = publisher
+        self.claimed_by = claimed_by
+        self._backoff_base_ms = backoff_base_ms
+        self._backoff_max_ms = backoff_max_ms
+        self.published_total = 0
+
+    def ready(self) -> bool:
+        """Can it publish now? (A claimer whose broker is away should leave rows to the pumps.)"""
+        return self._publisher.ready()
+
+    async def _publish_chain(self, chain: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]]) -> None:
+        """Events of one ordering key, one after another; stop the chain at the first failure.
+
+        A published event's outcome carries the time of its broker confirm: that is its `published_at`."""
+        for index, event in enumerate(chain):
+            try:
+                await self._publisher.publish(event)
+            except PublishError as exc:
+                outcomes[event.id] = ("failed", exc)
+                for rest in chain[index + 1:]:
+                    outcomes[rest.id] = ("unattempted", None)
+                return
+            outcomes[event.id] = ("published", datetime.now(UTC))
+
+    async def process(self, batch: list[ClaimedEvent]) -> int:
+        """Publish `batch` and record the outcomes; how many were published."""
+        chains: dict[str, list[ClaimedEvent]] = defaultdict(list)
+        singles: list[list[ClaimedEvent]] = []
+        # Prioritised events first (their chains start publishing first); per key, id order (= commit order).
+        for event in sorted(batch, key=lambda e: (-e.priority, e.id)):
+            if event.ordering_key is None:
+                singles.append([event])
+            else:
+                chains[event.ordering_key].append(event)
+        outcomes: dict[int, tuple[Outcome, Any]] = {}
+        try:
+            await asyncio.gather(*(self._publish_chain(c, outcomes) for c in [*chains.values(), *singles]))
+        finally:
+            await asyncio.shield(self._record(batch, outcomes, keys=list(chains)))
+        return sum(1 for o, _ in outcomes.values() if o == "published")
+
+    async def _record(self, batch: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]],
+                      *, keys: list[str]) -> None:
+        """Write the batch's outcomes in one pipelined transaction. `keys`: the batch's ordering keys; when
+        later events of those keys are waiting (claimable only now), NOTIFY wakes the pumps for them."""
+        by_id = {e.id: e for e in batch}
+        published = {i: at for i, (o, at) in outcomes.items() if o == "published"}
+        unattempted = [e.id for e in batch if outcomes.get(e.id, ("unattempted", None))[0] == "unattempted"]
+        async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
+            await conn.execute(q.ASYNC_COMMIT)
+            if keys:
+                await conn.execute(q.NOTIFY_IF_SUCCESSORS, {"channel": NOTIFY_CHANNEL, "keys": keys})
+            if published:
+                await conn.execute(q.MARK_PUBLISHED, {"ids": list(published), "published_at": list(published.values()),
+                                                      "claimed_by": self.claimed_by})
+            if unattempted:
+                await conn.execute(q.RELEASE_UNATTEMPTED, {"ids": unattempted, "claimed_by": self.claimed_by})
+            for event_id, (outcome, exc) in outcomes.items():
+                if outcome != "failed":
+                    continue
+                event = by_id[event_id]
+                decision = after_failure(
+                    attempts=event.attempts, max_attempts=event.max_attempts, kind=exc.kind, error=str(exc),
+                    base_ms=self._backoff_base_ms, max_ms=self._backoff_max_ms)
+                metrics.outbox_publish_failed_count.inc(exchange=event.exchange)
+                if decision.status == "dead_letter":
+                    metrics.outbox_dead_letter_count.inc()
+                    await conn.execute(q.MARK_DEAD_LETTER, {"id": event.id, "error": decision.reason,
+                                                            "claimed_by": self.claimed_by})
+                    log.error("outbox event dead-lettered", extra={
+                        "outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
+                        "attempts": event.attempts, "reason": decision.reason[:300]})
+                else:
+                    await conn.execute(q.MARK_RETRYABLE, {"id": event.id, "error": decision.reason,
+                                                          "delay_s": decision.delay_ms / 1000,
+                                                          "claimed_by": self.claimed_by})
+                    log.warning("outbox publish failed, will retry", extra={
+                        "outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
+                        "attempts": event.attempts, "retry_in_ms": decision.delay_ms,
+                        "error": decision.reason[:300]})
+        for event_id, confirmed_at in published.items():
+            event = by_id[event_id]
+            metrics.outbox_published_count.inc(exchange=event.exchange)
+            metrics.outbox_commit_to_publish_ms.observe((confirmed_at - event.created_at).total_seconds() * 1000)
+        self.published_total += len(published)
+
+
+@dataclass(frozen=True, slots=True)
+class OwnClaim:
+    """A writer's claim on its own just-written rows, read once the writing transaction committed."""
+
+    cursor: AsyncCursor[dict[str, Any]]
+
+    async def events(self) -> list[ClaimedEvent]:
+        return [ClaimedEvent(**row) for row in await self.cursor.fetchall()]
+
+
+async def claim_own(conn: Conn, event_ids: Sequence[uuid.UUID], *, claimed_by: str, lease_seconds: float,
+                    notify_rest: bool = True) -> OwnClaim:
+    """Inside the transaction that wrote `event_ids` (after `enqueue_many`, before COMMIT): claim those rows for
+    the writer itself to relay after its commit. A row stays queued for the pumps when an earlier unfinished row
+    of its ordering key exists outside this batch; `notify_rest` then wakes the pumps for it at commit (the
+    payload wakes their priority loop). Queues its statements only: in a pipeline this costs no round trip, and
+    the rows are read from the returned claim after the commit."""
+    if not conn.info.transaction_status:
+        raise RuntimeError("outbox.claim_own must run inside the writing transaction")
+    params = {"event_ids": list(event_ids), "claimed_by": claimed_by, "lease_seconds": lease_seconds}
+    cursor = await conn.execute(q.CLAIM_OWN, params)
+    if notify_rest:
+        await conn.execute(q.NOTIFY_IF_UNCLAIMED, {"event_ids": list(event_ids), "channel": NOTIFY_CHANNEL,
+                                                   "payload": PRIORITY_WAKE})
+    return OwnClaim(cursor)
