@@ -74,6 +74,12 @@ class Settings:
     outbox_publish_timeout_seconds: float = 10.0
     outbox_retention_hours: int = 24
     outbox_concurrency: int = 2
+    # dispatch-coordinator: it publishes its own high TaskAvailable rows right after its commit (claimed in
+    # the writing transaction; libs/outbox/relay.py), instead of waiting for a pump's NOTIFY wake-up and
+    # claim. The lease is how long a crashed coordinator's claimed rows wait before a pump reclaims them;
+    # a relay publish waits half of it for the broker's confirm.
+    coordinator_relay: bool = True
+    coordinator_relay_lease_seconds: float = 5.0
     # dispatch-hub / desktop
     lease_ttl_seconds: int = 120
     heartbeat_timeout_seconds: int = 30

@@ -27,6 +27,7 @@ from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, as_dict, load_settings
 from libs.mq.connection import dead_letter
 from libs.mq.topology import Topology, declare_lifecycle
+from libs.outbox.relay import OutboxRelay
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.dispatch_coordinator.dispatcher import Dispatcher, is_transient
@@ -56,16 +57,18 @@ class CoordinatorConfig:
     topology: Topology
     instance_id: str
     listen: bool = True
+    # How long this process's claims on its own high events last (see Dispatcher: the relay).
+    relay_lease_seconds: float = 5.0
 
 
 class Coordinator:
     def __init__(self, pool: AsyncConnectionPool[Conn], config: CoordinatorConfig,
-                 amqp: AbstractRobustConnection | None = None) -> None:
+                 amqp: AbstractRobustConnection | None = None, relay: OutboxRelay | None = None) -> None:
         self._pool = pool
         self.pool = pool
         self._config = config
         self._amqp = amqp
-        self.dispatcher = Dispatcher(pool)
+        self.dispatcher = Dispatcher(pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds)
         # A collect-now asked for dispatch: the next pass starts with a high-only pass.
         self._high_wake = asyncio.Event()
         self.dispatcher.high_waiting = self._high_wake.is_set
@@ -88,6 +91,7 @@ class Coordinator:
         """Collect-now work is ready: run a high-only pass now (and a full pass if it leaves work behind)."""
         self._high_wake.set()
         self._wake.set()
+
 
     async def settings(self) -> DispatchSettings:
         """Hot-reloaded `dispatch_settings`, at most `SETTINGS_MAX_AGE_S` old."""
@@ -124,6 +128,7 @@ class Coordinator:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, stop_waiter, return_exceptions=True)
+            await self.dispatcher.drain_relays(timeout=self._config.relay_lease_seconds / 2)
             self.listening.clear()
             self.consuming.clear()
 

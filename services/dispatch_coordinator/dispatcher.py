@@ -9,6 +9,7 @@ advisory lock, so the budgets read are exactly the budgets spent, even across a 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -44,6 +45,7 @@ from libs.domain.lanes import lane_weight
 from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
+from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 from libs.telemetry import metrics
 from services.dispatch_coordinator import queries as q
@@ -173,8 +175,15 @@ def _candidate(r: dict[str, Any]) -> Candidate:
 class Dispatcher:
     """Stateful across passes only for fairness rotation, the pending-pair cache and write statistics."""
 
-    def __init__(self, pool: AsyncConnectionPool[Conn]) -> None:
+    def __init__(self, pool: AsyncConnectionPool[Conn], *, relay: OutboxRelay | None = None,
+                 relay_lease_seconds: float = 5.0) -> None:
         self._pool = pool
+        # High TaskAvailable events are claimed in the writing transaction and published by this process
+        # right after the commit (libs/outbox/relay.py); without a relay (or with its broker away) the pumps
+        # publish them, woken by the commit's NOTIFY.
+        self._relay = relay
+        self._relay_lease_seconds = relay_lease_seconds
+        self._relaying: set[asyncio.Task[int]] = set()
         self.last_served: dict[str, int] = {}
         self.pairs: set[tuple[int, int]] = set()
         self._pairs_at = 0.0
@@ -316,6 +325,7 @@ class Dispatcher:
                         if rows:
                             written = await self._queue_writes(conn, rows, stamp["ts"])
                 if written is not None:
+                    self._relay_committed(written)
                     await self._after_write(written)
                     outcome.dispatched = outcome.high_dispatched = len(written.rows)
             except CONFLICT_ERRORS as exc:
@@ -345,6 +355,7 @@ class Dispatcher:
             if time.monotonic() - self._pairs_at > PAIRS_MAX_AGE_S:
                 await self._refresh_pairs(conn)
             write_started = 0.0
+            written: _Written | None = None
             try:
                 async with conn.transaction():
                     await conn.execute(q.PASS_LOCK)
@@ -368,9 +379,12 @@ class Dispatcher:
                         if window_start(float(stamp["now"]), snap.window_seconds) != snap.window_start:
                             raise WindowRolledOver
                         write_started = time.perf_counter()
-                        rows = await self._write(conn, plan, stamp["ts"])
-                        outcome.dispatched = len(rows)
-                        outcome.high_dispatched = sum(1 for r in rows if r["lane"] == "high")
+                        written = await self._write(conn, plan, stamp["ts"])
+                if written is not None:
+                    self._relay_committed(written)
+                    await self._after_write(written)
+                    outcome.dispatched = len(written.rows)
+                    outcome.high_dispatched = sum(1 for r in written.rows if r["lane"] == "high")
             except Preempted:
                 outcome.preempted = True
                 return outcome
@@ -426,15 +440,14 @@ class Dispatcher:
             elif snap.ledger.platform_room(tenant_id, platform_id) <= 0:
                 plan.rejections["platform_concurrency"] += 1
 
-    async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> list[dict[str, Any]]:
-        """Claim re-check, then the writes in one round trip (inside the caller's transaction)."""
+    async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> _Written | None:
+        """Claim re-check, then the writes in one round trip (inside the caller's transaction, which calls
+        `_relay_committed` and `_after_write` once it committed)."""
         rows = await self._claim(conn, plan)
         if not rows:
-            return rows
+            return None
         async with conn.pipeline():
-            written = await self._queue_writes(conn, rows, ts)
-        await self._after_write(written)
-        return rows
+            return await self._queue_writes(conn, rows, ts)
 
     async def _claim(self, conn: Conn, plan: PassResult) -> list[dict[str, Any]]:
         """Lock the clients, claim the decided tasks and re-check each (one round trip); the rows to write."""
@@ -489,12 +502,41 @@ class Dispatcher:
             "platform_ids": [r["ai_platform_id"] for r in rows], "dates": [r["business_date"] for r in rows],
             "request_ids": [r["collect_request_id"] for r in rows], "ts": ts,
         })
-        await enqueue_many(conn, events, notify=any(r["lane"] == "high" for r in rows))
+        high = any(r["lane"] == "high" for r in rows)
+        relay = self._relay if high and self._relay is not None and self._relay.ready() else None
+        event_ids = await enqueue_many(conn, events, notify=high and relay is None)
+        own = None
+        if relay is not None:  # claim the high events for this process (the rest, if any, wake the pumps)
+            own = await claim_own(conn, [i for i, e in zip(event_ids, events, strict=True) if e.priority > 0],
+                                  claimed_by=relay.claimed_by, lease_seconds=self._relay_lease_seconds)
         cur = None
         if requests:
             cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests),
                                                              "counts": list(requests.values())})
-        return _Written(rows, cur)
+        return _Written(rows, cur, own)
+
+    def _relay_committed(self, written: _Written) -> None:
+        """After the commit: publish the events this pass claimed for itself, in the background (the pass
+        does not wait for the broker). A failed publish goes back to the pumps (retryable, with backoff)."""
+        if written.own is None or self._relay is None:
+            return
+        task = asyncio.create_task(self._relay_own(self._relay, written.own), name="dispatch-relay")
+        self._relaying.add(task)
+        task.add_done_callback(self._relaying.discard)
+
+    async def _relay_own(self, relay: OutboxRelay, own: OwnClaim) -> int:
+        try:
+            batch = await own.events()
+            return await relay.process(batch) if batch else 0
+        except Exception as exc:  # the claim's lease expires and a pump publishes the rows
+            log.warning("relaying dispatch events failed; the pumps take them over when the claim expires",
+                        extra={"error": str(exc)[:300]})
+            return 0
+
+    async def drain_relays(self, timeout: float) -> None:
+        """Let in-flight relays finish (shutdown): what is not published by then is left to the pumps."""
+        if self._relaying:
+            await asyncio.wait(set(self._relaying), timeout=timeout)
 
     async def _after_write(self, written: _Written) -> None:
         """Once the queued writes went out: first-dispatch latencies, metrics, logs."""
@@ -516,6 +558,7 @@ class Dispatcher:
 class _Written:
     rows: list[dict[str, Any]]
     requests: AsyncCursor[dict[str, Any]] | None
+    own: OwnClaim | None = None
 
 
 def execution_source(lane: str, trigger_source: str, collect_request_id: uuid.UUID | None) -> str:

@@ -13,6 +13,7 @@ from libs.http import ApiError, add_readiness_check, json_response, make_app
 from libs.leader import LeaderLock
 from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import Topology
+from libs.outbox.relay import AmqpPublisher, OutboxRelay
 from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
 from services.dispatch_coordinator import admin
 from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
@@ -54,8 +55,20 @@ def build(settings: Settings) -> web.Application:
         amqp: AbstractRobustConnection = await mq_connect(settings.amqp_url,
                                                           name=f"dispatch-coordinator-{settings.instance_id}")
         topology = Topology(settings.mq_prefix, settings.ingest_shards)
-        app[COORDINATOR] = Coordinator(pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
-                                                               instance_id=settings.instance_id), amqp)
+        publisher: AmqpPublisher | None = None
+        relay = None
+        if settings.coordinator_relay:
+            # Publishes this process's own high TaskAvailable events right after the pass commits.
+            publisher = AmqpPublisher(settings.amqp_url, topology, timeout=settings.coordinator_relay_lease_seconds / 2,
+                                      name=f"dispatch-coordinator-relay-{settings.instance_id}")
+            await publisher.start()
+            relay = OutboxRelay(pool, publisher, claimed_by=f"dispatch-coordinator:{settings.instance_id}",
+                                backoff_base_ms=settings.outbox_backoff_base_ms,
+                                backoff_max_ms=settings.outbox_backoff_max_ms)
+        app[COORDINATOR] = Coordinator(
+            pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
+                                    instance_id=settings.instance_id,
+                                    relay_lease_seconds=settings.coordinator_relay_lease_seconds), amqp, relay)
         app[LEADER] = LeaderLock(settings.database_url, ROLE)
         add_pool_check(app, pool)
 
@@ -65,6 +78,8 @@ def build(settings: Settings) -> web.Application:
 
         add_readiness_check(app, "rabbitmq", broker)
         yield
+        if publisher is not None:
+            await publisher.close()
         await amqp.close()
         await pool.close()
 

@@ -166,3 +166,52 @@ async def test_high_pass_skips_a_task_being_promoted_and_waits_for_a_client_bein
                              "FROM desktop_tasks d JOIN desktop_clients c ON c.id = d.target_client_id "
                              "WHERE d.monitor_task_id = %(id)s", {"id": picked[0]["id"]})
     assert len(rows) == 1 and rows[0]["sent"] == rows[0]["now"]
+
+
+async def test_high_pass_publishes_its_own_task_available_and_leaves_it_to_the_pumps_when_its_broker_is_away(
+        pool: AsyncConnectionPool[Conn], settings, topology, amqp, database_url: str) -> None:
+    """With a relay the pass claims its high TaskAvailable in the writing transaction and publishes it right
+    after the commit (no pump involved, no NOTIFY); with the relay's broker away it writes them for the pumps
+    and wakes them."""
+    import msgspec
+
+    from libs.contracts.wire import TaskAvailable
+    from libs.db.pool import connect
+    from libs.outbox import NOTIFY_CHANNEL
+    from libs.outbox.relay import AmqpPublisher, OutboxRelay
+    from tests.support.capture import capture
+
+    seeded = await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
+    tenant = seeded.tenants[0]
+    client = tenant.clients[0]
+    picked = await _rows(pool, "SELECT id FROM monitoring_collect_tasks WHERE status = 'pending' ORDER BY id LIMIT 2")
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 10")
+        await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client, task_ids=[picked[0]["id"]])
+    publisher = AmqpPublisher(settings.amqp_url, topology, timeout=5, name="relay-under-test")
+    await publisher.start()
+    listener = await connect(database_url, name="relay-notify-test")
+    try:
+        await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        dispatcher = Dispatcher(pool, relay=OutboxRelay(pool, publisher, claimed_by="coordinator-relay"))
+        async with capture(amqp, topology.dispatch_exchange, f"monitor.high.{client}") as cap:
+            assert (await dispatcher.run_high_pass(await _settings(pool))).high_dispatched == 1
+            await eventually(lambda: cap.messages, message="the high TaskAvailable on the broker")
+            event = msgspec.json.decode(cap.messages[0].body, type=TaskAvailable)
+            assert (event.monitor_task_id, event.lane, event.target_client_id) == (picked[0]["id"], "high", client)
+        outbox = await _rows(pool, "SELECT status, claimed_by, attempts FROM outbox")
+        assert [(r["status"], r["claimed_by"], r["attempts"]) for r in outbox] == [
+            ("published", "coordinator-relay", 1)]
+        assert [n async for n in listener.notifies(timeout=0.3)] == []  # no pump was woken
+
+        await publisher.close()  # the relay's broker goes away: the next pass leaves its event to the pumps
+        async with pool.connection() as conn:
+            await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client, task_ids=[picked[1]["id"]])
+        assert (await dispatcher.run_high_pass(await _settings(pool))).high_dispatched == 1
+        outbox = await _rows(pool, "SELECT status, claimed_by FROM outbox ORDER BY id")
+        assert [(r["status"], r["claimed_by"]) for r in outbox] == [
+            ("published", "coordinator-relay"), ("queued", None)]
+        assert [n.channel async for n in listener.notifies(timeout=1, stop_after=1)] == [NOTIFY_CHANNEL]
+    finally:
+        await publisher.close()
+        await listener.close()
