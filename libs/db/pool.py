@@ -14,11 +14,16 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 
 Conn = AsyncConnection[DictRow]
+PREPARE_THRESHOLD = 0
 
 
 async def _configure(conn: Conn) -> None:
     # Autocommit outside explicit transactions: every write goes through `conn.transaction()`.
     await conn.set_autocommit(True)
+    # Server-side prepared statements from the first execution (psycopg's default waits for the fifth on the
+    # same connection, so with a pool of several connections a query run a few times a second is parsed
+    # and planned anew nearly every time).
+    conn.prepare_threshold = PREPARE_THRESHOLD
 
 
 def make_pool(settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None) -> (
