@@ -6,12 +6,18 @@ and friends take effect within seconds without a restart.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import msgspec
+from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
+
+log = logging.getLogger("dispatch_settings")
 
 LANES = ("high", "normal", "normal_boosted", "retry")
 
@@ -132,3 +138,52 @@ async def set_setting(conn: Conn, key: str, value: Any) -> Any:
 
 def as_dict(settings: DispatchSettings) -> dict[str, Any]:
     return asdict(settings)
+
+
+class SettingsCache:
+    """`dispatch_settings` re-read at most every `max_age_s`, for hot paths (a collect-now request, a dispatch
+    pass, a lease). Once a value is loaded, a stale one is served while a single re-read runs in the background,
+    so no request waits for it; a change is in effect within about `max_age_s`. With a pool the re-read uses its
+    own connection; without one (or for the very first read) it runs inline on the caller's `conn`."""
+
+    def __init__(self, pool: AsyncConnectionPool[Conn] | None = None, *, max_age_s: float = 1.0,
+                 name: str = "dispatch settings") -> None:
+        self._pool = pool
+        self.max_age_s = max_age_s
+        self._name = name
+        self._value: DispatchSettings | None = None
+        self._loaded_at = 0.0
+        self._refreshing: asyncio.Task[None] | None = None
+
+    async def get(self, conn: Conn | None = None) -> DispatchSettings:
+        if self._value is None:
+            await self._load(conn)
+        elif time.monotonic() - self._loaded_at > self.max_age_s:
+            if self._pool is None:
+                await self._load(conn)
+            elif self._refreshing is None:
+                self._refreshing = asyncio.create_task(self._refresh(), name=f"refresh {self._name}")
+        assert self._value is not None
+        return self._value
+
+    async def _load(self, conn: Conn | None) -> None:
+        if conn is not None:
+            fresh = await load_settings(conn)
+        else:
+            if self._pool is None:
+                raise RuntimeError("SettingsCache without a pool needs the caller's connection")
+            async with self._pool.connection() as own:
+                fresh = await load_settings(own)
+        if self._value is not None and fresh != self._value:
+            old = as_dict(self._value)
+            log.info(f"{self._name} changed", extra={
+                "changed": {k: v for k, v in as_dict(fresh).items() if old.get(k) != v}})
+        self._value, self._loaded_at = fresh, time.monotonic()
+
+    async def _refresh(self) -> None:
+        try:
+            await self._load(None)
+        except Exception as exc:  # keep serving the last value; the next get() tries again
+            log.warning(f"re-reading {self._name} failed", extra={"error": str(exc)[:300]})
+        finally:
+            self._refreshing = None

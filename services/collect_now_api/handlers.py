@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from aiohttp import web
@@ -11,7 +10,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.auth import AuthError, TenantPrincipal, verify_gateway_jwt
 from libs.contracts.http import CollectNowRequest
 from libs.db.pool import Conn
-from libs.dispatch_settings import DispatchSettings, load_settings
+from libs.dispatch_settings import SettingsCache
 from libs.http import ApiError, json_response, read_body
 from libs.runtime import SETTINGS
 from services.collect_now_api.service import collect_now, request_status
@@ -21,22 +20,7 @@ POOL = web.AppKey("pool", AsyncConnectionPool[Conn])
 MAX_COLLECT_NOW_BODY_BYTES = 64 * 1024
 
 
-class SettingsCache:
-    """Dispatch settings re-read at most once a second: hot reload within seconds, no query per click."""
-
-    def __init__(self, max_age_s: float = 1.0) -> None:
-        self.max_age_s = max_age_s
-        self._value: DispatchSettings | None = None
-        self._loaded_at = 0.0
-
-    async def get(self, pool: AsyncConnectionPool[Conn]) -> DispatchSettings:
-        if self._value is None or time.monotonic() - self._loaded_at > self.max_age_s:
-            async with pool.connection() as conn:
-                self._value = await load_settings(conn)
-            self._loaded_at = time.monotonic()
-        return self._value
-
-
+# Dispatch settings re-read at most once a second, in the background: hot reload, no query per click.
 SETTINGS_CACHE = web.AppKey("dispatch_settings_cache", SettingsCache)
 
 
@@ -68,7 +52,7 @@ async def post_collect_now(request: web.Request) -> web.Response:
     brand_id = _int_path(request, "brand_id")
     body = await read_body(request, CollectNowRequest, max_bytes=MAX_COLLECT_NOW_BODY_BYTES, allow_empty=True)
     pool = request.app[POOL]
-    settings = await request.app[SETTINGS_CACHE].get(pool)
+    settings = await request.app[SETTINGS_CACHE].get()
     accepted = await collect_now(pool, principal, brand_id, body, settings)
     return json_response(accepted.response, status=200 if accepted.replay else 202)
 

@@ -8,12 +8,12 @@ from aiohttp import web
 
 from libs.config import Settings
 from libs.db.pool import make_pool
+from libs.dispatch_settings import SettingsCache
 from libs.http import json_response, make_app
 from libs.runtime import SETTINGS, add_pool_check, base_app, serve
 from services.collect_now_api.handlers import (
     POOL,
     SETTINGS_CACHE,
-    SettingsCache,
     get_collect_request,
     post_collect_now,
 )
@@ -26,7 +26,6 @@ async def get_openapi(_: web.Request) -> web.Response:
 
 def build(settings: Settings) -> web.Application:
     app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
-    app[SETTINGS_CACHE] = SettingsCache()
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
@@ -34,6 +33,7 @@ def build(settings: Settings) -> web.Application:
         pool = make_pool(settings, name="collect-now-api", min_size=2, max_size=max(4, min(settings.db_pool_max, 6)))
         await pool.open(wait=True, timeout=30)
         app[POOL] = pool
+        app[SETTINGS_CACHE] = SettingsCache(pool)
         add_pool_check(app, pool)
         settings.jwt_key()  # warn at start-up, not on the first request, when the dev secret is in use
         yield

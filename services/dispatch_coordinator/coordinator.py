@@ -24,7 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.contracts.amqp import lifecycle_decoder
 from libs.db.listen import listen_forever
 from libs.db.pool import Conn
-from libs.dispatch_settings import DispatchSettings, as_dict, load_settings
+from libs.dispatch_settings import DispatchSettings, SettingsCache
 from libs.mq.connection import dead_letter
 from libs.mq.topology import Topology, declare_lifecycle
 from libs.outbox.relay import OutboxRelay
@@ -75,8 +75,7 @@ class Coordinator:
         self.slowdown = SlowdownState()
         self._wake = asyncio.Event()
         self._full_requested = True
-        self._settings: DispatchSettings | None = None
-        self._settings_at = 0.0
+        self._settings = SettingsCache(pool, max_age_s=SETTINGS_MAX_AGE_S)
         self._last_aging = time.monotonic()
         self.listening = asyncio.Event()
         self.consuming = asyncio.Event()
@@ -94,15 +93,8 @@ class Coordinator:
 
 
     async def settings(self) -> DispatchSettings:
-        """Hot-reloaded `dispatch_settings`, at most `SETTINGS_MAX_AGE_S` old."""
-        if self._settings is None or time.monotonic() - self._settings_at > SETTINGS_MAX_AGE_S:
-            async with self._pool.connection() as conn:
-                fresh = await load_settings(conn)
-            if self._settings is not None and fresh != self._settings:
-                changed = {k: v for k, v in as_dict(fresh).items() if as_dict(self._settings).get(k) != v}
-                log.info("dispatch settings changed", extra={"changed": changed})
-            self._settings, self._settings_at = fresh, time.monotonic()
-        return self._settings
+        """Hot-reloaded `dispatch_settings`, re-read in the background at most every `SETTINGS_MAX_AGE_S`."""
+        return await self._settings.get()
 
     # ---- leading ----------------------------------------------------------------------------------
     async def lead(self, stop: asyncio.Event) -> None:

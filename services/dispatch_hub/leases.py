@@ -7,7 +7,6 @@ response or raises ApiError; the HTTP layer only decodes and encodes.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -33,7 +32,7 @@ from libs.contracts.http import (
 )
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
-from libs.dispatch_settings import DispatchSettings, load_settings
+from libs.dispatch_settings import SettingsCache
 from libs.domain.shard import shard_for
 from libs.http import ApiError
 from libs.mq.topology import DISPATCH
@@ -55,26 +54,6 @@ from services.dispatch_hub.logic import (
 from services.dispatch_hub.results import BrokerUnavailable, ResultPublisher
 
 log = logging.getLogger("hub.leases")
-
-
-class SettingsCache:
-    """Hot-reloaded dispatch settings (lease TTL, max attempts), re-read at most every `ttl_s`."""
-
-    def __init__(self, pool: AsyncConnectionPool[Conn], ttl_s: float = 5.0) -> None:
-        self._pool = pool
-        self._ttl = ttl_s
-        self._value: DispatchSettings | None = None
-        self._loaded_at = 0.0
-
-    async def get(self, conn: Conn | None = None) -> DispatchSettings:
-        if self._value is None or time.monotonic() - self._loaded_at > self._ttl:
-            if conn is not None:
-                self._value = await load_settings(conn)
-            else:
-                async with self._pool.connection() as own:
-                    self._value = await load_settings(own)
-            self._loaded_at = time.monotonic()
-        return self._value
 
 
 class PlatformCodes:

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from libs.config import Settings
 from libs.db.pool import make_pool
+from libs.dispatch_settings import SettingsCache
 from libs.http import add_readiness_check, make_app
 from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import Topology
@@ -15,7 +16,7 @@ from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
 from services.dispatch_hub.auth import ClientAuthenticator
 from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.http_api import AUTH, CONTEXT, GATEWAY, MAX_BODY, add_routes
-from services.dispatch_hub.leases import HubContext, PlatformCodes, SafePointStats, SettingsCache
+from services.dispatch_hub.leases import HubContext, PlatformCodes, SafePointStats
 from services.dispatch_hub.results import AmqpResultPublisher
 
 POOL_MAX = 6
@@ -42,7 +43,7 @@ def build(settings: Settings) -> web.Application:
         await gateway.start()
         app[AUTH] = ClientAuthenticator(pool)
         app[GATEWAY] = gateway
-        app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool), platforms=PlatformCodes(),
+        app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool, max_age_s=5.0), platforms=PlatformCodes(),
                                   safe_points=SafePointStats(), publisher=publisher,
                                   ingest_shards=settings.ingest_shards)
         add_pool_check(app, pool)

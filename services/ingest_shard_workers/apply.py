@@ -9,7 +9,6 @@ result only, failures are applied before successes (a success in the same batch 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
@@ -17,7 +16,7 @@ from datetime import UTC, date, datetime
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind, MonitorResult, ProjectionRebuild
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn, json_rows
-from libs.dispatch_settings import load_settings
+from libs.dispatch_settings import SettingsCache
 from libs.ingest.citations import ParsedCitation, parse_citations
 from libs.ingest.progress import CountDelta, request_count_delta, request_status_after
 from libs.ingest.runs import fold_latest_effective
@@ -55,22 +54,6 @@ class BatchOutcome:
     rebuilds_requested: int = 0
     # collect_now_first_result_latency_ms observations, recorded by the caller after commit.
     first_result_latencies_ms: list[float] = field(default_factory=list)
-
-
-class SettingsCache:
-    """max_dispatch_attempts from the hot-reloaded settings, read at most every `ttl_s`."""
-
-    def __init__(self, ttl_s: float = 5.0) -> None:
-        self.ttl_s = ttl_s
-        self._value: int | None = None
-        self._read_at = 0.0
-
-    async def max_attempts(self, conn: Conn) -> int:
-        now = time.monotonic()
-        if self._value is None or now - self._read_at > self.ttl_s:
-            self._value = (await load_settings(conn)).max_dispatch_attempts
-            self._read_at = now
-        return self._value
 
 
 def _validate(result: MonitorResult, task: dict[str, object] | None) -> str | None:
@@ -141,7 +124,7 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
     failed_now = [r for r in enders if r.status == "failed"]
     if failed_now:
         retried = await retry_business_tasks(conn, {r.monitor_task_id: r.error for r in failed_now},
-                                             max_attempts=await settings.max_attempts(conn))
+                                             max_attempts=(await settings.get(conn)).max_dispatch_attempts)
         business_after.update(retried)
         written += len(retried)
     succeeded_ids = sorted({r.monitor_task_id for r in fresh if r.status == "succeeded"})

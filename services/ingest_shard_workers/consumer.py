@@ -26,12 +26,13 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import MonitorResult, result_decoder
 from libs.db.pool import Conn
+from libs.dispatch_settings import SettingsCache
 from libs.ingest.shards import assign_shards, lag_ms
 from libs.mq.connection import dead_letter
 from libs.mq.topology import Topology
 from libs.telemetry import metrics as m
 from services.ingest_shard_workers import queries as q
-from services.ingest_shard_workers.apply import BatchOutcome, SettingsCache, apply_batch
+from services.ingest_shard_workers.apply import BatchOutcome, apply_batch
 
 log = logging.getLogger("ingest.consumer")
 
@@ -299,7 +300,7 @@ class IngestWorker:
         self.pool = pool
         self.config = config
         self.write_rate = WriteRate()
-        settings = SettingsCache()
+        settings = SettingsCache(pool, max_age_s=5.0)
         self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate)
                        for k in range(topology.ingest_shards)]
         self.subscribed = asyncio.Event()

@@ -11,8 +11,9 @@ from psycopg_pool import AsyncConnectionPool
 from libs.contracts.amqp import LifecycleEvent
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
+from libs.dispatch_settings import SettingsCache
 from libs.telemetry import metrics as m
-from services.ingest_shard_workers.apply import SettingsCache, apply_batch
+from services.ingest_shard_workers.apply import apply_batch
 from tests.support.ingest_factory import (
     Execution,
     World,
