@@ -39,6 +39,9 @@ class DispatchSettings:
     dispatch_batch_size: int = 500
     scan_batch_size: int = 2000
     dispatch_tick_ms: int = 1000
+    # Full passes woken by events (completions, new tasks) start at most this often: a burst of completions
+    # shares one pass instead of a pass each (high work never waits for it).
+    dispatch_min_interval_ms: int = 100
     paused_lanes: tuple[str, ...] = ()
     # Auto slow-down thresholds (seed §12.4)
     auto_slowdown_enabled: bool = True

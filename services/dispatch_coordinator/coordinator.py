@@ -136,6 +136,8 @@ class Coordinator:
 
     async def _dispatch_loop(self, stop: asyncio.Event) -> None:
         full_due_at = 0.0  # monotonic: the next full pass without a wake-up (tick, budget window rollover)
+        last_full_at = -1e9  # monotonic start of the last full pass
+        redo = False  # the last full pass asked for another at once (a conflict, a full batch, a yield)
         while not stop.is_set():
             self._wake.clear()
             settings = await self._guarded_settings(stop)
@@ -144,19 +146,26 @@ class Coordinator:
             started = time.perf_counter()
             full = self._full_requested or time.monotonic() >= full_due_at
             try:
+                high_left_work = False
                 if self._high_wake.is_set():
                     self._high_wake.clear()
                     high = await self.dispatcher.run_high_pass(settings)
                     self.dispatched_total += high.dispatched
                     # A full pass re-decides what the high pass left (work held back for the normal
-                    # guarantee, a busy client, a conflict). A click whose high work all went needs none
-                    # right now: the next wake-up or tick runs it, instead of competing with the click's
-                    # publish for the same cores.
-                    full = full or high.conflicted or high.dispatched < high.considered
-                if not full:
+                    # guarantee, a busy client, a conflict) at once. A click whose high work all went needs
+                    # none right now: the next wake-up or tick runs it, instead of competing with the
+                    # click's publish for the same cores.
+                    high_left_work = high.conflicted or high.dispatched < high.considered
+                if not full and not high_left_work:
                     await self._wait(stop, self._wake, full_due_at - time.monotonic())
                     continue
-                self._full_requested = False
+                spacing = last_full_at + settings.dispatch_min_interval_ms / 1000 - time.monotonic()
+                if not high_left_work and not redo and spacing > 0:
+                    # Too soon after the last full pass: gather further wake-ups meanwhile (a click ends it).
+                    await self._wait(stop, self._high_wake, spacing)
+                    continue
+                self._full_requested = redo = False
+                last_full_at = time.monotonic()
                 outcome = await self.dispatcher.run_pass(settings)
             except Exception as exc:
                 if not is_transient(exc):
@@ -167,7 +176,7 @@ class Coordinator:
             metrics.dispatch_pass_duration_ms.observe((time.perf_counter() - started) * 1000)
             self.dispatched_total += outcome.dispatched
             if outcome.conflicted or outcome.full_batch or outcome.preempted:
-                full_due_at = 0.0
+                full_due_at, redo = 0.0, True
                 continue
             timeout = min(max(0.05, settings.dispatch_tick_ms / 1000), outcome.seconds_to_next_window + 0.005)
             full_due_at = time.monotonic() + timeout

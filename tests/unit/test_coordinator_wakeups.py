@@ -58,6 +58,7 @@ class _FakeDispatcher:
         self.high = (high_considered, high_dispatched)
         self.high_passes = 0
         self.full_passes = 0
+        self.full_batch_passes = 0  # how many full passes (the first ones) report a full batch
 
     async def run_high_pass(self, settings: object) -> object:
         self.high_passes += 1
@@ -65,22 +66,23 @@ class _FakeDispatcher:
 
     async def run_pass(self, settings: object) -> object:
         self.full_passes += 1
-        return self.outcome(seconds_to_next_window=60.0)
+        return self.outcome(seconds_to_next_window=60.0, full_batch=self.full_passes <= self.full_batch_passes)
 
 
-async def _run_loop(fake: _FakeDispatcher) -> tuple[Coordinator, asyncio.Task[None], asyncio.Event]:
+async def _run_loop(fake: _FakeDispatcher, *, min_interval_ms: int = 0) -> (
+        tuple[Coordinator, asyncio.Task[None], asyncio.Event]):
     from libs.dispatch_settings import DispatchSettings
 
     coordinator = _coordinator()
     coordinator.dispatcher = fake  # type: ignore[assignment]
 
     async def settings(stop: asyncio.Event) -> DispatchSettings:
-        return DispatchSettings(dispatch_tick_ms=60_000)
+        return DispatchSettings(dispatch_tick_ms=60_000, dispatch_min_interval_ms=min_interval_ms)
 
     coordinator._guarded_settings = settings  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(coordinator._dispatch_loop(stop))
-    await eventually(lambda: fake.full_passes == 1, message="the first full pass")
+    await eventually(lambda: fake.full_passes >= 1, message="the first full pass")
     return coordinator, task, stop
 
 
@@ -103,6 +105,29 @@ async def test_a_high_pass_that_leaves_work_behind_is_followed_by_a_full_pass() 
     coordinator, task, stop = await _run_loop(fake)
     coordinator.wake_high()
     await eventually(lambda: fake.high_passes == 1 and fake.full_passes == 2, message="high then full pass")
+    stop.set()
+    coordinator.wake()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_wake_ups_soon_after_a_full_pass_share_the_next_one_but_a_click_does_not_wait() -> None:
+    fake = _FakeDispatcher(high_considered=1, high_dispatched=1)
+    coordinator, task, stop = await _run_loop(fake, min_interval_ms=60_000)
+    for _ in range(5):  # a burst of completions right after the first pass
+        coordinator.wake()
+    coordinator.wake_high()  # a click is not held back by the spacing
+    await eventually(lambda: fake.high_passes == 1, message="the high pass")
+    assert fake.full_passes == 1  # the completions wait for the interval, together
+    stop.set()
+    coordinator.wake()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_full_pass_that_asks_for_another_gets_it_at_once_despite_the_spacing() -> None:
+    fake = _FakeDispatcher(high_considered=1, high_dispatched=1)
+    fake.full_batch_passes = 2  # a backlog: the first two passes dispatch full batches
+    coordinator, task, stop = await _run_loop(fake, min_interval_ms=60_000)
+    await eventually(lambda: fake.full_passes == 3, message="back-to-back passes while batches are full")
     stop.set()
     coordinator.wake()
     await asyncio.wait_for(task, 5)
