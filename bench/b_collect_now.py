@@ -1,9 +1,9 @@
 """Collect-now latency through the whole chain, with real processes:
 
 click (HTTP POST collect-now) -> collect-now-api transaction (outbox row + NOTIFY) -> coordinator
-dispatch (woken by NOTIFY) -> outbox-pump -> RabbitMQ -> dispatch-hub -> `task_available` on the
-target client's WebSocket -> pull-lease. Measured idle, and with 50 simulated clients connected and
-working through a 10,000-task normal backlog.
+dispatch (woken by NOTIFY; it publishes its own high event after its commit, or an outbox-pump does)
+-> RabbitMQ -> dispatch-hub -> `task_available` on the target client's WebSocket -> pull-lease. Measured
+idle, and with 50 simulated clients connected and working through a 10,000-task normal backlog.
 
     .venv/bin/python -m bench collect_now            (--quick for a smoke run)
 """
@@ -153,21 +153,24 @@ async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, clie
 
 
 # The high TaskAvailable of a click's task: its outbox row was written by the coordinator's high pass
-# (created_at = that transaction's start) and published_at is the pump's broker-confirm time.
+# (created_at = that transaction's start) and published_at is its publisher's broker-confirm time (the
+# coordinator's relay, or a pump when the relay left it to them: `claimed_by` says which).
 _DISPATCH_ROW = """
-SELECT extract(epoch FROM created_at)::float8 AS dispatched, extract(epoch FROM published_at)::float8 AS confirmed
+SELECT extract(epoch FROM created_at)::float8 AS dispatched, extract(epoch FROM published_at)::float8 AS confirmed,
+       claimed_by LIKE 'dispatch-coordinator:%%' AS relayed
 FROM outbox WHERE routing_key LIKE 'monitor.high.%%' AND payload LIKE %(task)s
 """
 
 
 async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
     """Where a click's time goes, per click from the same wall clock: the collect-now request (HTTP and its
-    transaction), then until the coordinator's high pass began, then that pass + commit + the pump's claim
-    and publish until the broker confirmed, then the hub to the socket."""
+    transaction), then until the coordinator's high pass began, then that pass + commit + the publish until
+    the broker confirmed, then the hub to the socket."""
     stages: dict[str, list[float]] = {"click -> 202 (collect-now request)": [],
                                       "click -> coordinator high pass starts": [],
-                                      "high pass start -> broker confirm (pass, commit, pump)": [],
+                                      "high pass start -> broker confirm (pass, commit, publish)": [],
                                       "broker confirm -> task_available on the socket": []}
+    relayed = 0
     conn = await connect(settings.database_url)
     try:
         for mark in marks:
@@ -175,12 +178,14 @@ async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
             row = await cur.fetchone()
             if row is None or row["confirmed"] is None:
                 continue
-            values = ((mark.accepted - mark.clicked), (row["dispatched"] - mark.clicked),
-                      (row["confirmed"] - row["dispatched"]), (mark.on_socket - row["confirmed"]))
-            for stage, value in zip(stages.values(), values, strict=True):
-                stage.append(value * 1000)
+            relayed += bool(row["relayed"])
+            spans = ((mark.accepted - mark.clicked), (row["dispatched"] - mark.clicked),
+                     (row["confirmed"] - row["dispatched"]), (mark.on_socket - row["confirmed"]))
+            for stage, span in zip(stages.values(), spans, strict=True):
+                stage.append(span * 1000)
     finally:
         await conn.close()
+    print(f"  {name}: {relayed} of {len(marks)} high events published by the coordinator itself", flush=True)
     for label, values in stages.items():
         print(f"  {name}: {label} (ms): {summary(values)}", flush=True)
 
