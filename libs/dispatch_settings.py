@@ -169,6 +169,12 @@ class SettingsCache:
         assert self._value is not None
         return self._value
 
+    async def reload(self, conn: Conn | None = None) -> DispatchSettings:
+        """Re-read now and wait for it (a caller that must see a change it just made)."""
+        await self._load(conn)
+        assert self._value is not None
+        return self._value
+
     async def _load(self, conn: Conn | None) -> None:
         if conn is not None:
             fresh = await load_settings(conn)

@@ -208,9 +208,14 @@ VALUES (%(id)s, %(tenant_id)s, %(workspace_id)s, %(brand_id)s, %(keyword_id)s, %
 RETURNING *
 """
 
-# Wakes the coordinator (dispatch the high work now) and the outbox pumps, at commit.
-# The control events are prioritised: the outbox payload wakes the pump's priority loop.
-NOTIFY = "SELECT pg_notify(%(dispatch_channel)s, ''), pg_notify(%(outbox_channel)s, %(outbox_payload)s)"
+# Wakes the coordinator (dispatch the high work now) at commit, and the outbox pumps when control events (cancel,
+# interrupt) were written: they are prioritised, so the payload wakes the pump's priority loop. The request's
+# lifecycle event alone wakes no pump: it is the coordinator's fallback wake-up for a lost NOTIFY, and a pump
+# woken for it would publish it, and the coordinator consume it, while the click's high pass is running.
+NOTIFY = """
+SELECT pg_notify(%(dispatch_channel)s, ''),
+       CASE WHEN %(controls)s THEN pg_notify(%(outbox_channel)s, %(outbox_payload)s) END
+"""
 
 REQUEST_PROGRESS = """
 SELECT status, first_dispatched_at, dispatched_task_count FROM monitoring_collect_requests

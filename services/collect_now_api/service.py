@@ -188,7 +188,7 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
         await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=request_id,
                             generation=generation, cancelled=cancelled, interrupted=interrupted)
         await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL,
-                                      "outbox_payload": PRIORITY_WAKE})
+                                      "outbox_payload": PRIORITY_WAKE, "controls": bool(cancelled or interrupted)})
         # No sync here: the COMMIT is queued behind these statements when the transaction block ends, and
         # the pipeline sends them all at once (the results are read after the commit).
     request_row = await request_cur.fetchone()

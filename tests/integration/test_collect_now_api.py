@@ -264,7 +264,7 @@ async def test_rate_limits_answer_429_with_a_reason(settings: Settings, pool) ->
         async with pool.connection() as conn:
             await set_setting(conn, "max_active_requests_per_tenant", 10)
             await set_setting(conn, "max_requests_per_user_per_hour", 2)
-        http.app[_settings_cache_key()].max_age_s = 0
+        await http.app[_settings_cache_key()].reload()
         second = await http.post(collect_path(world.brand_id), json={"keyword_id": keywords[1]}, headers=world.auth())
         assert second.status == 202
         third = await http.post(collect_path(world.brand_id), json={"keyword_id": keywords[2]}, headers=world.auth())

@@ -74,3 +74,38 @@ async def _all_published(pool) -> bool:
 
 async def _done(value: bool) -> bool:
     return value
+
+
+async def test_the_commit_wakes_the_pumps_only_for_control_events(settings: Settings, pool, database_url) -> None:
+    """The coordinator is always woken; the pumps only when the request cancelled or interrupted something
+    (prioritised control events), not for its lifecycle event alone."""
+    from libs.db.pool import connect
+    from libs.outbox import NOTIFY_CHANNEL
+    from libs.outbox.writer import PRIORITY_WAKE
+    from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
+
+    async with pool.connection() as conn:
+        world = await make_world(conn, brands=2, questions=1)
+        busy = world.tenant["brands"][1]
+        day = await today(conn, world.tenant_id)
+        task = await business_task(conn, tenant_id=world.tenant_id, brand_id=busy["brand_id"],
+                                   question_id=busy["question_ids"][0], ai_platform_id=world.platform_ids[0],
+                                   business_date=day)
+    listener = await connect(database_url, name="collect-now-notify-test")
+    try:
+        await listener.execute(f"LISTEN {DISPATCH_WAKE_CHANNEL}")
+        await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        async with api_client(settings) as http:
+            idle = await http.post(f"/api/tenant/monitoring/brands/{world.brand_id}/collect-now", json={},
+                                   headers=world.auth())
+            assert idle.status == 202, await idle.json()
+            assert [n.channel async for n in listener.notifies(timeout=0.5)] == [DISPATCH_WAKE_CHANNEL]
+            async with pool.connection() as conn:
+                await execution(conn, monitor_task_id=task, client_id=world.client_id(0))
+            busy_click = await http.post(f"/api/tenant/monitoring/brands/{busy['brand_id']}/collect-now", json={},
+                                         headers=world.auth())
+            assert (await busy_click.json())["aborted_queued_count"] == 1
+            woken = {(n.channel, n.payload) async for n in listener.notifies(timeout=0.5)}
+            assert woken == {(DISPATCH_WAKE_CHANNEL, ""), (NOTIFY_CHANNEL, PRIORITY_WAKE)}
+    finally:
+        await listener.close()
