@@ -68,7 +68,9 @@ class WindowRolledOver(Exception):
 
 
 class Preempted(Exception):
-    """High work was signalled while a full pass was reading: it yields (rolls back) before writing."""
+    """High work was signalled while a full pass was reading: it yields (rolls back) before writing. A full pass
+    checks after each of its reads (snapshot, candidates, plan) and after its claim, so a click waits at most
+    for the statement in flight or for the pass's final write."""
 
 
 # A full pass yields to waiting high work at most this many times in a row, so a stream of clicks cannot
@@ -360,8 +362,10 @@ class Dispatcher:
                 async with conn.transaction():
                     await conn.execute(q.PASS_LOCK)
                     snap = await read_snapshot(conn, settings)
+                    self._yield_to_high()
                     blocked: Counter[str] = Counter()
                     candidates = await self._candidates(conn, snap, limits, settings, blocked)
+                    self._yield_to_high()
                     outcome.considered = sum(len(v) for v in candidates.values())
                     plan = plan_pass(candidates, snap.clients, snap.ledger, limits, last_served=self.last_served,
                                      cluster_high_backlog=self.cluster_high_backlog,
@@ -370,9 +374,8 @@ class Dispatcher:
                     self._count_blocked_without_candidates(plan, snap, limits, candidates)
                     plan.rejections.update(blocked)
                     outcome.seconds_to_next_window = snap.window_start + snap.window_seconds - snap.now
-                    if plan.decisions and self._yield_to_high(plan):
-                        raise Preempted
                     if plan.decisions:
+                        self._yield_to_high(plan)
                         cur = await conn.execute(q.NOW)
                         stamp = await cur.fetchone()
                         assert stamp is not None
@@ -397,6 +400,7 @@ class Dispatcher:
             if write_started:
                 self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000, False)
         self.passes += 1
+        self._preempted_in_a_row = 0  # this pass ran to its end: the next one may yield again
         self.last_served.update(plan.last_served)
         for reason, n in plan.rejections.items():
             metrics.monitor_dispatch_reject_by_reason_count.inc(n, reason=reason)
@@ -407,15 +411,16 @@ class Dispatcher:
             log.debug("dispatched", extra={"count": outcome.dispatched, "high": outcome.high_dispatched})
         return outcome
 
-    def _yield_to_high(self, plan: PassResult) -> bool:
-        """Roll this pass back (before any write) so the waiting high-only pass goes first?"""
+    def _yield_to_high(self, plan: PassResult | None = None) -> None:
+        """Raise Preempted (the caller's transaction rolls back, before any write) when the waiting high-only
+        pass should go first: high work is waiting, this pass is not writing only high work, and it has not
+        yielded MAX_PREEMPTIONS times in a row (a stream of clicks cannot starve the normal lanes)."""
         if self.high_waiting is None or not self.high_waiting() or self._preempted_in_a_row >= MAX_PREEMPTIONS:
-            self._preempted_in_a_row = 0
-            return False
-        if all(d.task.lane == "high" for d in plan.decisions):
-            return False  # nothing but high to write: writing it is the fastest way
+            return
+        if plan is not None and all(d.task.lane == "high" for d in plan.decisions):
+            return  # nothing but high to write: writing it is the fastest way
         self._preempted_in_a_row += 1
-        return True
+        raise Preempted
 
     def _count_blocked_without_candidates(self, plan: PassResult, snap: Snapshot, limits: PassLimits,
                                           candidates: dict[str, list[Candidate]]) -> None:
@@ -446,6 +451,7 @@ class Dispatcher:
         rows = await self._claim(conn, plan)
         if not rows:
             return None
+        self._yield_to_high(plan)  # the claim took a round trip: a click may have arrived meanwhile
         async with conn.pipeline():
             return await self._queue_writes(conn, rows, ts)
 

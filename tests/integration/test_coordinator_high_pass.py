@@ -115,6 +115,27 @@ async def test_full_pass_yields_to_waiting_high_work_a_bounded_number_of_times(
     assert not (await dispatcher.run_pass(settings)).preempted
 
 
+async def test_a_click_during_any_read_or_the_claim_of_a_full_pass_makes_it_yield_before_writing(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """The full pass checks for waiting high work after its snapshot, its candidates, its plan and its claim:
+    whichever of them the click arrives during, nothing is written and the pass reports it yielded."""
+    await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
+    settings = await _settings(pool)
+    for checks_before_click in range(4):  # snapshot, candidates, plan, claim
+        dispatcher = Dispatcher(pool)
+        calls = {"n": 0}
+
+        def high_waiting(calls: dict[str, int] = calls, quiet: int = checks_before_click) -> bool:
+            calls["n"] += 1
+            return calls["n"] > quiet
+
+        dispatcher.high_waiting = high_waiting
+        outcome = await dispatcher.run_pass(settings)
+        assert outcome.preempted and outcome.dispatched == 0, checks_before_click
+        assert calls["n"] == checks_before_click + 1
+        assert await _lanes(pool) == {}
+
+
 async def test_high_pass_skips_a_task_being_promoted_and_waits_for_a_client_being_changed(
         pool: AsyncConnectionPool[Conn], database_url: str) -> None:
     """The high pass reads under its locks: a high task another transaction holds is left to a later pass
