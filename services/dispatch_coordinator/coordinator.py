@@ -136,7 +136,7 @@ class Coordinator:
 
     async def _dispatch_loop(self, stop: asyncio.Event) -> None:
         full_due_at = 0.0  # monotonic: the next full pass without a wake-up (tick, budget window rollover)
-        last_full_at = -1e9  # monotonic start of the last full pass
+        last_pass_at = -1e9  # monotonic start of the last full pass, or end of the last high pass
         redo = False  # the last full pass asked for another at once (a conflict, a full batch, a yield)
         while not stop.is_set():
             self._wake.clear()
@@ -156,16 +156,20 @@ class Coordinator:
                     # none right now: the next wake-up or tick runs it, instead of competing with the
                     # click's publish for the same cores.
                     high_left_work = high.conflicted or high.dispatched < high.considered
+                    if high.dispatched:
+                        # Its publish, the broker and the hub are on their way to the desktop: a full pass due
+                        # now waits the spacing too, instead of competing with them for the same cores.
+                        last_pass_at = time.monotonic()
                 if not full and not high_left_work:
                     await self._wait(stop, self._wake, full_due_at - time.monotonic())
                     continue
-                spacing = last_full_at + settings.dispatch_min_interval_ms / 1000 - time.monotonic()
+                spacing = last_pass_at + settings.dispatch_min_interval_ms / 1000 - time.monotonic()
                 if not high_left_work and not redo and spacing > 0:
-                    # Too soon after the last full pass: gather further wake-ups meanwhile (a click ends it).
+                    # Too soon after the last pass: gather further wake-ups meanwhile (a click ends it).
                     await self._wait(stop, self._high_wake, spacing)
                     continue
                 self._full_requested = redo = False
-                last_full_at = time.monotonic()
+                last_pass_at = time.monotonic()
                 outcome = await self.dispatcher.run_pass(settings)
             except Exception as exc:
                 if not is_transient(exc):

@@ -131,3 +131,19 @@ async def test_a_full_pass_that_asks_for_another_gets_it_at_once_despite_the_spa
     stop.set()
     coordinator.wake()
     await asyncio.wait_for(task, 5)
+
+
+async def test_a_full_pass_due_right_after_a_click_waits_the_spacing_unless_the_click_left_work() -> None:
+    for considered, full_passes in ((1, 1), (3, 3)):  # the clicks' work all went / some was left behind (each)
+        fake = _FakeDispatcher(high_considered=considered, high_dispatched=1)
+        coordinator, task, stop = await _run_loop(fake, min_interval_ms=250)
+        await asyncio.sleep(0.3)  # the spacing after the first full pass has run out (time itself is the subject)
+        coordinator.wake()  # a completion: a full pass is due
+        coordinator.wake_high()  # ... and a click arrives with it
+        await eventually(lambda f=fake: f.high_passes == 1, message="the high pass")  # type: ignore[misc]
+        coordinator.wake_high()  # a second click: the loop has gone round once more after the first
+        await eventually(lambda f=fake: f.high_passes == 2, message="the second high pass")  # type: ignore[misc]
+        assert fake.full_passes == full_passes
+        stop.set()
+        coordinator.wake()
+        await asyncio.wait_for(task, 5)
