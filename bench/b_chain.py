@@ -100,7 +100,12 @@ async def run(args: argparse.Namespace) -> None:
                                         args=["-m", "bench.b_chain", "writer"]).start()
                 try:
                     for relay in (False, True):
-                        accepted, values = await _measure(stack.hub_url, writer.url, client, clicks, relay=relay)
+                        try:
+                            accepted, values = await _measure(stack.hub_url, writer.url, client, clicks, relay=relay)
+                        except TimeoutError:
+                            for proc in (writer, *stack.procs.values()):
+                                print(f"----- {proc.name} log tail\n{proc.logs()[-3000:]}", flush=True)
+                            raise
                         how = "the writer publishes its row" if relay else "NOTIFY -> outbox-pump"
                         print(f"  {how}: POST -> 202 (ms): {summary(accepted)}", flush=True)
                         print(f"  {how}: POST -> task_available on the socket (ms): {summary(values)}",
