@@ -121,6 +121,9 @@ async def _measure(hub: str, writer: str, client: dict[str, str], clicks: int, *
     accepted: list[float] = []
     async with aiohttp.ClientSession() as http, http.ws_connect(
             f"{hub}/api/desktop/ws", headers={"Authorization": f"Bearer {client['token']}"}) as ws:
+        # The hub binds the client's routing keys before it says hello; an event published before that is
+        # unroutable (a real one is replayed from the database, these synthetic ones are not).
+        assert msgspec.json.decode((await ws.receive(timeout=10)).data)["type"] == "hello"
         for n in range(clicks + 5):
             task_id = uuid.uuid4()
             started = time.perf_counter()
