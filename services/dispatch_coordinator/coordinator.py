@@ -234,7 +234,9 @@ class Coordinator:
             backlog = await observe_backlog(conn)
             signals = await measure_signals(conn, self.dispatcher.write_stats)
         self.dispatcher.cluster_high_backlog = backlog.high
+        self.dispatcher.cluster_retry_backlog = backlog.retry
         self.dispatcher.tenant_normal_backlog = backlog.tenant_normal
+        self.dispatcher.backlog_observed_at = time.monotonic()
         was_paused = self.dispatcher.slowdown
         self.dispatcher.slowdown = update_slowdown(self.slowdown, signals, settings)
         if was_paused and not self.dispatcher.slowdown:
@@ -291,6 +293,18 @@ class Coordinator:
             # NOTIFY lost with the LISTEN connection.
             if not self.listening.is_set():
                 self.wake_high()
-        elif event.event in WAKE_EVENTS:
+        elif event.event in WAKE_EVENTS and not (event.event == "task.completed"
+                                                 and self._nothing_ready_for(event.tenant_id)):
             self.wake()
         await message.ack()
+
+    def _nothing_ready_for(self, tenant_id: int) -> bool:
+        """A completion frees capacity (a client slot, a platform account slot) that only its own tenant's work can
+        use: when the last backlog reading (at most a few seconds old) has no ready work for that tenant and no
+        high or retry work at all, the completion wakes no pass. New work always brings its own wake-up (the
+        scanner, collect-now); work that becomes ready with time waits for the tick."""
+        d = self.dispatcher
+        return (d.backlog_observed_at is not None
+                and time.monotonic() - d.backlog_observed_at <= 3 * MAINTENANCE_INTERVAL_S
+                and d.cluster_high_backlog == 0 and d.cluster_retry_backlog == 0
+                and d.tenant_normal_backlog.get(tenant_id, 0) == 0)

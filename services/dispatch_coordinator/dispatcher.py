@@ -193,7 +193,9 @@ class Dispatcher:
         self.slowdown = False
         # Refreshed by the maintenance loop: ready backlog, for the retry low-water rule.
         self.cluster_high_backlog = 0
+        self.cluster_retry_backlog = 0
         self.tenant_normal_backlog: dict[int, int] = {}
+        self.backlog_observed_at: float | None = None  # monotonic
         self.passes = 0
         # Set by the coordinator: is high work waiting for a high-only pass? A full pass that has not
         # written yet then yields to it (collect-now latency must not wait for a batch of normal writes).

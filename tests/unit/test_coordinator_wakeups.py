@@ -147,3 +147,31 @@ async def test_a_full_pass_due_right_after_a_click_waits_the_spacing_unless_the_
         stop.set()
         coordinator.wake()
         await asyncio.wait_for(task, 5)
+
+
+async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_ready() -> None:
+    import time
+
+    coordinator = _coordinator()
+    dispatcher = coordinator.dispatcher
+
+    async def woken(tenant_id: int) -> bool:
+        coordinator._wake.clear()
+        message = _Message("task.completed")
+        message.body = msgspec.json.encode(LifecycleEvent(event="task.completed", tenant_id=tenant_id,
+                                                          occurred_at=datetime.now(UTC)))
+        await coordinator._on_lifecycle(None, "dlq", message)  # type: ignore[arg-type]
+        return coordinator._wake.is_set()
+
+    assert await woken(1)  # no backlog reading yet: wake
+    dispatcher.tenant_normal_backlog = {2: 40}
+    dispatcher.backlog_observed_at = time.monotonic()
+    assert not await woken(1)  # tenant 1 has nothing ready
+    assert await woken(2)  # tenant 2 has normal work the freed slot may serve
+    dispatcher.cluster_retry_backlog = 3
+    assert await woken(1)  # retry work anywhere: wake (its tenant is not in the reading)
+    dispatcher.cluster_retry_backlog, dispatcher.cluster_high_backlog = 0, 1
+    assert await woken(1)  # high work waiting for a slot
+    dispatcher.cluster_high_backlog = 0
+    dispatcher.backlog_observed_at = time.monotonic() - 60
+    assert await woken(1)  # a stale reading is not trusted
