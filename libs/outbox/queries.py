@@ -18,6 +18,20 @@ WHERE status = 'running' AND claim_expires_at < now()
 RETURNING id, status
 """
 
+# Both claims: the `candidates` rows become running under the claimer's name with a lease, counting the attempt.
+_TAKE_CANDIDATES = """
+UPDATE outbox o
+SET status = 'running',
+    attempts = o.attempts + 1,
+    claimed_by = %(claimed_by)s,
+    claim_expires_at = now() + make_interval(secs => %(lease_seconds)s)
+FROM candidates c
+WHERE o.id = c.id
+RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload, o.headers,
+          o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at,
+          o.priority
+"""
+
 # A row is claimable when no earlier row of its ordering key is still running or waiting out
 # a backoff; earlier rows that are claimable themselves come first in this batch. Claim order is
 # priority DESC, id. So that per-key order still holds, a prioritised row (priority > 0) is claimable
@@ -46,17 +60,7 @@ WITH candidates AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-UPDATE outbox o
-SET status = 'running',
-    attempts = o.attempts + 1,
-    claimed_by = %(claimed_by)s,
-    claim_expires_at = now() + make_interval(secs => %(lease_seconds)s)
-FROM candidates c
-WHERE o.id = c.id
-RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload, o.headers,
-          o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at,
-          o.priority
-"""
+""" + _TAKE_CANDIDATES
 
 # A writer claims its own rows (`event_ids`, written earlier in the same transaction; see relay.claim_own) to
 # publish them itself after its commit. Same per-key rule as CLAIM, with the writer's batch as the batch: a
@@ -78,17 +82,7 @@ candidates AS (
               AND p.event_id <> ALL(%(event_ids)s::uuid[])))
     FOR UPDATE
 )
-UPDATE outbox o
-SET status = 'running',
-    attempts = o.attempts + 1,
-    claimed_by = %(claimed_by)s,
-    claim_expires_at = now() + make_interval(secs => %(lease_seconds)s)
-FROM candidates c
-WHERE o.id = c.id
-RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload, o.headers,
-          o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at,
-          o.priority
-"""
+""" + _TAKE_CANDIDATES
 
 # After CLAIM_OWN: the rows it left queued need a pump, woken at commit.
 NOTIFY_IF_UNCLAIMED = """

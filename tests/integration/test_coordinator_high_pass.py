@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
@@ -37,6 +38,15 @@ async def _rows(pool: AsyncConnectionPool[Conn], sql: str, params: dict[str, Any
     async with pool.connection() as conn:
         cur = await conn.execute(sql, params or {})
         return list(await cur.fetchall())
+
+
+async def _two_tasks_for_one_client(pool: AsyncConnectionPool[Conn]) -> tuple[Any, uuid.UUID, list[Any]]:
+    """A seeded fleet with room in every budget; a tenant, one of its clients (room for 10) and two pending tasks."""
+    seeded = await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
+    picked = await _rows(pool, "SELECT id FROM monitoring_collect_tasks WHERE status = 'pending' ORDER BY id LIMIT 2")
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 10")
+    return seeded.tenants[0], seeded.tenants[0].clients[0], picked
 
 
 async def _lanes(pool: AsyncConnectionPool[Conn]) -> dict[str, int]:
@@ -145,12 +155,8 @@ async def test_high_pass_skips_a_task_being_promoted_and_waits_for_a_client_bein
 
     from libs.db.pool import connect
 
-    seeded = await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
-    tenant = seeded.tenants[0]
-    client = tenant.clients[0]
-    picked = await _rows(pool, "SELECT id FROM monitoring_collect_tasks WHERE status = 'pending' ORDER BY id LIMIT 2")
+    tenant, client, picked = await _two_tasks_for_one_client(pool)
     async with pool.connection() as conn:
-        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 10")
         await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client, task_ids=[r["id"] for r in picked])
     dispatcher = Dispatcher(pool)
     settings = await _settings(pool)
@@ -202,12 +208,8 @@ async def test_high_pass_publishes_its_own_task_available_and_leaves_it_to_the_p
     from libs.outbox.relay import AmqpPublisher, OutboxRelay
     from tests.support.capture import capture
 
-    seeded = await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
-    tenant = seeded.tenants[0]
-    client = tenant.clients[0]
-    picked = await _rows(pool, "SELECT id FROM monitoring_collect_tasks WHERE status = 'pending' ORDER BY id LIMIT 2")
+    tenant, client, picked = await _two_tasks_for_one_client(pool)
     async with pool.connection() as conn:
-        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 10")
         await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client, task_ids=[picked[0]["id"]])
     publisher = AmqpPublisher(settings.amqp_url, topology, timeout=5, name="relay-under-test")
     await publisher.start()
