@@ -1,7 +1,7 @@
 """Hot-reloaded operator settings (`dispatch_settings` table): defaults here, overrides in the table.
 
-Readers call `load_settings(conn)` on every tick (one small query), so `monitorctl budgets set`
-and friends take effect within seconds without a restart.
+Hot paths read them through `SettingsCache` (re-read at most every second or few, in the background), so
+`monitorctl budgets set` and friends take effect within seconds without a restart.
 """
 
 from __future__ import annotations

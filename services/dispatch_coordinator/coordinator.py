@@ -91,7 +91,6 @@ class Coordinator:
         self._high_wake.set()
         self._wake.set()
 
-
     async def settings(self) -> DispatchSettings:
         """Hot-reloaded `dispatch_settings`, re-read in the background at most every `SETTINGS_MAX_AGE_S`."""
         return await self._settings.get()
