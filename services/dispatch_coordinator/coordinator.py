@@ -77,6 +77,7 @@ class Coordinator:
         self._full_requested = True
         self._settings = SettingsCache(pool, max_age_s=SETTINGS_MAX_AGE_S)
         self._last_aging = time.monotonic()
+        self._high_woken_at = 0.0  # monotonic: the last collect-now wake-up
         self.listening = asyncio.Event()
         self.consuming = asyncio.Event()
         self.dispatched_total = 0
@@ -90,6 +91,7 @@ class Coordinator:
         """Collect-now work is ready: run a high-only pass now (and a full pass if it leaves work behind)."""
         self._high_wake.set()
         self._wake.set()
+        self._high_woken_at = time.monotonic()
 
     async def settings(self) -> DispatchSettings:
         """Hot-reloaded `dispatch_settings`, re-read in the background at most every `SETTINGS_MAX_AGE_S`."""
@@ -301,9 +303,10 @@ class Coordinator:
         """A completion frees capacity (a client slot, a platform account slot) that only its own tenant's work can
         use: when the last backlog reading (at most a few seconds old) has no ready work for that tenant and no
         high or retry work at all, the completion wakes no pass. New work always brings its own wake-up (the
-        scanner, collect-now); work that becomes ready with time waits for the tick."""
+        scanner, collect-now); work that becomes ready with time waits for the tick. A reading older than the last
+        collect-now is not trusted (its high work may be waiting for exactly this slot)."""
         d = self.dispatcher
-        return (d.backlog_observed_at is not None
+        return (d.backlog_observed_at is not None and d.backlog_observed_at > self._high_woken_at
                 and time.monotonic() - d.backlog_observed_at <= 3 * MAINTENANCE_INTERVAL_S
                 and d.cluster_high_backlog == 0 and d.cluster_retry_backlog == 0
                 and d.tenant_normal_backlog.get(tenant_id, 0) == 0)

@@ -173,5 +173,9 @@ async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_ready() ->
     dispatcher.cluster_retry_backlog, dispatcher.cluster_high_backlog = 0, 1
     assert await woken(1)  # high work waiting for a slot
     dispatcher.cluster_high_backlog = 0
+    coordinator.wake_high()  # a click after the reading: its high work may wait for the slot being freed
+    assert await woken(1)
+    dispatcher.backlog_observed_at = time.monotonic()  # the next reading (which would count that high work)
+    assert not await woken(1)
     dispatcher.backlog_observed_at = time.monotonic() - 60
     assert await woken(1)  # a stale reading is not trusted
