@@ -8,7 +8,7 @@ from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
 from libs.config import Settings
-from libs.db.pool import make_pool
+from libs.db.pool import PREPARE_ON_FIRST_USE, make_pool
 from libs.http import ApiError, add_readiness_check, json_response, make_app
 from libs.leader import LeaderLock
 from libs.mq.connection import connect as mq_connect
@@ -50,7 +50,8 @@ def build(settings: Settings) -> web.Application:
     async def resources(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS]
         # dispatch pass, scanner, maintenance, ops endpoints; plus the leader lock and LISTEN connections.
-        pool = make_pool(settings, name="dispatch-coordinator", min_size=1, max_size=max(4, settings.db_pool_max))
+        pool = make_pool(settings, name="dispatch-coordinator", min_size=1, max_size=max(4, settings.db_pool_max),
+                         prepare_threshold=PREPARE_ON_FIRST_USE)  # the high pass runs once per click
         await pool.open(wait=True, timeout=30)
         amqp: AbstractRobustConnection = await mq_connect(settings.amqp_url,
                                                           name=f"dispatch-coordinator-{settings.instance_id}")

@@ -25,3 +25,4 @@ async def test_without_a_pool_a_stale_value_is_reread_on_the_callers_connection(
 
 async def _tick(cache: SettingsCache, expected: int) -> bool:
     return (await cache.get()).dispatch_tick_ms == expected
+
