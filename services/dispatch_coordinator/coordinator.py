@@ -235,9 +235,7 @@ class Coordinator:
             backlog = await observe_backlog(conn)
             signals = await measure_signals(conn, self.dispatcher.write_stats)
         self.dispatcher.cluster_high_backlog = backlog.high
-        self.dispatcher.cluster_retry_backlog = backlog.retry
         self.dispatcher.tenant_normal_backlog = backlog.tenant_normal
-        self.dispatcher.backlog_observed_at = time.monotonic()
         was_paused = self.dispatcher.slowdown
         self.dispatcher.slowdown = update_slowdown(self.slowdown, signals, settings)
         if was_paused and not self.dispatcher.slowdown:
@@ -301,12 +299,10 @@ class Coordinator:
 
     def _nothing_ready_for(self, tenant_id: int) -> bool:
         """A completion frees capacity (a client slot, a platform account slot) that only its own tenant's work can
-        use: when the last backlog reading (at most a few seconds old) has no ready work for that tenant and no
-        high or retry work at all, the completion wakes no pass. New work always brings its own wake-up (the
-        scanner, collect-now); work that becomes ready with time waits for the tick. A reading older than the last
-        collect-now is not trusted (its high work may be waiting for exactly this slot)."""
+        use. The dispatcher's pending pairs list every (tenant, platform) with a pending task, of any lane: read
+        before a full pass when a second old, and added to at once by the scanner. When they have none for the
+        tenant, the completion wakes no pass. They are not trusted before their first read, nor when a
+        collect-now came after it (its promoted tasks may be waiting for exactly this slot); other pending work
+        comes back with its own wake-up (a yield, a release, a retry)."""
         d = self.dispatcher
-        return (d.backlog_observed_at is not None and d.backlog_observed_at > self._high_woken_at
-                and time.monotonic() - d.backlog_observed_at <= 3 * MAINTENANCE_INTERVAL_S
-                and d.cluster_high_backlog == 0 and d.cluster_retry_backlog == 0
-                and d.tenant_normal_backlog.get(tenant_id, 0) == 0)
+        return d.pairs_read_at > self._high_woken_at and all(tenant != tenant_id for tenant, _ in d.pairs)

@@ -193,14 +193,17 @@ class Dispatcher:
         self.slowdown = False
         # Refreshed by the maintenance loop: ready backlog, for the retry low-water rule.
         self.cluster_high_backlog = 0
-        self.cluster_retry_backlog = 0
         self.tenant_normal_backlog: dict[int, int] = {}
-        self.backlog_observed_at: float | None = None  # monotonic
         self.passes = 0
         # Set by the coordinator: is high work waiting for a high-only pass? A full pass that has not
         # written yet then yields to it (collect-now latency must not wait for a batch of normal writes).
         self.high_waiting: Callable[[], bool] | None = None
         self._preempted_in_a_row = 0
+
+    @property
+    def pairs_read_at(self) -> float:
+        """Monotonic time of the last read of the pending pairs (0 before the first)."""
+        return self._pairs_at
 
     def add_pairs(self, pairs: Sequence[tuple[int, int]]) -> None:
         """New work the scanner just created (so the pass need not wait for the next pair refresh)."""

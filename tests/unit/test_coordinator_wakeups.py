@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 
 import msgspec
@@ -149,9 +150,7 @@ async def test_a_full_pass_due_right_after_a_click_waits_the_spacing_unless_the_
         await asyncio.wait_for(task, 5)
 
 
-async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_ready() -> None:
-    import time
-
+async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_pending() -> None:
     coordinator = _coordinator()
     dispatcher = coordinator.dispatcher
 
@@ -163,19 +162,15 @@ async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_ready() ->
         await coordinator._on_lifecycle(None, "dlq", message)  # type: ignore[arg-type]
         return coordinator._wake.is_set()
 
-    assert await woken(1)  # no backlog reading yet: wake
-    dispatcher.tenant_normal_backlog = {2: 40}
-    dispatcher.backlog_observed_at = time.monotonic()
-    assert not await woken(1)  # tenant 1 has nothing ready
-    assert await woken(2)  # tenant 2 has normal work the freed slot may serve
-    dispatcher.cluster_retry_backlog = 3
-    assert await woken(1)  # retry work anywhere: wake (its tenant is not in the reading)
-    dispatcher.cluster_retry_backlog, dispatcher.cluster_high_backlog = 0, 1
-    assert await woken(1)  # high work waiting for a slot
-    dispatcher.cluster_high_backlog = 0
-    coordinator.wake_high()  # a click after the reading: its high work may wait for the slot being freed
+    assert await woken(1)  # the pending pairs were never read: wake
+    dispatcher.pairs = {(2, 7)}
+    dispatcher._pairs_at = time.monotonic()
+    assert not await woken(1)  # tenant 1 has nothing pending
+    assert await woken(2)  # tenant 2 has work the freed slot may serve
+    dispatcher.add_pairs([(1, 7)])  # the scanner created tasks for tenant 1
     assert await woken(1)
-    dispatcher.backlog_observed_at = time.monotonic()  # the next reading (which would count that high work)
+    dispatcher.pairs = {(2, 7)}
+    coordinator.wake_high()  # a click after the read: its high work may wait for the slot being freed
+    assert await woken(1)
+    dispatcher._pairs_at = time.monotonic()  # the next read (which would list that high work)
     assert not await woken(1)
-    dispatcher.backlog_observed_at = time.monotonic() - 60
-    assert await woken(1)  # a stale reading is not trusted
