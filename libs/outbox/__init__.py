@@ -1,4 +1,5 @@
-"""Transactional outbox: write in the caller's transaction, publish with confirms from a pump."""
+"""Transactional outbox: write in the caller's transaction, publish with confirms from a pump (or, for a
+latency-critical writer, from the writer itself right after its commit: relay.claim_own)."""
 
 from libs.outbox.writer import NOTIFY_CHANNEL, OutboxEvent, enqueue, enqueue_many
 

@@ -1,4 +1,5 @@
-"""The outbox pump: claim committed rows, publish with confirms, mark published after the confirm."""
+"""The outbox pump: claim committed rows and relay them (libs/outbox/relay.py: publish with confirms, mark
+published after the confirm); reclaim expired claims, keep the depth gauges, delete old published rows."""
 
 from __future__ import annotations
 
