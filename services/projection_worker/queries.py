@@ -30,6 +30,21 @@ WITH c AS (
     FOR UPDATE SKIP LOCKED
 )""" + _CLAIM_KEYS_OF_C
 
+# Both rebuilds (one key; a merged batch of keys) overwrite every counter of an aggregate row they upsert.
+_OVERWRITE_COUNTS = """
+    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
+        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
+        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
+        rebuilt_at = EXCLUDED.rebuilt_at
+"""
+
+
+def _mention_rate(alias: str) -> str:
+    """Mentioned runs over succeeded runs of the counts row `alias`, 4 decimals, 0 without a success."""
+    return (f"CASE WHEN {alias}.succeeded_runs = 0 THEN 0 "
+            f"ELSE round({alias}.brand_mentioned_runs::numeric / {alias}.succeeded_runs, 4) END")
+
+
 # Recompute both projections of one key from the raw facts in one statement (one snapshot) and
 # overwrite them in place. Column definitions: libs/ingest/aggregates.py.
 REBUILD_KEY = """
@@ -75,16 +90,12 @@ WITH runs AS (
         mention_rate, citations, distinct_cited_domains, rebuilt_at)
     SELECT %(tenant_id)s, %(brand_id)s, %(business_date)s, p.ai_platform_id, p.runs, p.succeeded_runs, p.failed_runs,
            p.brand_mentioned_runs,
-           CASE WHEN p.succeeded_runs = 0 THEN 0 ELSE round(p.brand_mentioned_runs::numeric / p.succeeded_runs, 4) END,
+           """ + _mention_rate("p") + """,
            p.citations, p.domains, now()
     FROM platform p
     ORDER BY p.ai_platform_id
     ON CONFLICT (tenant_id, brand_id, business_date, ai_platform_id) DO UPDATE
-    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
-        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
-        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
-        rebuilt_at = EXCLUDED.rebuilt_at
-), drop_brand AS (
+""" + _OVERWRITE_COUNTS + """), drop_brand AS (
     DELETE FROM monitoring_brand_daily d
     WHERE d.tenant_id = %(tenant_id)s AND d.brand_id = %(brand_id)s AND d.business_date = %(business_date)s
       AND (SELECT runs FROM brand) = 0
@@ -94,15 +105,11 @@ WITH runs AS (
         citations, distinct_cited_domains, rebuilt_at)
     SELECT %(tenant_id)s, %(brand_id)s, %(business_date)s, b.runs, b.succeeded_runs, b.failed_runs,
            b.brand_mentioned_runs,
-           CASE WHEN b.succeeded_runs = 0 THEN 0 ELSE round(b.brand_mentioned_runs::numeric / b.succeeded_runs, 4) END,
+           """ + _mention_rate("b") + """,
            b.citations, b.domains, now()
     FROM brand b WHERE b.runs > 0
     ON CONFLICT (tenant_id, brand_id, business_date) DO UPDATE
-    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
-        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
-        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
-        rebuilt_at = EXCLUDED.rebuilt_at
-)
+""" + _OVERWRITE_COUNTS + """)
 SELECT (SELECT runs FROM brand) AS runs, (SELECT count(*) FROM platform) AS platforms
 """
 
@@ -203,16 +210,12 @@ WITH keys AS (
         mention_rate, citations, distinct_cited_domains, rebuilt_at)
     SELECT p.tenant_id, p.brand_id, p.business_date, p.ai_platform_id, p.runs, p.succeeded_runs, p.failed_runs,
            p.brand_mentioned_runs,
-           CASE WHEN p.succeeded_runs = 0 THEN 0 ELSE round(p.brand_mentioned_runs::numeric / p.succeeded_runs, 4) END,
+           """ + _mention_rate("p") + """,
            p.citations, p.domains, now()
     FROM platform p
     ORDER BY p.tenant_id, p.brand_id, p.business_date, p.ai_platform_id
     ON CONFLICT (tenant_id, brand_id, business_date, ai_platform_id) DO UPDATE
-    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
-        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
-        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
-        rebuilt_at = EXCLUDED.rebuilt_at
-), drop_brand AS (
+""" + _OVERWRITE_COUNTS + """), drop_brand AS (
     DELETE FROM monitoring_brand_daily d
     USING brand b
     WHERE d.tenant_id = b.tenant_id AND d.brand_id = b.brand_id AND d.business_date = b.business_date AND b.runs = 0
@@ -221,16 +224,12 @@ WITH keys AS (
         tenant_id, brand_id, business_date, runs, succeeded_runs, failed_runs, brand_mentioned_runs, mention_rate,
         citations, distinct_cited_domains, rebuilt_at)
     SELECT b.tenant_id, b.brand_id, b.business_date, b.runs, b.succeeded_runs, b.failed_runs, b.brand_mentioned_runs,
-           CASE WHEN b.succeeded_runs = 0 THEN 0 ELSE round(b.brand_mentioned_runs::numeric / b.succeeded_runs, 4) END,
+           """ + _mention_rate("b") + """,
            b.citations, b.domains, now()
     FROM brand b WHERE b.runs > 0
     ORDER BY b.tenant_id, b.brand_id, b.business_date
     ON CONFLICT (tenant_id, brand_id, business_date) DO UPDATE
-    SET runs = EXCLUDED.runs, succeeded_runs = EXCLUDED.succeeded_runs, failed_runs = EXCLUDED.failed_runs,
-        brand_mentioned_runs = EXCLUDED.brand_mentioned_runs, mention_rate = EXCLUDED.mention_rate,
-        citations = EXCLUDED.citations, distinct_cited_domains = EXCLUDED.distinct_cited_domains,
-        rebuilt_at = EXCLUDED.rebuilt_at
-)
+""" + _OVERWRITE_COUNTS + """)
 SELECT (SELECT count(*) FROM keys) AS keys, (SELECT coalesce(sum(runs), 0) FROM brand) AS runs,
        (SELECT count(*) FROM platform) AS platforms
 """
