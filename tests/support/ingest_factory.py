@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
+from typing import Protocol
 
 import aio_pika
 import msgspec
@@ -230,11 +231,25 @@ async def running_ingest(pool: AsyncConnectionPool[Conn], settings: Settings, to
         await declare_ingest(channel, topology)
     worker = IngestWorker(connection, topology, pool, IngestConfig(instance_id=instance_id, batch_size=batch_size,
                                                                    prefetch=2 * batch_size))
+    async with running_worker(connection, worker):
+        yield worker
+
+
+class ConsumerWorker(Protocol):
+    subscribed: asyncio.Event
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def running_worker(connection: AbstractRobustConnection, worker: ConsumerWorker) -> AsyncIterator[None]:
+    """Run a consumer worker until the block ends (it has subscribed when the block starts); then stop it and
+    close its broker connection."""
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
         await asyncio.wait_for(worker.subscribed.wait(), 10)
-        yield worker
+        yield
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)

@@ -20,7 +20,7 @@ from libs.mq.topology import Topology, declare_projection
 from libs.outbox.pump import AmqpPublisher, OutboxPump, PumpConfig
 from services.projection_worker.consumer import ProjectionWorker
 from services.projection_worker.rebuild import ProjectionConfig, Rebuilder
-from tests.support.ingest_factory import fetch
+from tests.support.ingest_factory import fetch, running_worker
 
 DAY = date(2026, 3, 15)
 COLUMNS = ("runs", "succeeded_runs", "failed_runs", "brand_mentioned_runs", "mention_rate", "citations",
@@ -39,15 +39,8 @@ async def running_projection(pool: AsyncConnectionPool[Conn], settings: Settings
     worker = ProjectionWorker(connection, topology, Rebuilder(pool, ProjectionConfig(instance_id=instance_id)),
                               sweep_interval_s=sweep_interval_s, merge_window_s=merge_window_s,
                               merge_batch=merge_batch)
-    stop = asyncio.Event()
-    task = asyncio.create_task(worker.run(stop))
-    try:
-        await asyncio.wait_for(worker.subscribed.wait(), 10)
+    async with running_worker(connection, worker):
         yield worker
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 15)
-        await connection.close()
 
 
 @contextlib.asynccontextmanager
