@@ -332,8 +332,7 @@ class Dispatcher:
                         if rows:
                             written = await self._queue_writes(conn, rows, stamp["ts"])
                 if written is not None:
-                    self._relay_committed(written)
-                    await self._after_write(written)
+                    await self._after_commit(written)
                     outcome.dispatched = outcome.high_dispatched = len(written.rows)
             except CONFLICT_ERRORS as exc:
                 self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
@@ -389,8 +388,7 @@ class Dispatcher:
                         write_started = time.perf_counter()
                         written = await self._write(conn, plan, stamp["ts"])
                 if written is not None:
-                    self._relay_committed(written)
-                    await self._after_write(written)
+                    await self._after_commit(written)
                     outcome.dispatched = len(written.rows)
                     outcome.high_dispatched = sum(1 for r in written.rows if r["lane"] == "high")
             except Preempted:
@@ -452,7 +450,7 @@ class Dispatcher:
 
     async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> _Written | None:
         """Claim re-check, then the writes in one round trip (inside the caller's transaction, which calls
-        `_relay_committed` and `_after_write` once it committed)."""
+        `_after_commit` once it committed)."""
         rows = await self._claim(conn, plan)
         if not rows:
             return None
@@ -479,7 +477,7 @@ class Dispatcher:
     async def _queue_writes(self, conn: Conn, rows: list[dict[str, Any]], ts: datetime) -> _Written:
         """Queue the writes of claimed rows in the caller's pipeline: executions, attempts, outbox events
         (NOTIFY when high work is among them), collect-request counters. Nothing is read back here: the
-        caller syncs (or commits) and then calls `_after_write`."""
+        caller commits and then calls `_after_commit`."""
         events = [
             OutboxEvent(
                 exchange=DISPATCH, routing_key=routing_key(r["lane"], r["target_client_id"]),
@@ -549,8 +547,10 @@ class Dispatcher:
         if self._relaying:
             await asyncio.wait(set(self._relaying), timeout=timeout)
 
-    async def _after_write(self, written: _Written) -> None:
-        """Once the queued writes went out: first-dispatch latencies, metrics, logs."""
+    async def _after_commit(self, written: _Written) -> None:
+        """Once the writes committed: start publishing what this pass claimed for itself, then first-dispatch
+        latencies, metrics, logs."""
+        self._relay_committed(written)
         if written.requests is not None:
             for r in await written.requests.fetchall():
                 if r["first"]:
