@@ -305,4 +305,4 @@ class Coordinator:
         collect-now came after it (its promoted tasks may be waiting for exactly this slot); other pending work
         comes back with its own wake-up (a yield, a release, a retry)."""
         d = self.dispatcher
-        return d.pairs_read_at > self._high_woken_at and all(tenant != tenant_id for tenant, _ in d.pairs)
+        return d.pairs_read_at > self._high_woken_at and not d.has_pending(tenant_id)

@@ -187,7 +187,8 @@ class Dispatcher:
         self._relay_lease_seconds = relay_lease_seconds
         self._relaying: set[asyncio.Task[int]] = set()
         self.last_served: dict[str, int] = {}
-        self.pairs: set[tuple[int, int]] = set()
+        self._pairs: set[tuple[int, int]] = set()
+        self._pair_tenants: set[int] = set()  # the tenants of `pairs`, for a per-completion lookup
         self._pairs_at = 0.0
         self.write_stats = WriteStats()
         self.slowdown = False
@@ -201,13 +202,28 @@ class Dispatcher:
         self._preempted_in_a_row = 0
 
     @property
+    def pairs(self) -> set[tuple[int, int]]:
+        """Every (tenant, platform) with a pending task, of any lane (as of `pairs_read_at`, plus `add_pairs`)."""
+        return self._pairs
+
+    @pairs.setter
+    def pairs(self, pairs: set[tuple[int, int]]) -> None:
+        self._pairs = set(pairs)
+        self._pair_tenants = {tenant for tenant, _ in self._pairs}
+
+    @property
     def pairs_read_at(self) -> float:
         """Monotonic time of the last read of the pending pairs (0 before the first)."""
         return self._pairs_at
 
+    def has_pending(self, tenant_id: int) -> bool:
+        """Does `pairs` list the tenant?"""
+        return tenant_id in self._pair_tenants
+
     def add_pairs(self, pairs: Sequence[tuple[int, int]]) -> None:
         """New work the scanner just created (so the pass need not wait for the next pair refresh)."""
-        self.pairs.update(pairs)
+        self._pairs.update(pairs)
+        self._pair_tenants.update(tenant for tenant, _ in pairs)
 
     async def _refresh_pairs(self, conn: Conn) -> None:
         cur = await conn.execute(q.PENDING_PAIRS)
