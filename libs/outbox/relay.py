@@ -31,6 +31,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import MESSAGE_TYPES
 from libs.db.pool import Conn
+from libs.db.tx import pipelined_transaction
 from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
 from libs.outbox import queries as q
@@ -220,7 +221,7 @@ class OutboxRelay:
         by_id = {e.id: e for e in batch}
         published = {i: at for i, (o, at) in outcomes.items() if o == "published"}
         unattempted = [e.id for e in batch if outcomes.get(e.id, ("unattempted", None))[0] == "unattempted"]
-        async with self._pool.connection() as conn, conn.pipeline(), conn.transaction():
+        async with self._pool.connection() as conn, pipelined_transaction(conn):
             await conn.execute(q.ASYNC_COMMIT)
             if keys:
                 await conn.execute(q.NOTIFY_IF_SUCCESSORS, {"channel": NOTIFY_CHANNEL, "keys": keys})

@@ -18,6 +18,7 @@ from libs.auth import TenantPrincipal
 from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, CollectRequestTask
 from libs.contracts.wire import ControlKind, TaskControl
 from libs.db.pool import Conn
+from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.lanes import HIGH_PRIORITY
 from libs.domain.shard import ingest_shard_key
@@ -80,7 +81,7 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
     """Pipelined: three round trips (BEGIN + the tenant's lock + every read; the writes; the request row +
     events + COMMIT) instead of ~20 statements one by one, which keeps click -> commit at a few ms."""
     tenant_id = principal.tenant_id
-    async with conn.pipeline() as pipe, conn.transaction():
+    async with pipelined_transaction(conn) as pipe:
         # Round trip 1: the tenant's collect-now lock, then (under it, so on committed data) the brand and
         # keyword in the caller's tenant, the user's recent requests (replay?), clients, limits, scope.
         await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})

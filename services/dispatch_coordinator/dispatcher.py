@@ -26,6 +26,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.wire import TaskAvailable
 from libs.db.pool import Conn
+from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.dispatch import (
     LANE_ORDER,
@@ -299,7 +300,7 @@ class Dispatcher:
             try:
                 # Two round trips in all: BEGIN + the locks + every read; the writes + COMMIT (queued in the
                 # pipeline and sent together when it ends).
-                async with conn.pipeline(), conn.transaction():
+                async with pipelined_transaction(conn):
                     await conn.execute(q.PASS_LOCK)
                     locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
                     found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
