@@ -208,8 +208,12 @@ class OutboxRelay:
             else:
                 chains[event.ordering_key].append(event)
         outcomes: dict[int, tuple[Outcome, Any]] = {}
+        runs = [*chains.values(), *singles]
         try:
-            await asyncio.gather(*(self._publish_chain(c, outcomes) for c in [*chains.values(), *singles]))
+            if len(runs) == 1:  # the usual writer's batch: publish now, not from a task scheduled for later
+                await self._publish_chain(runs[0], outcomes)
+            else:
+                await asyncio.gather(*(self._publish_chain(c, outcomes) for c in runs))
         finally:
             await asyncio.shield(self._record(batch, outcomes, keys=list(chains)))
         return sum(1 for o, _ in outcomes.values() if o == "published")

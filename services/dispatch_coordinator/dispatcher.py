@@ -61,6 +61,8 @@ CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.LockNotAvailable,
 )
 PAIRS_MAX_AGE_S = 1.0
+# How long a pass waits for the relay of its high events before its bookkeeping (see `_relay_committed`).
+RELAY_HEAD_START_S = 0.05
 PER_PAIR_CAP = 50
 
 
@@ -541,14 +543,17 @@ class Dispatcher:
                                                              "counts": list(requests.values())})
         return _Written(rows, cur, own)
 
-    def _relay_committed(self, written: _Written) -> None:
-        """After the commit: publish the events this pass claimed for itself, in the background (the pass
-        does not wait for the broker). A failed publish goes back to the pumps (retryable, with backoff)."""
+    async def _relay_committed(self, written: _Written) -> None:
+        """After the commit: publish the events this pass claimed for itself. The pass gives the relay a head
+        start of up to RELAY_HEAD_START_S before its own bookkeeping (which would otherwise run first and hold the
+        message in this process); past it, the relay finishes in the background (a slow broker must not stall
+        dispatch). A failed publish goes back to the pumps (retryable, with backoff)."""
         if written.own is None or self._relay is None:
             return
         task = asyncio.create_task(self._relay_own(self._relay, written.own), name="dispatch-relay")
         self._relaying.add(task)
         task.add_done_callback(self._relaying.discard)
+        await asyncio.wait([task], timeout=RELAY_HEAD_START_S)
 
     async def _relay_own(self, relay: OutboxRelay, own: OwnClaim) -> int:
         try:
@@ -567,7 +572,7 @@ class Dispatcher:
     async def _after_commit(self, written: _Written) -> None:
         """Once the writes committed: start publishing what this pass claimed for itself, then first-dispatch
         latencies, metrics, logs."""
-        self._relay_committed(written)
+        await self._relay_committed(written)
         if written.requests is not None:
             for r in await written.requests.fetchall():
                 if r["first"]:
