@@ -32,6 +32,7 @@ from libs.contracts.http import (
 )
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
+from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import SettingsCache
 from libs.domain.shard import shard_for
 from libs.http import ApiError
@@ -117,35 +118,26 @@ def _fence(row: dict[str, Any] | None, principal: ClientPrincipal, token: str) -
 
 
 async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest) -> LeaseResponse:
+    """Two round trips whatever the number of tasks: the client's lease lock + its capacity + the picked rows
+    (locked); then every lease, attempt, request mark and lifecycle event with the COMMIT."""
+    picked: list[tuple[dict[str, Any], int, str, Any]] = []  # (row, epoch, token, the lease's cursor)
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
-        async with conn.transaction():
-            await conn.execute(q.LOCK_CLIENT_LEASES, {"client_id": principal.client_id})
-            cur = await conn.execute(q.CLIENT_CAPACITY, {"client_id": principal.client_id,
-                                                         "tenant_id": principal.tenant_id})
-            capacity = await cur.fetchone()
-            if capacity is None:
+        async with pipelined_transaction(conn) as pipe:
+            params = {"client_id": principal.client_id, "tenant_id": principal.tenant_id,
+                      "max_tasks": body.max_tasks}
+            await conn.execute(q.LOCK_CLIENT_LEASES, params)
+            capacity_cur = await conn.execute(q.CLIENT_CAPACITY, params)
+            pick_cur = await conn.execute(q.PICK_QUEUED, params)
+            await pipe.sync()
+            if await capacity_cur.fetchone() is None:
                 raise ApiError(404, "not_found", "client not found")
-            free = int(capacity["max_concurrent_monitor"]) - int(capacity["in_progress"])
-            limit = min(body.max_tasks, free)
-            if limit <= 0:
-                return LeaseResponse(tasks=[])
-            cur = await conn.execute(q.PICK_QUEUED, {"client_id": principal.client_id,
-                                                     "tenant_id": principal.tenant_id, "limit": limit})
-            rows = await cur.fetchall()
-            tasks: list[LeasedTask] = []
-            for row in rows:
+            for row in await pick_cur.fetchall():
                 epoch = int(row["lease_epoch"]) + 1
                 token = new_lease_token(epoch)
-                cur = await conn.execute(q.MARK_LEASED, {
+                leased_cur = await conn.execute(q.MARK_LEASED, {
                     "task_id": row["id"], "epoch": epoch, "token_hash": hash_token(token),
                     "ttl_s": dispatch.lease_ttl_seconds})
-                leased = await cur.fetchone()
-                if leased is None:  # cannot happen under the row lock; skip defensively
-                    continue
-                await conn.execute(q.INSERT_ATTEMPT, {
-                    "task_id": row["id"], "monitor_task_id": row["monitor_task_id"], "tenant_id": row["tenant_id"],
-                    "client_id": principal.client_id, "epoch": epoch, "generation": row["interrupt_generation"]})
                 if row["collect_request_id"] is not None:
                     await conn.execute(q.REQUEST_RUNNING, {"request_id": row["collect_request_id"],
                                                            "tenant_id": principal.tenant_id})
@@ -153,15 +145,22 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
                                      client_id=principal.client_id, task_id=row["id"],
                                      monitor_task_id=row["monitor_task_id"], ai_platform_id=row["ai_platform_id"],
                                      lane=row["lane"], collect_request_id=row["collect_request_id"])
-                flags = row["control_flags"] or {}
-                tasks.append(LeasedTask(
-                    task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]), lane=row["lane"],
-                    priority=int(row["priority"]), lease_token=token, lease_expires_at=leased["lease_expires_at"],
-                    interrupt_generation=int(row["interrupt_generation"]), business_date=row["business_date"],
-                    brand=BrandRef(brand_id=int(row["brand_id"]), name=row["brand_name"]),
-                    question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
-                    platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
-                    lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False))))
+                picked.append((row, epoch, token, leased_cur))
+    tasks: list[LeasedTask] = []
+    for row, epoch, token, leased_cur in picked:
+        leased = await leased_cur.fetchone()
+        if leased is None:  # cannot happen under PICK_QUEUED's row lock; not handed out if it did
+            log.error("a picked execution was not leased", extra={"task_id": str(row["id"])})
+            continue
+        flags = row["control_flags"] or {}
+        tasks.append(LeasedTask(
+            task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]), lane=row["lane"],
+            priority=int(row["priority"]), lease_token=token, lease_expires_at=leased["lease_expires_at"],
+            interrupt_generation=int(row["interrupt_generation"]), business_date=row["business_date"],
+            brand=BrandRef(brand_id=int(row["brand_id"]), name=row["brand_name"]),
+            question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
+            platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
+            lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False))))
     for task in tasks:
         log.info("task leased", extra={"task_id": str(task.task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "lane": task.lane,

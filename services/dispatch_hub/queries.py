@@ -9,17 +9,20 @@ FROM desktop_clients WHERE token_hash = %(token_hash)s
 # desktop_clients, which heartbeats and collect-now update).
 LOCK_CLIENT_LEASES = "SELECT pg_advisory_xact_lock(hashtextextended('hub.lease:' || %(client_id)s::text, 0))"
 
+# The client's free monitor slots for this lease: its concurrency minus what it runs, at most `max_tasks`.
+# No row: not a client of this tenant.
 CLIENT_CAPACITY = """
-SELECT c.max_concurrent_monitor,
-       (SELECT count(*) FROM desktop_tasks d
-        WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
-          -- a posted result waits for ingest, not for the client: the client is free again
-          AND d.result_received_at IS NULL) AS in_progress
+SELECT greatest(0, least(%(max_tasks)s, c.max_concurrent_monitor - (
+           SELECT count(*) FROM desktop_tasks d
+           WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
+             -- a posted result waits for ingest, not for the client: the client is free again
+             AND d.result_received_at IS NULL))) AS free
 FROM desktop_clients c
 WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
 """
 
-# Contract 5: the best queued executions of this client in dispatch order.
+# Contract 5: the best queued executions of this client in dispatch order, as many as it has free slots (the
+# capacity is computed in the statement, so that the lease reads and locks in one round trip).
 PICK_QUEUED = """
 SELECT d.id, d.monitor_task_id, d.lane, d.priority, d.lease_epoch, d.interrupt_generation, d.business_date,
        d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags,
@@ -32,24 +35,28 @@ JOIN ai_platforms p ON p.id = d.ai_platform_id
 WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s
   AND d.status = 'queued' AND d.kind = 'monitor'
 ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
-LIMIT %(limit)s
+LIMIT coalesce((""" + CLIENT_CAPACITY + """), 0)
 FOR UPDATE OF d SKIP LOCKED
 """
 
+# Lease one picked execution and record its attempt (the attempt only if the lease took: under PICK_QUEUED's row
+# lock it always does).
 MARK_LEASED = """
-UPDATE desktop_tasks
-SET status = 'in_progress', lease_epoch = %(epoch)s, lease_token_hash = %(token_hash)s, leased_at = now(),
-    lease_expires_at = now() + make_interval(secs => %(ttl_s)s), execution_phase = 'PREPARING',
-    result_received_at = NULL, updated_at = now()
-WHERE id = %(task_id)s AND status = 'queued'
-RETURNING lease_expires_at
-"""
-
-INSERT_ATTEMPT = """
-INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status,
-                                   execution_phase, interrupt_generation)
-VALUES (%(task_id)s, %(monitor_task_id)s, %(tenant_id)s, %(client_id)s, %(epoch)s, 'in_progress',
-        'PREPARING', %(generation)s)
+WITH leased AS (
+    UPDATE desktop_tasks
+    SET status = 'in_progress', lease_epoch = %(epoch)s, lease_token_hash = %(token_hash)s, leased_at = now(),
+        lease_expires_at = now() + make_interval(secs => %(ttl_s)s), execution_phase = 'PREPARING',
+        result_received_at = NULL, updated_at = now()
+    WHERE id = %(task_id)s AND status = 'queued'
+    RETURNING id, monitor_task_id, tenant_id, target_client_id, lease_epoch, interrupt_generation, lease_expires_at
+), attempt AS (
+    INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status,
+                                       execution_phase, interrupt_generation)
+    SELECT id, monitor_task_id, tenant_id, target_client_id, lease_epoch, 'in_progress', 'PREPARING',
+           interrupt_generation
+    FROM leased
+)
+SELECT lease_expires_at FROM leased
 """
 
 REQUEST_RUNNING = """
