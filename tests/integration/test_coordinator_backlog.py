@@ -1,0 +1,65 @@
+"""The coordinator's backlog gauges (maintenance.observe_backlog) against real Postgres: what counts as ready, and
+that the whole-backlog statements look the active executions up in a hashed set rather than once per task."""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from libs.db.pool import Conn
+from libs.demo import seed_demo
+from libs.domain.shard import ingest_shard_key
+from services.dispatch_coordinator import queries as q
+from services.dispatch_coordinator.maintenance import observe_backlog
+from tests.support.desktop import dispatch_execution
+
+_PENDING = """
+INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
+    status, dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner, dispatch_after, enqueued_at)
+VALUES (%(tenant_id)s, %(workspace_id)s, %(brand_id)s, %(question_id)s, %(platform_id)s, %(day)s, 'pending',
+    100, %(lane)s, %(shard_key)s, %(owner)s, now() + make_interval(secs => %(due_in_s)s),
+    now() - make_interval(secs => %(age_s)s))
+"""
+
+
+async def _pending(conn: Conn, tenant: dict[str, Any], platform_id: int, question_index: int, *, lane: str = "normal",
+                   owner: str = "desktop_tasks", due_in_s: float = -1, age_s: float = 60) -> None:
+    brand = tenant["brands"][0]
+    day = date.today()
+    await conn.execute(_PENDING, {
+        "tenant_id": tenant["tenant_id"], "workspace_id": tenant["workspace_id"], "brand_id": brand["brand_id"],
+        "question_id": brand["question_ids"][question_index], "platform_id": platform_id, "day": day, "lane": lane,
+        "shard_key": ingest_shard_key(tenant["tenant_id"], brand["brand_id"], day), "owner": owner,
+        "due_in_s": due_in_s, "age_s": age_s})
+
+
+async def test_backlog_counts_ready_tasks_only(pool: AsyncConnectionPool[Conn]) -> None:
+    async with pool.connection() as conn:
+        seed = await seed_demo(conn, tenants=2, questions=6, clients=1, platforms=("openai",), due=False)
+        first, second = seed["tenants"]
+        platform = seed["platforms"][0]["ai_platform_id"]
+        client = first["clients"][0]["client_id"]
+        await _pending(conn, first, platform, 0, age_s=600)
+        await _pending(conn, first, platform, 1, lane="normal_boosted")
+        await _pending(conn, first, platform, 2, lane="high", age_s=30)
+        await _pending(conn, first, platform, 3, owner="legacy")  # another execution path
+        await _pending(conn, first, platform, 4, due_in_s=3600)  # not due yet
+        await dispatch_execution(conn, tenant=first, platform_id=platform, client_id=client, question_index=5)
+        await _pending(conn, second, platform, 0)
+        backlog = await observe_backlog(conn)
+    # The task with a queued execution is not ready; neither are the legacy and the not-yet-due ones.
+    assert (backlog.normal, backlog.high, backlog.retry) == (3, 1, 0)
+    assert backlog.tenant_normal == {first["tenant_id"]: 2, second["tenant_id"]: 1}
+    assert 25_000 < backlog.high_oldest_ms < 60_000
+
+
+async def test_whole_backlog_statements_hash_the_active_executions(pool: AsyncConnectionPool[Conn]) -> None:
+    """One lookup per task in a hashed set, not a subquery per task (110-120 ms over a 10,000-task backlog), even
+    on tables the planner has no statistics for yet."""
+    async with pool.connection() as conn:
+        for statement in (q.BACKLOG, q.NORMAL_WAIT_P99, q.AGING_READY_COUNT):
+            cur = await conn.execute(f"EXPLAIN {statement}")
+            plan = "\n".join(str(r["QUERY PLAN"]) for r in await cur.fetchall())
+            assert "hashed SubPlan" in plan, plan
