@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import msgspec
 import psycopg
 from psycopg import AsyncCursor
 from psycopg import errors as pg_errors
@@ -54,8 +55,7 @@ from services.dispatch_coordinator import queries as q
 log = logging.getLogger("dispatch.pass")
 
 CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, active_probe=q.ACTIVE_PROBE)
-HIGH_CLIENTS_SQL = q.HIGH_CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, candidates=q.HIGH_PENDING)
-HIGH_ACTIVE_SQL = q.PLATFORM_ACTIVE_OF_CANDIDATES.format(candidates=q.HIGH_PENDING)
+HIGH_SNAPSHOT_SQL = q.HIGH_SNAPSHOT.format(eligible=ELIGIBLE_CLIENT_SQL, platform_settings=q.PLATFORM_SETTINGS)
 CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
     pg_errors.LockNotAvailable,
@@ -169,6 +169,36 @@ def _fold_platforms(ledger: Ledger, rows: list[dict[str, Any]]) -> dict[int, str
             paused.add(r["ai_platform_id"])
     ledger.paused_platforms = frozenset(paused)
     return codes
+
+
+class _ClientLoad(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    tenant_id: int
+    workspace_id: int
+    max_concurrent_monitor: int
+    max_queue_depth: int
+    interrupt_generation: int
+    in_progress: int
+    queued: int
+
+
+_json_rows = msgspec.json.Decoder(list[dict[str, Any]])
+_client_loads = msgspec.json.Decoder(list[_ClientLoad])
+
+
+def _high_snapshot(row: dict[str, Any], window: int) -> Snapshot:
+    """The high pass's snapshot from HIGH_SNAPSHOT's one row (its sub-results are JSON documents)."""
+    ledger = Ledger()
+    _fold_platforms(ledger, _json_rows.decode(row["platforms"]))
+    _fold_budget(ledger, _json_rows.decode(row["budget"]))
+    ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"]
+                              for r in _json_rows.decode(row["active"])}
+    clients = [ClientState(id=c.id, tenant_id=c.tenant_id, workspace_id=c.workspace_id,
+                           max_concurrent=c.max_concurrent_monitor, max_queue_depth=c.max_queue_depth,
+                           in_progress=c.in_progress, queued=c.queued, interrupt_generation=c.interrupt_generation)
+               for c in _client_loads.decode(row["clients"])]
+    return Snapshot(now=float(row["now"]), window_start=float(row["window_start"]), window_seconds=window,
+                    ledger=ledger, clients=clients)
 
 
 def _candidate(r: dict[str, Any]) -> Candidate:
@@ -300,47 +330,29 @@ class Dispatcher:
             write_started = 0.0
             written: _Written | None = None
             try:
-                # Two round trips in all: BEGIN + the locks + every read; the writes + COMMIT (queued in the
+                # Two round trips in all: BEGIN + the locks + the reads; the writes + COMMIT (queued in the
                 # pipeline and sent together when it ends).
                 async with pipelined_transaction(conn):
                     await conn.execute(q.PASS_LOCK)
                     locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
                     found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
-                    budget = await conn.execute(q.BUDGET_USED_NOW, {"window": window})
-                    clock = await conn.execute(q.NOW)
-                    platforms = await conn.execute(q.PLATFORM_SETTINGS)
-                    active = await conn.execute(HIGH_ACTIVE_SQL)
-                    loads = await conn.execute(HIGH_CLIENTS_SQL, {
-                        "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+                    snapshot_cur = await conn.execute(HIGH_SNAPSHOT_SQL, {
+                        "window": window, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
                     locked = {r["id"] for r in await locked_cur.fetchall()}
                     found_rows = await found.fetchall()
-                    budget_rows = await budget.fetchall()
-                    stamp = await clock.fetchone()
+                    stamp = await snapshot_cur.fetchone()
+                    assert stamp is not None
                     candidates = [_candidate(r) for r in found_rows]
-                    platform_rows = await platforms.fetchall()
-                    active_rows = await active.fetchall()
-                    client_rows = await loads.fetchall()
-                    assert stamp is not None and budget_rows
-                    start = float(budget_rows[0]["window_start"])
-                    if not candidates or window_start(float(stamp["now"]), window) != start:
-                        return outcome  # nothing to do, or the window rolled over: the full pass decides
-                    ledger = Ledger()
-                    _fold_platforms(ledger, platform_rows)
-                    _fold_budget(ledger, [r for r in budget_rows if r["tenant_id"] is not None])
-                    ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"] for r in active_rows}
-                    clients = [
-                        ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
-                                    max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
-                                    in_progress=r["in_progress"], queued=r["queued"],
-                                    interrupt_generation=r["interrupt_generation"])
-                        for r in client_rows
-                    ]
+                    if not candidates:
+                        return outcome
+                    snapshot = _high_snapshot(stamp, window)
                     outcome.considered = len(candidates)
-                    plan = plan_pass({"high": candidates}, clients, ledger, limits, last_served=self.last_served,
-                                     max_dispatches=batch, normal_has_work=bool(self.pairs))
-                    outcome.seconds_to_next_window = start + window - float(stamp["now"])
+                    plan = plan_pass({"high": candidates}, snapshot.clients, snapshot.ledger, limits,
+                                     last_served=self.last_served, max_dispatches=batch,
+                                     normal_has_work=bool(self.pairs))
+                    outcome.seconds_to_next_window = snapshot.window_start + snapshot.window_seconds - snapshot.now
                     if plan.decisions:
-                        # Stamped with the clock read with the budgets (same window, under the pass lock).
+                        # Stamped with the snapshot's clock: the window whose budget was read (under the pass lock).
                         write_started = time.perf_counter()
                         if all(d.client_id in locked for d in plan.decisions):
                             # Clients and tasks were locked by the reads: nothing to re-check.

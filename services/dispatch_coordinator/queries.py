@@ -95,45 +95,53 @@ GROUP BY 1, 2
 """
 
 # ---- high-only pass (collect-now latency) -----------------------------------------------------------
-# Read in ONE pipelined round trip (each statement re-runs the high candidate scan, which is a short walk of
-# the high ready index): the window's budget use with the window start it was computed for, the eligible
-# clients a high candidate can go to (its bound client, or the clients of its tenant and workspace) with
-# their monitor load, and the active executions of the candidates' tenants. ELIGIBLE_CLIENT_SQL and the
-# candidate query are substituted by the caller.
-BUDGET_USED_NOW = f"""
-WITH w AS (SELECT floor(extract(epoch FROM clock_timestamp()) / %(window)s) * %(window)s AS ws)
-SELECT w.ws::float8 AS window_start, b.tenant_id, b.high, coalesce(b.n, 0) AS n
-FROM w LEFT JOIN LATERAL (
-    SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
-    FROM desktop_tasks d
-    WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(w.ws) AND d.created_at < to_timestamp(w.ws + %(window)s)
-      AND NOT {REFUNDED}
-    GROUP BY 1, 2
-) b ON true
-"""
-
-HIGH_CLIENTS = """
-WITH cand AS MATERIALIZED ({candidates})
-SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-       coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued
-FROM desktop_clients c
-LEFT JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
-           count(*) FILTER (WHERE d.status = 'queued') AS queued
-    FROM desktop_tasks d
-    WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
-) a ON true
-WHERE (c.id = ANY(ARRAY(SELECT target_client_id FROM cand WHERE target_client_id IS NOT NULL))
-       OR (c.tenant_id, c.workspace_id) IN (SELECT tenant_id, workspace_id FROM cand WHERE target_client_id IS NULL))
-  AND {eligible}
-"""
-
-PLATFORM_ACTIVE_OF_CANDIDATES = """
-WITH cand AS MATERIALIZED ({candidates})
-SELECT tenant_id, ai_platform_id, count(*) AS n
-FROM desktop_tasks
-WHERE kind = 'monitor' AND status IN ('queued', 'in_progress') AND tenant_id = ANY(ARRAY(SELECT tenant_id FROM cand))
-GROUP BY 1, 2
+# The high pass's snapshot in ONE statement (one result to convert instead of five; the sub-results come back as
+# JSON documents): the clock, the budget window it falls in and that window's budget use, platform settings,
+# the active executions of the tenants with ready high work, and the eligible clients that work can go to (its
+# bound client, or the clients of its tenant and workspace) with their monitor load. The executions the pass
+# writes are stamped with this clock, so they fall in the window whose budget was read. ELIGIBLE_CLIENT_SQL and
+# PLATFORM_SETTINGS are substituted by the caller.
+HIGH_SNAPSHOT = f"""
+WITH w AS MATERIALIZED (
+    SELECT c.ts, floor(extract(epoch FROM c.ts) / %(window)s) * %(window)s AS ws
+    FROM (SELECT clock_timestamp() AS ts) c
+), cand AS MATERIALIZED (
+    -- Where ready high work is (a superset of the candidates: tasks with an active execution are not filtered
+    -- out): a walk of the high lane of ix_collect_tasks_ready, without the candidate query's per-task probes.
+    SELECT DISTINCT t.tenant_id, t.workspace_id, t.target_client_id
+    FROM monitoring_collect_tasks t
+    WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
+      AND t.dispatch_after <= now()
+)
+SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_start,
+       (SELECT coalesce(json_agg(b), '[]')::text FROM (
+            SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
+            FROM desktop_tasks d
+            WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(w.ws)
+              AND d.created_at < to_timestamp(w.ws + %(window)s) AND NOT {REFUNDED}
+            GROUP BY 1, 2) b) AS budget,
+       (SELECT coalesce(json_agg(p), '[]')::text FROM ({{platform_settings}}) p) AS platforms,
+       (SELECT coalesce(json_agg(a), '[]')::text FROM (
+            SELECT d.tenant_id, d.ai_platform_id, count(*) AS n
+            FROM desktop_tasks d
+            WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+              AND d.tenant_id = ANY(ARRAY(SELECT tenant_id FROM cand))
+            GROUP BY 1, 2) a) AS active,
+       (SELECT coalesce(json_agg(l), '[]')::text FROM (
+            SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth,
+                   c.interrupt_generation, coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued
+            FROM desktop_clients c
+            LEFT JOIN LATERAL (
+                SELECT count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
+                       count(*) FILTER (WHERE d.status = 'queued') AS queued
+                FROM desktop_tasks d
+                WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+            ) a ON true
+            WHERE (c.id = ANY(ARRAY(SELECT target_client_id FROM cand WHERE target_client_id IS NOT NULL))
+                   OR (c.tenant_id, c.workspace_id) IN (SELECT tenant_id, workspace_id FROM cand
+                                                        WHERE target_client_id IS NULL))
+              AND {{eligible}}) l) AS clients
+FROM w
 """
 
 PLATFORM_SETTINGS = """
@@ -171,16 +179,6 @@ FROM monitoring_collect_tasks t {ACTIVE_PROBE}
 WHERE t.dispatch_lane = 'high' AND {READY_PROBED}
 ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
 LIMIT %(limit)s
-"""
-
-# Where ready high work is (a superset of the high pass's candidates: tasks with an active execution are not
-# filtered out), for the pass's client and platform-load reads: a walk of the high lane of
-# ix_collect_tasks_ready, without the per-task probes and ordering of the candidate query.
-HIGH_PENDING = """
-SELECT DISTINCT t.tenant_id, t.workspace_id, t.target_client_id
-FROM monitoring_collect_tasks t
-WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
-  AND t.dispatch_after <= now()
 """
 
 # The high pass takes its locks while it reads, in the order every writer uses (clients, then tasks), so
