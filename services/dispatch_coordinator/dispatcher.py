@@ -334,6 +334,7 @@ class Dispatcher:
                 # pipeline and sent together when it ends).
                 async with pipelined_transaction(conn):
                     await conn.execute(q.PASS_LOCK)
+                    await conn.execute(q.ASYNC_COMMIT)
                     locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
                     found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
                     snapshot_cur = await conn.execute(HIGH_SNAPSHOT_SQL, {
