@@ -14,10 +14,6 @@ FROM brands b JOIN tenants t ON t.id = b.tenant_id
 WHERE b.id = %(brand_id)s AND b.tenant_id = %(tenant_id)s AND b.workspace_id = %(workspace_id)s
 """
 
-KEYWORD_OF_BRAND = """
-SELECT 1 FROM monitoring_keywords WHERE id = %(keyword_id)s AND brand_id = %(brand_id)s AND tenant_id = %(tenant_id)s
-"""
-
 # The user's recent requests on this brand (newest first); the caller picks the one with its scope hash.
 # (Read in the same round trip as the brand row the hash depends on.)
 RECENT_REQUESTS = """
@@ -81,6 +77,31 @@ WHERE q.tenant_id = %(tenant_id)s AND q.brand_id = %(brand_id)s AND q.enabled
   AND (%(question_ids)s::bigint[] IS NULL OR q.id = ANY(%(question_ids)s::bigint[]))
   AND (%(platform_ids)s::bigint[] IS NULL OR p.id = ANY(%(platform_ids)s::bigint[]))
 ORDER BY q.id, p.id
+"""
+
+# Everything the decision reads, in ONE statement (read under LOCK_TENANT, after it): the brand in the caller's
+# tenant and workspace (NULL columns: not found), whether the keyword belongs to it, the user's recent requests
+# (newest first), the eligible clients, the tenant's active requests, the user's hourly count and the scope. The
+# row sets come back as JSON documents (decoded into typed structs by the caller): one result for psycopg to
+# convert instead of seven.
+def _json_array(sql: str) -> str:
+    """A statement's rows as one JSON array, in the statement's order."""
+    return (f"(SELECT coalesce(json_agg(x ORDER BY x.ord), '[]')::text "
+            f"FROM (SELECT s.*, row_number() OVER () AS ord FROM ({sql}) s) x)")
+
+
+READS = f"""
+SELECT b.id AS brand_id, b.workspace_id, b.business_date,
+       (%(keyword_id)s::bigint IS NULL OR EXISTS (
+            SELECT 1 FROM monitoring_keywords k
+            WHERE k.id = %(keyword_id)s::bigint AND k.brand_id = %(brand_id)s AND k.tenant_id = %(tenant_id)s))
+           AS keyword_ok,
+       {_json_array(RECENT_REQUESTS)} AS recent,
+       {_json_array(CLIENT_CANDIDATES)} AS candidates,
+       {_json_array(ACTIVE_REQUESTS)} AS active,
+       u.user_requests_last_hour, u.oldest_user_request_age_s,
+       {_json_array(SCOPE)} AS scope
+FROM ({USER_RATE}) u LEFT JOIN ({BRAND}) b ON true
 """
 
 # The write phase is pipelined: statements after the increment read the new generation with this

@@ -57,6 +57,48 @@ class _Execution:
     lane: str
 
 
+# The row sets of q.READS (JSON documents), typed.
+class _RecentRequest(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    scope_hash: str
+    target_client_id: uuid.UUID | None
+    requested_task_count: int
+    aborted_queued_count: int
+    interrupt_requested_count: int
+    interrupt_generation: int
+    ttl_expires_at: datetime
+    status: str
+    affected_task_count: int
+
+
+class _CandidateRow(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    max_concurrent_monitor: int
+    platform_health: dict[str, str] | None
+    heartbeat_age_s: float
+    in_progress: int
+    attempts: int
+    aborts: int
+
+
+class _ActiveRequest(msgspec.Struct, frozen=True):
+    id: uuid.UUID
+    target_client_id: uuid.UUID | None
+    ttl_remaining_s: float
+
+
+class _ScopeRow(msgspec.Struct, frozen=True):
+    question_id: int
+    ai_platform_id: int
+    plan_id: int | None
+
+
+_recent = msgspec.json.Decoder(list[_RecentRequest])
+_candidates = msgspec.json.Decoder(list[_CandidateRow])
+_active = msgspec.json.Decoder(list[_ActiveRequest])
+_scope = msgspec.json.Decoder(list[_ScopeRow])
+
+
 async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
                       body: CollectNowRequest, settings: DispatchSettings, *,
                       first_dispatch_wait_s: float = 5.0) -> Accepted:
@@ -82,69 +124,58 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
     events + COMMIT) instead of ~20 statements one by one, which keeps click -> commit at a few ms."""
     tenant_id = principal.tenant_id
     async with pipelined_transaction(conn) as pipe:
-        # Round trip 1: the tenant's collect-now lock, then (under it, so on committed data) the brand and
-        # keyword in the caller's tenant, the user's recent requests (replay?), clients, limits, scope.
+        # Round trip 1: the tenant's collect-now lock, then (under it, so on committed data) everything the
+        # decision reads, in one statement: the brand and keyword in the caller's tenant, the user's recent
+        # requests (replay?), clients, limits, scope.
         await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
-        brand_cur = await conn.execute(q.BRAND, {"brand_id": brand_id, "tenant_id": tenant_id,
-                                                 "workspace_id": principal.workspace_id})
-        keyword_cur = None
-        if body.keyword_id is not None:
-            keyword_cur = await conn.execute(q.KEYWORD_OF_BRAND, {
-                "keyword_id": body.keyword_id, "brand_id": brand_id, "tenant_id": tenant_id})
-        recent_cur = await conn.execute(q.RECENT_REQUESTS, {
-            "user_id": principal.user_id, "brand_id": brand_id, "tenant_id": tenant_id,
-            "window_s": settings.idempotency_window_seconds})
-        candidates_cur = await conn.execute(q.CLIENT_CANDIDATES, {
-            "tenant_id": tenant_id, "workspace_id": principal.workspace_id,
-            "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
-        active_cur = await conn.execute(q.ACTIVE_REQUESTS, {"tenant_id": tenant_id})
-        user_cur = await conn.execute(q.USER_RATE, {"tenant_id": tenant_id, "user_id": principal.user_id})
-        scope_cur = await conn.execute(q.SCOPE, {
-            "tenant_id": tenant_id, "brand_id": brand_id, "keyword_id": body.keyword_id,
+        reads_cur = await conn.execute(q.READS, {
+            "brand_id": brand_id, "tenant_id": tenant_id, "workspace_id": principal.workspace_id,
+            "keyword_id": body.keyword_id, "user_id": principal.user_id,
+            "window_s": settings.idempotency_window_seconds,
+            "heartbeat_timeout_s": settings.heartbeat_timeout_seconds,
             "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
         await pipe.sync()
-        brand = await brand_cur.fetchone()
-        if brand is None:
+        reads = await reads_cur.fetchone()
+        assert reads is not None
+        if reads["brand_id"] is None:
             raise ApiError(404, "not_found", "brand not found", "brand_id")
-        if keyword_cur is not None and await keyword_cur.fetchone() is None:
+        if not reads["keyword_ok"]:
             raise ApiError(400, "invalid_field", f"keyword {body.keyword_id} does not belong to brand {brand_id}",
                            "keyword_id")
-        business_date: date = brand["business_date"]
+        business_date: date = reads["business_date"]
         hashed = scope_hash(brand_id=brand_id, keyword_id=body.keyword_id, question_ids=body.question_ids,
                             ai_platform_ids=body.ai_platform_ids, business_date=business_date)
-        existing = next((r for r in await recent_cur.fetchall() if r["scope_hash"] == hashed), None)
+        existing = next((r for r in _recent.decode(reads["recent"]) if r.scope_hash == hashed), None)
         if existing is not None:
             return Accepted(_replay_response(existing), replay=True)
-        candidates = [_candidate(row) for row in await candidates_cur.fetchall()]
+        candidates = [_candidate(row) for row in _candidates.decode(reads["candidates"])]
         choice = choose_target_client(candidates, requested=body.target_client_id,
                                       heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
         client_id = choice.client_id
-        active = await active_cur.fetchall()
-        user = await user_cur.fetchone()
-        assert user is not None
+        active = _active.decode(reads["active"])
         # A request this one supersedes (same client) is not an extra active one.
-        counted = [r for r in active if r["ttl_remaining_s"] > 0
-                   and (client_id is None or r["target_client_id"] != client_id)]
+        counted = [r for r in active if r.ttl_remaining_s > 0
+                   and (client_id is None or r.target_client_id != client_id)]
         limited = check_rate_limits(
             active_requests=len(counted), max_active_requests=settings.max_active_requests_per_tenant,
-            earliest_active_ttl_s=min((r["ttl_remaining_s"] for r in counted), default=None),
-            user_requests_last_hour=user["user_requests_last_hour"],
+            earliest_active_ttl_s=min((r.ttl_remaining_s for r in counted), default=None),
+            user_requests_last_hour=reads["user_requests_last_hour"],
             max_user_requests_per_hour=settings.max_requests_per_user_per_hour,
-            oldest_user_request_age_s=user["oldest_user_request_age_s"])
+            oldest_user_request_age_s=reads["oldest_user_request_age_s"])
         if limited is not None:
             raise ApiError(429, limited.code, limited.message, retry_after_s=limited.retry_after_s)
-        scope = await scope_cur.fetchall()
+        scope = _scope.decode(reads["scope"])
         _check_scope(scope, body)
         old_ids: list[uuid.UUID] = [] if client_id is None else [
-            r["id"] for r in active if r["target_client_id"] == client_id]
+            r.id for r in active if r.target_client_id == client_id]
 
         # Round trip 2: generation, preemption, missing tasks, promotion, supersede marks on old tasks.
         request_id = uuid.uuid4()
         params: dict[str, Any] = {
-            "tenant_id": tenant_id, "workspace_id": brand["workspace_id"], "brand_id": brand_id,
+            "tenant_id": tenant_id, "workspace_id": reads["workspace_id"], "brand_id": brand_id,
             "business_date": business_date, "client_id": client_id, "request_id": request_id,
-            "priority": HIGH_PRIORITY, "question_ids": [r["question_id"] for r in scope],
-            "platform_ids": [r["ai_platform_id"] for r in scope], "plan_ids": [r["plan_id"] for r in scope],
+            "priority": HIGH_PRIORITY, "question_ids": [r.question_id for r in scope],
+            "platform_ids": [r.ai_platform_id for r in scope], "plan_ids": [r.plan_id for r in scope],
             "shard_key": ingest_shard_key(tenant_id, brand_id, business_date)}
         generation_cur = cancelled_cur = interrupted_cur = None
         if client_id is not None:
@@ -236,14 +267,14 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
                          reason=PREEMPT_REASON if cancelled or interrupted else None)
 
 
-def _check_scope(scope: list[dict[str, Any]], body: CollectNowRequest) -> None:
+def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest) -> None:
     if body.question_ids:
-        missing = sorted(set(body.question_ids) - {r["question_id"] for r in scope})
+        missing = sorted(set(body.question_ids) - {r.question_id for r in scope})
         if missing:
             raise ApiError(400, "invalid_field", f"question(s) {missing} are not enabled questions of this brand "
                            "(for this keyword and the tenant's enabled platforms)", "question_ids")
     if body.ai_platform_ids:
-        missing = sorted(set(body.ai_platform_ids) - {r["ai_platform_id"] for r in scope})
+        missing = sorted(set(body.ai_platform_ids) - {r.ai_platform_id for r in scope})
         if missing:
             raise ApiError(400, "invalid_field", f"platform(s) {missing} are not enabled for this tenant",
                            "ai_platform_ids")
@@ -252,11 +283,11 @@ def _check_scope(scope: list[dict[str, Any]], body: CollectNowRequest) -> None:
                        "or the tenant has no enabled platforms")
 
 
-def _candidate(row: dict[str, Any]) -> ClientCandidate:
-    return ClientCandidate(client_id=row["id"], max_concurrent_monitor=row["max_concurrent_monitor"],
-                           in_progress=row["in_progress"], attempts_last_minute=row["attempts"],
-                           aborts_last_minute=row["aborts"], heartbeat_age_s=row["heartbeat_age_s"],
-                           platform_health=row["platform_health"] or {})
+def _candidate(row: _CandidateRow) -> ClientCandidate:
+    return ClientCandidate(client_id=row.id, max_concurrent_monitor=row.max_concurrent_monitor,
+                           in_progress=row.in_progress, attempts_last_minute=row.attempts,
+                           aborts_last_minute=row.aborts, heartbeat_age_s=row.heartbeat_age_s,
+                           platform_health=row.platform_health or {})
 
 
 def _execution(row: dict[str, Any]) -> _Execution:
@@ -264,13 +295,12 @@ def _execution(row: dict[str, Any]) -> _Execution:
                       ai_platform_id=row["ai_platform_id"], lane=row["lane"])
 
 
-def _replay_response(row: dict[str, Any]) -> CollectNowResponse:
+def _replay_response(row: _RecentRequest) -> CollectNowResponse:
     return CollectNowResponse(
-        request_id=row["id"], target_client_id=row["target_client_id"],
-        affected_task_count=int(row["affected_task_count"]),
-        promoted_task_count=row["requested_task_count"], aborted_queued_count=row["aborted_queued_count"],
-        interrupt_requested_count=row["interrupt_requested_count"], interrupt_generation=row["interrupt_generation"],
-        ttl_expires_at=row["ttl_expires_at"], status=row["status"], idempotent_replay=True,
+        request_id=row.id, target_client_id=row.target_client_id, affected_task_count=row.affected_task_count,
+        promoted_task_count=row.requested_task_count, aborted_queued_count=row.aborted_queued_count,
+        interrupt_requested_count=row.interrupt_requested_count, interrupt_generation=row.interrupt_generation,
+        ttl_expires_at=row.ttl_expires_at, status=row.status, idempotent_replay=True,
         message="the same collection was requested moments ago; this is that request")
 
 
