@@ -13,6 +13,7 @@ import msgspec
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
+from libs.db.tx import pipelined_transaction
 from libs.tasks.transitions import emit_lifecycle
 from services.dispatch_hub import queries as q
 
@@ -44,14 +45,19 @@ class HeartbeatWriter:
         ids = sorted((c for c in touched if self._is_connected(c)), key=str)
         if not ids and not health:
             return 0
-        async with self._pool.connection() as conn, conn.transaction():
-            revived = []
+        # Two round trips (the batch and the health reports; the lifecycle events with the COMMIT): the clients'
+        # rows stay locked briefly, and a collect-now bumping a client's generation rarely waits for them.
+        async with self._pool.connection() as conn, pipelined_transaction(conn) as pipe:
+            cur = None
             if ids:
                 cur = await conn.execute(q.HEARTBEAT_BATCH, {"ids": ids, "hub": self._hub})
-                revived = [r for r in await cur.fetchall() if not r["was_online"]]
             for client_id, platform_health in health.items():
                 await conn.execute(q.PLATFORM_HEALTH, {"client_id": client_id,
                                                        "health": msgspec.json.encode(platform_health).decode()})
+            revived = []
+            if cur is not None:
+                await pipe.sync()
+                revived = [r for r in await cur.fetchall() if not r["was_online"]]
             for row in revived:
                 await emit_lifecycle(conn, "client.online", tenant_id=int(row["tenant_id"]), client_id=row["id"])
         self.flushes += 1
