@@ -395,7 +395,7 @@ class Dispatcher:
             write_started = 0.0
             written: _Written | None = None
             try:
-                async with conn.transaction():
+                async with pipelined_transaction(conn):
                     await conn.execute(q.PASS_LOCK)
                     snap = await read_snapshot(conn, settings)
                     self._yield_to_high()
