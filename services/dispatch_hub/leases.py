@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from psycopg import AsyncCursor
 from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import hash_token
@@ -120,7 +121,7 @@ def _fence(row: dict[str, Any] | None, principal: ClientPrincipal, token: str) -
 async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest) -> LeaseResponse:
     """Two round trips whatever the number of tasks: the client's lease lock + its capacity + the picked rows
     (locked); then every lease, attempt, request mark and lifecycle event with the COMMIT."""
-    picked: list[tuple[dict[str, Any], int, str, Any]] = []  # (row, epoch, token, the lease's cursor)
+    picked: list[tuple[dict[str, Any], int, str, AsyncCursor[dict[str, Any]]]] = []  # row, epoch, token, lease
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
         async with pipelined_transaction(conn) as pipe:
