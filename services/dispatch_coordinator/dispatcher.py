@@ -26,7 +26,7 @@ from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.wire import TaskAvailable
-from libs.db.pool import Conn
+from libs.db.pool import Conn, json_rows
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.dispatch import (
@@ -530,19 +530,12 @@ class Dispatcher:
                 requests[r["collect_request_id"]] += 1
         refs = [r["row_ref"] for r in rows]
         await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": refs})
-        await conn.execute(q.INSERT_EXECUTIONS, {
-            "ids": [r["id"] for r in rows], "tenant_ids": [r["tenant_id"] for r in rows],
-            "workspace_ids": [r["workspace_id"] for r in rows], "clients": [r["target_client_id"] for r in rows],
-            "priorities": [r["priority"] for r in rows], "lanes": [r["lane"] for r in rows],
-            "weights": [r["lane_weight"] for r in rows], "sources": [r["source"] for r in rows],
-            "group_keys": [r["scheduler_group_key"] for r in rows],
-            "task_ids": [r["monitor_task_id"] for r in rows],
-            "generations": [r["interrupt_generation"] for r in rows],
-            "enqueued": [r["enqueued_at"] for r in rows],
-            "brand_ids": [r["brand_id"] for r in rows], "question_ids": [r["question_id"] for r in rows],
-            "platform_ids": [r["ai_platform_id"] for r in rows], "dates": [r["business_date"] for r in rows],
-            "request_ids": [r["collect_request_id"] for r in rows], "ts": ts,
-        })
+        await conn.execute(q.INSERT_EXECUTIONS, {"ts": ts, "rows": json_rows(
+            (r["id"], r["tenant_id"], r["workspace_id"], r["target_client_id"], r["priority"], r["lane"],
+             r["lane_weight"], r["source"], r["scheduler_group_key"], r["monitor_task_id"], r["interrupt_generation"],
+             r["enqueued_at"], r["brand_id"], r["question_id"], r["ai_platform_id"], r["business_date"],
+             r["collect_request_id"])
+            for r in rows)})
         high = any(r["lane"] == "high" for r in rows)
         relay = self._relay if high and self._relay is not None and self._relay.ready() else None
         event_ids = await enqueue_many(conn, events, notify=high and relay is None)
