@@ -5,11 +5,13 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
-from services.dispatch_coordinator.dispatcher import MAX_PREEMPTIONS, Dispatcher
+from services.dispatch_coordinator import dispatcher as dispatcher_module
+from services.dispatch_coordinator.dispatcher import MAX_PREEMPTIONS, Dispatcher, limits_from, read_snapshot
 from services.dispatch_coordinator.scanner import scan_once
 from tests.integration.test_coordinator_load import collect_now
 from tests.support.dispatch_fleet import Seeded, seed_fleet
@@ -238,3 +240,43 @@ async def test_high_pass_publishes_its_own_task_available_and_leaves_it_to_the_p
     finally:
         await publisher.close()
         await listener.close()
+
+
+async def test_a_full_pass_reads_its_candidates_in_chunks_and_yields_between_them(
+        pool: AsyncConnectionPool[Conn], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunked, the candidate read finds exactly what one read finds; a click arriving during a chunk makes the
+    pass yield before the next one (it waits for one chunk, not for every pair's read)."""
+    await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
+    settings = await _settings(pool)
+    limits = limits_from(settings, slowdown=False)
+    found: list[set[int]] = []
+    for chunk_rows in (dispatcher_module.CANDIDATE_CHUNK_ROWS, 1):
+        monkeypatch.setattr(dispatcher_module, "CANDIDATE_CHUNK_ROWS", chunk_rows)
+        dispatcher = Dispatcher(pool)
+        async with pool.connection() as conn, conn.transaction():
+            await dispatcher._refresh_pairs(conn)
+            snap = await read_snapshot(conn, settings)
+            candidates = await dispatcher._candidates(conn, snap, limits, settings)
+        found.append({c.id for lane in candidates.values() for c in lane})
+    assert len(found[0]) > 3 and found[0] == found[1]
+
+    dispatcher = Dispatcher(pool)  # chunks of one row: the second check is before the second chunk
+    calls = {"n": 0}
+
+    def high_waiting() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 1  # the click arrives during the first chunk
+
+    read: list[int] = []
+    candidate = dispatcher_module._candidate
+
+    def counted(row: dict[str, Any]) -> Any:
+        read.append(row["id"])
+        return candidate(row)
+
+    monkeypatch.setattr(dispatcher_module, "_candidate", counted)
+    dispatcher.high_waiting = high_waiting
+    outcome = await dispatcher.run_pass(settings)
+    assert outcome.preempted and outcome.dispatched == 0 and calls["n"] == 2
+    assert len(read) < len(found[0])  # the first chunk only (in one read, every candidate before the check)
+    assert await _lanes(pool) == {}
