@@ -14,6 +14,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.listen import listen_forever
 from libs.db.pool import Conn
+from libs.db.tx import pipelined_transaction
 from libs.outbox import queries as q
 from libs.outbox.relay import (
     AmqpPublisher,
@@ -84,10 +85,10 @@ class OutboxPump(OutboxRelay):
     # ---- claim / publish / mark --------------------------------------------------------------
     async def claim(self, limit: int | None = None, *, min_priority: int = 0) -> list[ClaimedEvent]:
         """Claim up to `limit` rows in priority DESC, id order (`min_priority` > 0: prioritised rows only)."""
-        async with self._pool.connection() as conn, conn.pipeline():
+        async with self._pool.connection() as conn:
             # One round trip: BEGIN, the claim lock, the claim and COMMIT go out in one pipeline (the rows
-            # are read after the commit is queued). The commit does not wait for the WAL flush (ASYNC_COMMIT).
-            async with conn.transaction():
+            # are read after the commit). The commit does not wait for the WAL flush (ASYNC_COMMIT).
+            async with pipelined_transaction(conn):
                 await conn.execute(q.ASYNC_COMMIT)
                 if min_priority <= 0:  # prioritised-only claims need no claim lock (queries.CLAIM)
                     await conn.execute(q.LOCK_CLAIMS, {"lock": q.OUTBOX_CLAIM_LOCK})
