@@ -14,15 +14,16 @@ FROM brands b JOIN tenants t ON t.id = b.tenant_id
 WHERE b.id = %(brand_id)s AND b.tenant_id = %(tenant_id)s AND b.workspace_id = %(workspace_id)s
 """
 
-# The user's recent requests on this brand (newest first); the caller picks the one with its scope hash.
-# (Read in the same round trip as the brand row the hash depends on.)
+# The user's recent requests on this brand with one of the scope hashes (newest first). The hash covers the
+# business date, which is read in the same statement (the tenant's local date), so the caller passes the hashes
+# of every date it can be and picks the one of the date read.
 RECENT_REQUESTS = """
 SELECT id, scope_hash, target_client_id, requested_task_count, aborted_queued_count, interrupt_requested_count,
        interrupt_generation, ttl_expires_at, status,
        coalesce((request_scope ->> 'affected_task_count')::int, requested_task_count) AS affected_task_count
 FROM monitoring_collect_requests
 WHERE requested_by_user_id = %(user_id)s AND brand_id = %(brand_id)s
-  AND tenant_id = %(tenant_id)s AND status <> 'superseded'
+  AND tenant_id = %(tenant_id)s AND status <> 'superseded' AND scope_hash = ANY(%(scope_hashes)s::text[])
   AND created_at > now() - make_interval(secs => %(window_s)s)
 ORDER BY created_at DESC
 """
@@ -54,13 +55,10 @@ WHERE tenant_id = %(tenant_id)s AND status IN ('accepted', 'dispatching', 'runni
 """
 
 USER_RATE = """
-SELECT
-  (SELECT count(*) FROM monitoring_collect_requests r
-   WHERE r.tenant_id = %(tenant_id)s AND r.requested_by_user_id = %(user_id)s
-     AND r.created_at > now() - interval '1 hour') AS user_requests_last_hour,
-  (SELECT extract(epoch FROM now() - min(r.created_at))::float8 FROM monitoring_collect_requests r
-   WHERE r.tenant_id = %(tenant_id)s AND r.requested_by_user_id = %(user_id)s
-     AND r.created_at > now() - interval '1 hour') AS oldest_user_request_age_s
+SELECT count(*) AS user_requests_last_hour,
+       extract(epoch FROM now() - min(r.created_at))::float8 AS oldest_user_request_age_s
+FROM monitoring_collect_requests r
+WHERE r.tenant_id = %(tenant_id)s AND r.requested_by_user_id = %(user_id)s AND r.created_at > now() - interval '1 hour'
 """
 
 # The scope: the brand's enabled questions (or the keyword's) x the tenant's enabled platforms.
@@ -103,6 +101,9 @@ SELECT b.id AS brand_id, b.workspace_id, b.business_date,
        {_json_array(SCOPE)} AS scope
 FROM ({USER_RATE}) u LEFT JOIN ({BRAND}) b ON true
 """
+
+# The recent requests alone (RECENT_REQUESTS' JSON array): for a business date READS was not given the hash of.
+RECENT = f"SELECT {_json_array(RECENT_REQUESTS)} AS recent"
 
 # The write phase is pipelined: statements after the increment read the new generation with this
 # subquery (0 when the request is unbound). No other writer changes a client's generation.

@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import msgspec
@@ -128,10 +128,11 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
         # decision reads, in one statement: the brand and keyword in the caller's tenant, the user's recent
         # requests (replay?), clients, limits, scope.
         await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
+        hashes = _scope_hashes(brand_id, body)
+        recent_params = {"brand_id": brand_id, "tenant_id": tenant_id, "user_id": principal.user_id,
+                         "window_s": settings.idempotency_window_seconds, "scope_hashes": list(hashes.values())}
         reads_cur = await conn.execute(q.READS, {
-            "brand_id": brand_id, "tenant_id": tenant_id, "workspace_id": principal.workspace_id,
-            "keyword_id": body.keyword_id, "user_id": principal.user_id,
-            "window_s": settings.idempotency_window_seconds,
+            **recent_params, "workspace_id": principal.workspace_id, "keyword_id": body.keyword_id,
             "heartbeat_timeout_s": settings.heartbeat_timeout_seconds,
             "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
         await pipe.sync()
@@ -143,9 +144,16 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
             raise ApiError(400, "invalid_field", f"keyword {body.keyword_id} does not belong to brand {brand_id}",
                            "keyword_id")
         business_date: date = reads["business_date"]
-        hashed = scope_hash(brand_id=brand_id, keyword_id=body.keyword_id, question_ids=body.question_ids,
-                            ai_platform_ids=body.ai_platform_ids, business_date=business_date)
-        existing = next((r for r in _recent.decode(reads["recent"]) if r.scope_hash == hashed), None)
+        hashed = hashes.get(business_date)
+        recent = reads["recent"]
+        if hashed is None:  # the database's clock is a day away from ours: read again with the right hash
+            hashed = _scope_hash(brand_id, body, business_date)
+            recent_cur = await conn.execute(q.RECENT, {**recent_params, "scope_hashes": [hashed]})
+            await pipe.sync()
+            row = await recent_cur.fetchone()
+            assert row is not None
+            recent = row["recent"]
+        existing = next((r for r in _recent.decode(recent) if r.scope_hash == hashed), None)
         if existing is not None:
             return Accepted(_replay_response(existing), replay=True)
         candidates = [_candidate(row) for row in _candidates.decode(reads["candidates"])]
@@ -265,6 +273,19 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
     await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id, lane="high",
                          collect_request_id=request_id,
                          reason=PREEMPT_REASON if cancelled or interrupted else None)
+
+
+def _scope_hash(brand_id: int, body: CollectNowRequest, business_date: date) -> str:
+    return scope_hash(brand_id=brand_id, keyword_id=body.keyword_id, question_ids=body.question_ids,
+                      ai_platform_ids=body.ai_platform_ids, business_date=business_date)
+
+
+def _scope_hashes(brand_id: int, body: CollectNowRequest) -> dict[date, str]:
+    """The request's scope hash for every business date a tenant can be on now: time zones span UTC-12 to
+    UTC+14, one more day each way for clock skew near midnight. READS then returns only the user's recent
+    requests of this scope (not every request of the idempotency window, decoded and compared here)."""
+    today = datetime.now(UTC).date()
+    return {day: _scope_hash(brand_id, body, day) for day in (today + timedelta(days=n) for n in range(-2, 3))}
 
 
 def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest) -> None:

@@ -248,6 +248,29 @@ async def test_the_same_click_within_the_window_is_an_idempotent_replay(settings
         assert (await replayed.json())["request_id"] == (await narrower.json())["request_id"]
 
 
+async def test_replay_when_the_database_is_on_another_day_than_the_api(settings: Settings, pool,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """READS is given the scope hashes of the dates the API expects; a business date outside them (clocks a day
+    apart) is read again with its own hash, so the second click is still the first one's replay."""
+    from datetime import date, timedelta
+
+    from services.collect_now_api import service
+
+    def far_from_today(brand_id: int, body: Any) -> dict[date, str]:
+        return {day: service._scope_hash(brand_id, body, day)
+                for day in (date(2000, 1, 1) + timedelta(days=n) for n in range(5))}
+
+    monkeypatch.setattr(service, "_scope_hashes", far_from_today)
+    async with pool.connection() as conn:
+        world = await make_world(conn, questions=2)
+    async with api_client(settings) as http:
+        body = {"question_ids": world.brand["question_ids"][:1]}
+        first = await http.post(collect_path(world.brand_id), json=body, headers=world.auth())
+        second = await http.post(collect_path(world.brand_id), json=body, headers=world.auth())
+        assert (first.status, second.status) == (202, 200)
+        assert (await second.json())["request_id"] == (await first.json())["request_id"]
+
+
 async def test_rate_limits_answer_429_with_a_reason(settings: Settings, pool) -> None:
     async with pool.connection() as conn:
         world = await make_world(conn, online=False, questions=3, keywords_per_brand=3)
