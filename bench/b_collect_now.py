@@ -171,6 +171,7 @@ async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
                                       "high pass start -> broker confirm (pass, commit, publish)": [],
                                       "broker confirm -> task_available on the socket": []}
     relayed = 0
+    per_click: list[tuple[float, int, tuple[float, ...]]] = []
     conn = await connect(settings.database_url)
     try:
         for mark in marks:
@@ -179,15 +180,20 @@ async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
             if row is None or row["confirmed"] is None:
                 continue
             relayed += bool(row["relayed"])
-            spans = ((mark.accepted - mark.clicked), (row["dispatched"] - mark.clicked),
-                     (row["confirmed"] - row["dispatched"]), (mark.on_socket - row["confirmed"]))
+            spans = tuple(span * 1000 for span in (
+                mark.accepted - mark.clicked, row["dispatched"] - mark.clicked,
+                row["confirmed"] - row["dispatched"], mark.on_socket - row["confirmed"]))
             for stage, span in zip(stages.values(), spans, strict=True):
-                stage.append(span * 1000)
+                stage.append(span)
+            per_click.append(((mark.on_socket - mark.clicked) * 1000, len(per_click) + 1, spans))
     finally:
         await conn.close()
     print(f"  {name}: {relayed} of {len(marks)} high events published by the coordinator itself", flush=True)
     for label, values in stages.items():
         print(f"  {name}: {label} (ms): {summary(values)}", flush=True)
+    slowest = sorted(per_click, reverse=True)[:3]  # where the tail's time went, stage by stage as above
+    print(f"  {name}: slowest clicks (#click total: the four stages above, ms): " + "; ".join(
+        f"#{n} {total:.1f}: " + " / ".join(f"{span:.1f}" for span in spans) for total, n, spans in slowest), flush=True)
 
 
 async def _scenario(name: str, *, clicks: int, load: bool) -> None:
