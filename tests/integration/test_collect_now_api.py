@@ -146,6 +146,8 @@ async def test_collect_now_preempts_the_target_clients_scheduled_work(settings: 
         assert request["aborted_queued_count"] == 2 and request["interrupt_requested_count"] == 1
         assert request["ttl"].total_seconds() == 300
         assert sorted(request["request_scope"]["monitor_task_ids"]) == sorted(t["id"] for t in scope)
+        assert (request["request_scope"]["affected_task_count"], request["request_scope"]["created_task_count"]) == (
+            6, 4)
 
         # Outbox: a TaskControl per cancelled / interrupted execution on the client's control key, and the
         # lifecycle event that wakes the coordinator.
@@ -161,8 +163,8 @@ async def test_collect_now_preempts_the_target_clients_scheduled_work(settings: 
                    and m.reason == "collect_now_preempt" for m in decoded)
         lifecycle = [msgspec.json.decode(bytes(r["payload"]), type=LifecycleEvent) for r in rows
                      if r["message_type"] == "lifecycle"]
-        assert [(e.event, e.collect_request_id, e.client_id) for e in lifecycle] == [
-            ("collect_now.accepted", request_id, client)]
+        assert [(e.event, e.collect_request_id, e.client_id, e.reason) for e in lifecycle] == [
+            ("collect_now.accepted", request_id, client, "collect_now_preempt")]
 
 
 async def test_double_click_supersedes_the_first_request(settings: Settings, pool) -> None:
@@ -231,8 +233,10 @@ async def test_the_same_click_within_the_window_is_an_idempotent_replay(settings
     async with pool.connection() as conn:
         rows = await fetch_all(conn, "SELECT requested_by_user_id FROM monitoring_collect_requests ORDER BY created_at")
         assert [r["requested_by_user_id"] for r in rows] == [world.tenant["user_id"], 999]
-        lifecycle = await fetch_all(conn, "SELECT 1 FROM outbox WHERE message_type = 'lifecycle'")
-        assert len(lifecycle) == 2
+        lifecycle = await fetch_all(conn, "SELECT payload FROM outbox WHERE message_type = 'lifecycle' ORDER BY id")
+        events = [msgspec.json.decode(bytes(r["payload"]), type=LifecycleEvent) for r in lifecycle]
+        # Nothing was cancelled or interrupted: no preemption reason.
+        assert [(e.event, e.reason) for e in events] == [("collect_now.accepted", None)] * 2
         # Outside the window it is a new request.
         await conn.execute("UPDATE monitoring_collect_requests SET created_at = created_at - interval '6 minutes'")
     async with api_client(settings) as http:
