@@ -192,7 +192,7 @@ def _high_snapshot(row: dict[str, Any], window: int) -> Snapshot:
     """The high pass's snapshot from HIGH_SNAPSHOT's one row (its sub-results are JSON documents)."""
     ledger = Ledger()
     _fold_platforms(ledger, _json_rows.decode(row["platforms"]))
-    _fold_budget(ledger, _json_rows.decode(row["budget"]))
+    ledger.cluster_used, ledger.non_high_used = int(row["cluster_used"]), int(row["non_high_used"])
     ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"]
                               for r in _json_rows.decode(row["active"])}
     clients = [ClientState(id=c.id, tenant_id=c.tenant_id, workspace_id=c.workspace_id,

@@ -102,7 +102,7 @@ GROUP BY 1, 2
 # event never was a promise (contract: task_available is a hint, the lease decides).
 ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
 # The high pass's snapshot in ONE statement (one result to convert instead of five; the sub-results come back as
-# JSON documents): the clock, the budget window it falls in and that window's budget use, platform settings,
+# JSON documents): the clock, the budget window it falls in and that window's cluster budget use, platform settings,
 # the active executions of the tenants with ready high work, and the eligible clients that work can go to (its
 # bound client, or the clients of its tenant and workspace) with their monitor load. The executions the pass
 # writes are stamped with this clock, so they fall in the window whose budget was read. ELIGIBLE_CLIENT_SQL and
@@ -120,12 +120,7 @@ WITH w AS MATERIALIZED (
       AND t.dispatch_after <= now()
 )
 SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_start,
-       (SELECT coalesce(json_agg(b), '[]')::text FROM (
-            SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
-            FROM desktop_tasks d
-            WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(w.ws)
-              AND d.created_at < to_timestamp(w.ws + %(window)s) AND NOT {REFUNDED}
-            GROUP BY 1, 2) b) AS budget,
+       b.cluster_used, b.non_high_used,
        (SELECT coalesce(json_agg(p), '[]')::text FROM ({{platform_settings}}) p) AS platforms,
        (SELECT coalesce(json_agg(a), '[]')::text FROM (
             SELECT d.tenant_id, d.ai_platform_id, count(*) AS n
@@ -147,7 +142,13 @@ SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_sta
                    OR (c.tenant_id, c.workspace_id) IN (SELECT tenant_id, workspace_id FROM cand
                                                         WHERE target_client_id IS NULL))
               AND {{eligible}}) l) AS clients
-FROM w
+FROM w CROSS JOIN LATERAL (
+    -- High work answers to the cluster budget only (no tenant budget): two counts, no per-tenant grouping.
+    SELECT count(*) AS cluster_used, count(*) FILTER (WHERE d.lane <> 'high') AS non_high_used
+    FROM desktop_tasks d
+    WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(w.ws) AND d.created_at < to_timestamp(w.ws + %(window)s)
+      AND NOT {REFUNDED}
+) b
 """
 
 PLATFORM_SETTINGS = """
