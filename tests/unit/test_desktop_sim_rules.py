@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tools.desktop_sim.answers import compose_answer
 from tools.desktop_sim.cli import tokens_from_seed
 from tools.desktop_sim.rules import (
@@ -71,6 +73,24 @@ def test_timing_profiles_fast_for_tests_and_slower_platforms_in_the_demo() -> No
     demo = TIMING_PROFILES["demo"]
     assert demo.total("openai") < demo.total("gemini") < demo.total("perplexity")
     assert abs(fast.scaled(10).total("openai") - fast.total("openai") * 10) < 1e-9
+
+
+def test_demo_phases_vary_around_their_duration_so_a_fleet_drifts_out_of_lockstep() -> None:
+    demo = TIMING_PROFILES["demo"].scaled(0.5)
+    base = demo.duration("openai", "WAITING")
+    assert base == 3.5 and demo.jitter == 0.3
+    rng = random.Random(7)
+    drawn = [demo.duration("openai", "WAITING", rng) for _ in range(2000)]
+    assert all(base * 0.7 <= d <= base * 1.3 for d in drawn)
+    assert min(drawn) < base * 0.75 and max(drawn) > base * 1.25  # the whole range is used
+    assert abs(sum(drawn) / len(drawn) - base) < base * 0.02  # centred: the mean task length is unchanged
+    # Without a random source, or with the jitter off, durations are exact (tests rely on it).
+    assert demo.duration("openai", "WAITING") == base
+    assert demo.with_jitter(0).duration("openai", "WAITING", rng) == base
+    assert TIMING_PROFILES["fast"].duration("openai", "WAITING", rng) == TIMING_PROFILES["fast"].duration(
+        "openai", "WAITING")
+    with pytest.raises(ValueError, match="jitter"):
+        demo.with_jitter(1.0)
 
 
 def test_answers_are_realistic_and_mention_the_brand_sometimes() -> None:

@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to wait for --seed-json to appear (make run writes it at start-up)")
     parser.add_argument("--timings", choices=sorted(TIMING_PROFILES), default="demo")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every phase duration (slow platforms)")
+    parser.add_argument("--jitter", type=float, default=None,
+                        help="each phase takes its duration x a uniform factor in [1-J, 1+J] (default: the "
+                             "profile's, 0.3 for demo; 0: every client in lockstep)")
     parser.add_argument("--concurrency", type=int, default=1, help="monitor tasks each client runs at once")
     parser.add_argument("--heartbeat-interval", type=float, default=5.0)
     parser.add_argument("--failure-rate", type=float, default=0.05)
@@ -70,6 +73,8 @@ async def run(args: argparse.Namespace) -> None:
     if not tokens:
         raise SystemExit("desktop-sim: give --seed-json PATH or at least one --token")
     timings = TIMING_PROFILES[args.timings].scaled(args.scale)
+    if args.jitter is not None:
+        timings = timings.with_jitter(args.jitter)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

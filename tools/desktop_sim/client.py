@@ -464,7 +464,7 @@ class SimClient:
             if phase == "POSTING":
                 break
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(active.stop.wait(), timings.duration(active.platform, phase))
+                await asyncio.wait_for(active.stop.wait(), timings.duration(active.platform, phase, self._rng))
             if active.stop.is_set():
                 return
         await self._post_result(active)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
 
 from tools.desktop_sim.rules import PHASES
 
@@ -20,20 +21,33 @@ class TimingProfile:
     default: dict[str, float]
     per_platform: dict[str, dict[str, float]] = field(default_factory=dict)
     scale: float = 1.0
+    # Each phase takes its duration times a uniform factor in [1 - jitter, 1 + jitter] (given a random source):
+    # pages load and platforms answer at varying speeds, so a fleet that started together does not finish its
+    # tasks in lockstep. 0 keeps every duration exact (tests).
+    jitter: float = 0.0
 
-    def duration(self, platform: str, phase: str) -> float:
+    def duration(self, platform: str, phase: str, rng: random.Random | None = None) -> float:
         table = self.per_platform.get(platform, self.default)
-        return max(0.0, table.get(phase, self.default.get(phase, 0.0)) * self.scale)
+        base = max(0.0, table.get(phase, self.default.get(phase, 0.0)) * self.scale)
+        if rng is None or self.jitter <= 0:
+            return base
+        return base * rng.uniform(1.0 - self.jitter, 1.0 + self.jitter)
 
     def total(self, platform: str) -> float:
+        """The expected duration of a task (every phase at its base duration)."""
         return sum(self.duration(platform, p) for p in PHASES)
 
     def scaled(self, factor: float) -> TimingProfile:
-        return TimingProfile(self.name, self.default, self.per_platform, self.scale * factor)
+        return replace(self, scale=self.scale * factor)
+
+    def with_jitter(self, jitter: float) -> TimingProfile:
+        if not 0.0 <= jitter < 1.0:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        return replace(self, jitter=jitter)
 
 
 TIMING_PROFILES: dict[str, TimingProfile] = {
     "fast": TimingProfile("fast", _FAST),
     "demo": TimingProfile("demo", _DEMO_BASE,
-                          {code: {**_DEMO_BASE, "WAITING": wait} for code, wait in _DEMO_WAITING.items()}),
+                          {code: {**_DEMO_BASE, "WAITING": wait} for code, wait in _DEMO_WAITING.items()}, jitter=0.3),
 }
