@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tools.desktop_sim.answers import compose_answer
-from tools.desktop_sim.cli import tokens_from_seed
+from tools.desktop_sim.cli import parse_args, tokens_from_seed
 from tools.desktop_sim.rules import (
     PHASES,
     LocalEntry,
@@ -91,6 +91,10 @@ def test_demo_phases_vary_around_their_duration_so_a_fleet_drifts_out_of_lockste
         "openai", "WAITING")
     with pytest.raises(ValueError, match="jitter"):
         demo.with_jitter(1.0)
+    assert parse_args(["--jitter", "0"]).jitter == 0.0 and parse_args([]).jitter is None
+    for bad in ("1.5", "-0.1", "lots"):
+        with pytest.raises(SystemExit):
+            parse_args(["--jitter", bad])
 
 
 def test_answers_are_realistic_and_mention_the_brand_sometimes() -> None:

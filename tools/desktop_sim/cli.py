@@ -30,6 +30,16 @@ def tokens_from_seed(seed: dict[str, Any]) -> list[tuple[str, str]]:
     return [(str(c["client_id"]), str(c["token"])) for t in seed.get("tenants", []) for c in t.get("clients", [])]
 
 
+def _jitter(value: str) -> float:
+    try:
+        jitter = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0.0 <= jitter < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {jitter}")
+    return jitter
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="desktop-sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds to wait for --seed-json to appear (make run writes it at start-up)")
     parser.add_argument("--timings", choices=sorted(TIMING_PROFILES), default="demo")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every phase duration (slow platforms)")
-    parser.add_argument("--jitter", type=float, default=None,
+    parser.add_argument("--jitter", type=_jitter, default=None,
                         help="each phase takes its duration x a uniform factor in [1-J, 1+J] (default: the "
                              "profile's, 0.3 for demo; 0: every client in lockstep)")
     parser.add_argument("--concurrency", type=int, default=1, help="monitor tasks each client runs at once")
