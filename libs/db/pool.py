@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import msgspec
+import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
@@ -24,13 +26,34 @@ DEFAULT_PREPARE_THRESHOLD = 5
 PREPARE_ON_FIRST_USE = 0
 
 
-def _configure(prepare_threshold: int | None) -> Callable[[Conn], Awaitable[None]]:
+log = logging.getLogger("db.pool")
+
+# Statements (with parameters that match nothing) a new pooled connection plans before the pool hands it out.
+WarmUp = Sequence[tuple[str, Mapping[str, Any]]]
+
+
+def _configure(prepare_threshold: int | None, warm_up: WarmUp = ()) -> Callable[[Conn], Awaitable[None]]:
     async def configure(conn: Conn) -> None:
         # Autocommit outside explicit transactions: every write goes through `conn.transaction()`.
         await conn.set_autocommit(True)
         conn.prepare_threshold = prepare_threshold
+        await _warm(conn, warm_up)
 
     return configure
+
+
+async def _warm(conn: Conn, warm_up: WarmUp) -> None:
+    """EXPLAIN (plan, run nothing) each statement: a new server backend loads the catalogs of every table, index
+    and type the statements touch, which the first real use would otherwise wait for (collect-now's read statement
+    on a new connection: 7.6-7.9 ms the first time, 2.5-2.7 ms after this). A failing statement leaves the
+    connection cold, never unusable (autocommit: no transaction is left aborted); a lost connection is discarded."""
+    for query, params in warm_up:
+        try:
+            await conn.execute("EXPLAIN " + query, params, prepare=False)
+        except psycopg.Error as exc:
+            if conn.broken:
+                raise  # the pool discards it and connects again
+            log.warning("warming a new connection failed; it starts cold", extra={"error": str(exc)[:300]})
 
 
 class LifoConnectionPool(AsyncConnectionPool[Conn]):
@@ -48,14 +71,16 @@ class LifoConnectionPool(AsyncConnectionPool[Conn]):
 
 
 def make_pool(settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None,
-              prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD) -> AsyncConnectionPool[Conn]:
-    """A pool that opens nothing until `await pool.open()`."""
+              prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD, warm_up: WarmUp = ()) -> (
+        AsyncConnectionPool[Conn]):
+    """A pool that opens nothing until `await pool.open()`. `warm_up`: statements every new connection plans
+    before it is handed out (for latency-critical paths that run rarely, so often on a new connection)."""
     return LifoConnectionPool(
         settings.database_url,
         min_size=settings.db_pool_min if min_size is None else min_size,
         max_size=settings.db_pool_max if max_size is None else max_size,
         kwargs={"row_factory": dict_row, "application_name": name},
-        configure=_configure(prepare_threshold),
+        configure=_configure(prepare_threshold, warm_up),
         open=False,
         name=name,
         timeout=10.0,
@@ -64,9 +89,9 @@ def make_pool(settings: Settings, *, name: str, min_size: int | None = None, max
 
 @asynccontextmanager
 async def open_pool(
-    settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None
+    settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None, warm_up: WarmUp = ()
 ) -> AsyncIterator[AsyncConnectionPool[Conn]]:
-    pool = make_pool(settings, name=name, min_size=min_size, max_size=max_size)
+    pool = make_pool(settings, name=name, min_size=min_size, max_size=max_size, warm_up=warm_up)
     await pool.open(wait=True, timeout=30.0)
     try:
         yield pool

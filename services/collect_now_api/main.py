@@ -11,6 +11,7 @@ from libs.db.pool import PREPARE_ON_FIRST_USE, make_pool
 from libs.dispatch_settings import SettingsCache
 from libs.http import json_response, make_app
 from libs.runtime import SETTINGS, add_pool_check, base_app, serve
+from services.collect_now_api import queries as q
 from services.collect_now_api.handlers import (
     POOL,
     SETTINGS_CACHE,
@@ -31,7 +32,8 @@ def build(settings: Settings) -> web.Application:
         settings = app[SETTINGS]
         # Sized so requests never queue for a connection: one per in-flight click plus status polls.
         pool = make_pool(settings, name="collect-now-api", min_size=2, max_size=max(4, min(settings.db_pool_max, 6)),
-                         prepare_threshold=PREPARE_ON_FIRST_USE)  # clicks are rare: prepare on first use
+                         prepare_threshold=PREPARE_ON_FIRST_USE,  # clicks are rare: prepare on first use
+                         warm_up=q.WARM_UP)
         await pool.open(wait=True, timeout=30)
         app[POOL] = pool
         app[SETTINGS_CACHE] = SettingsCache(pool)

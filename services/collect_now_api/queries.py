@@ -1,5 +1,8 @@
 """Every SQL statement of collect-now-api, with named parameters. Each one filters by the caller's tenant."""
 
+import uuid
+from datetime import date
+
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 ACTIVE_REQUEST_STATUSES = ("accepted", "dispatching", "running")
@@ -272,3 +275,17 @@ LEFT JOIN LATERAL (
 WHERE t.tenant_id = %(tenant_id)s AND t.id = ANY(%(task_ids)s::bigint[])
 ORDER BY t.id
 """
+
+# What a new pooled connection plans before its first click (libs.db.pool: EXPLAIN, nothing runs): the statements
+# of the accept transaction, with parameters that match no row.
+_NOTHING = uuid.UUID(int=0)
+WARM_UP_PARAMS: dict[str, object] = {
+    "tenant_id": 0, "workspace_id": 0, "brand_id": 0, "keyword_id": None, "user_id": 0, "window_s": 300,
+    "heartbeat_timeout_s": 30, "question_ids": [0], "platform_ids": None, "plan_ids": [0], "scope_hashes": [""],
+    "client_id": _NOTHING, "request_id": _NOTHING, "id": _NOTHING, "old_ids": [_NOTHING],
+    "business_date": date(2000, 1, 1), "priority": 0, "shard_key": "", "scope_hash": "", "scope": "{}",
+    "preempt": True, "generation": 0, "requested": 0, "aborted_queued": 0, "interrupt_requested": 0, "ttl_s": 300,
+}
+WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
+    READS, INCREMENT_GENERATION, CANCEL_QUEUED_SCHEDULED, MARK_INTERRUPT_REQUESTED, CREATE_MISSING_TASKS,
+    PROMOTE_SCOPE, MARK_TASKS_SUPERSEDED, SUPERSEDE_REQUESTS, INSERT_REQUEST)]

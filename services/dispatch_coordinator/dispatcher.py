@@ -16,7 +16,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -60,6 +60,15 @@ CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
     pg_errors.LockNotAvailable,
 )
+# What a new pooled connection plans before its first click (libs.db.pool: EXPLAIN, nothing runs): the high
+# pass's statements, with parameters that match no row.
+WARM_UP_PARAMS: dict[str, object] = {
+    "window": 60, "heartbeat_timeout_s": 30, "limit": 1, "row_refs": ["(0,0)"], "ts": datetime(2000, 1, 1, tzinfo=UTC),
+    "rows": "[]", "ids": [uuid.UUID(int=0)], "counts": [0],
+}
+WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
+    HIGH_SNAPSHOT_SQL, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, q.COUNT_ATTEMPTS, q.INSERT_EXECUTIONS,
+    q.REQUESTS_DISPATCHED)]
 PAIRS_MAX_AGE_S = 1.0
 # How long a pass waits for the relay of its high events before its bookkeeping (see `_relay_committed`).
 RELAY_HEAD_START_S = 0.05

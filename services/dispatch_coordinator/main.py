@@ -15,7 +15,7 @@ from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import Topology
 from libs.outbox.relay import AmqpPublisher, OutboxRelay
 from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
-from services.dispatch_coordinator import admin
+from services.dispatch_coordinator import admin, dispatcher
 from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
 from services.dispatch_coordinator.explain import explain_task
 
@@ -51,7 +51,8 @@ def build(settings: Settings) -> web.Application:
         settings = app[SETTINGS]
         # dispatch pass, scanner, maintenance, ops endpoints; plus the leader lock and LISTEN connections.
         pool = make_pool(settings, name="dispatch-coordinator", min_size=1, max_size=max(4, settings.db_pool_max),
-                         prepare_threshold=PREPARE_ON_FIRST_USE)  # the high pass runs once per click
+                         prepare_threshold=PREPARE_ON_FIRST_USE,  # the high pass runs once per click
+                         warm_up=dispatcher.WARM_UP)
         await pool.open(wait=True, timeout=30)
         amqp: AbstractRobustConnection = await mq_connect(settings.amqp_url,
                                                           name=f"dispatch-coordinator-{settings.instance_id}")

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from libs.db.pool import DEFAULT_PREPARE_THRESHOLD, PREPARE_ON_FIRST_USE, make_pool, open_pool
+import logging
+
+import pytest
+from psycopg.pq import TransactionStatus
+
+from libs.config import Settings
+from libs.db.pool import DEFAULT_PREPARE_THRESHOLD, PREPARE_ON_FIRST_USE, WarmUp, make_pool, open_pool
+from services.collect_now_api import queries as collect_now_queries
+from services.dispatch_coordinator import dispatcher
 
 
 async def test_pools_prepare_on_first_use_only_where_asked(settings) -> None:
@@ -38,3 +46,30 @@ async def test_pool_hands_out_the_connection_returned_last(settings) -> None:
         await pool.putconn(first)
         async with pool.connection() as again:
             assert again.info.backend_pid == pids[2]  # first went back last
+
+
+@pytest.mark.parametrize("warm_up", [collect_now_queries.WARM_UP, dispatcher.WARM_UP],
+                         ids=["collect-now-api", "dispatch-coordinator"])
+async def test_each_services_warm_up_statements_plan_cleanly(settings: Settings, warm_up: WarmUp,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Every statement a service warms new connections with is valid against the schema with its parameters: a
+    warning here means one stopped warming (its SQL or parameters changed)."""
+    assert len(warm_up) >= 6
+    with caplog.at_level(logging.WARNING, logger="db.pool"):
+        async with open_pool(settings, name="warm-pool", min_size=1, max_size=1, warm_up=warm_up) as pool, \
+                pool.connection() as conn:
+            await conn.execute("SELECT 1")
+    assert [r.getMessage() for r in caplog.records if r.name == "db.pool"] == []
+
+
+async def test_a_failing_warm_up_statement_leaves_the_connection_usable(settings: Settings,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    warm_up = [("SELECT * FROM no_such_table WHERE id = %(id)s", {"id": 1}), ("SELECT %(n)s::int", {"n": 1})]
+    with caplog.at_level(logging.WARNING, logger="db.pool"):
+        async with open_pool(settings, name="warm-pool", min_size=1, max_size=1, warm_up=warm_up) as pool, \
+                pool.connection() as conn:
+            cur = await conn.execute("SELECT 41 + 1 AS n")
+            assert await cur.fetchone() == {"n": 42}
+            assert conn.info.transaction_status == TransactionStatus.IDLE
+    warnings = [r for r in caplog.records if r.name == "db.pool"]
+    assert len(warnings) == 1 and "no_such_table" in warnings[0].__dict__["error"]
