@@ -33,6 +33,7 @@ from libs.db.pool import connect
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
 from libs.mq.topology import Topology
+from tests.support.procs import die_with_parent
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 
 JWT_SECRET = "bench-collect-now-gateway-secret-0123456789"
@@ -218,7 +219,7 @@ async def _start_fleet(stack: Stack, world: dict[str, Any]) -> asyncio.subproces
         args += ["--token", token]
     fleet = await asyncio.create_subprocess_exec(
         str(Path(sys.executable).with_name("desktop-sim")), *args, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL)
+        stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
     tenants = [t["tenant_id"] for t in world["background"]["tenants"]]
     conn = await connect(stack.settings.database_url)
     try:

@@ -19,7 +19,7 @@ from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from tests.support.db import fetch
-from tests.support.procs import BIN
+from tests.support.procs import BIN, die_with_parent
 from tests.support.reconcile_stack import FAST_ENV, SERVICES, configure
 from tests.support.stack import Stack, running_stack
 from tests.support.wait import eventually
@@ -49,7 +49,7 @@ class Fleet:
         self.live[index] = subprocess.Popen(
             [str(BIN / "desktop-sim"), "--hub", self.stack.hub_url, "--token", token, "--timings", "fast",
              "--scale", "4", "--heartbeat-interval", "0.5", "--failure-rate", "0.05", "--stats-interval", "600"],
-            stdout=log, stderr=subprocess.STDOUT)
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         log.close()
 
     def kill(self, index: int) -> None:
