@@ -70,9 +70,10 @@ class LifoConnectionPool(AsyncConnectionPool[Conn]):
         return await super()._get_ready_connection(timeout)
 
 
-def make_pool(settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None,
-              prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD, warm_up: WarmUp = ()) -> (
-        AsyncConnectionPool[Conn]):
+def make_pool(
+    settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None,
+    prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD, warm_up: WarmUp = (),
+) -> AsyncConnectionPool[Conn]:
     """A pool that opens nothing until `await pool.open()`. `warm_up`: statements every new connection plans
     before it is handed out (for latency-critical paths that run rarely, so often on a new connection)."""
     return LifoConnectionPool(
