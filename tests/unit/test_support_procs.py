@@ -8,8 +8,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PARENT = textwrap.dedent("""
     import subprocess, sys, time
@@ -26,14 +29,16 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie (exited, not yet reaped by init) counts as gone.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    try:  # a zombie (exited, not yet reaped by init) counts as gone
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _orphan_after_parent_killed(die: bool, wait_s: float) -> tuple[int, bool]:
     parent = subprocess.Popen([sys.executable, "-c", PARENT, "yes" if die else "no"], stdout=subprocess.PIPE,
-                              cwd=os.getcwd(), env={**os.environ, "PYTHONPATH": os.getcwd()})
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert parent.stdout is not None
     with parent.stdout:
         child = int(parent.stdout.readline())
