@@ -503,14 +503,13 @@ class Dispatcher:
                 plan.rejections["platform_concurrency"] += 1
 
     async def _write(self, conn: Conn, plan: PassResult, ts: datetime) -> _Written | None:
-        """Claim re-check, then the writes in one round trip (inside the caller's transaction, which calls
-        `_after_commit` once it committed)."""
+        """Claim re-check, then the writes (inside the caller's pipelined transaction: they are queued and go out
+        with its COMMIT, as the high pass's do; the caller calls `_after_commit` once it committed)."""
         rows = await self._claim(conn, plan)
         if not rows:
             return None
         self._yield_to_high(plan)  # the claim took a round trip: a click may have arrived meanwhile
-        async with conn.pipeline():
-            return await self._queue_writes(conn, rows, ts)
+        return await self._queue_writes(conn, rows, ts)
 
     async def _claim(self, conn: Conn, plan: PassResult) -> list[dict[str, Any]]:
         """Lock the clients, claim the decided tasks and re-check each (one round trip); the rows to write."""
