@@ -68,11 +68,32 @@ async def json_errors(request: web.Request, handler: Callable[[web.Request], Awa
         return error_response(500, "internal_error", "an unexpected error occurred; it has been logged")
 
 
-async def read_body(request: web.Request, type_: type[T], *, max_bytes: int,
-                    decoder: msgspec.json.Decoder[Any] | None = None, allow_empty: bool = False) -> T:
+async def read_whole_body(request: web.Request, *, max_bytes: int) -> bytes:
+    """The entire request body, however the client segmented it, refusing more than `max_bytes`.
+
+    `StreamReader.read(n)` returns what is buffered so far, so a body that arrives in pieces (any client on a
+    real network) would be cut at its first segment; this reads to the end of the body. A declared
+    `Content-Length` over the limit is refused before reading; a chunked body is counted as it arrives and
+    refused (413) as soon as it passes the limit.
+    """
     if request.content_length is not None and request.content_length > max_bytes:
         raise ContractError("payload_too_large", f"body is {request.content_length} bytes; the limit is {max_bytes}")
-    raw = await request.content.read(max_bytes + 1)
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.read(max_bytes + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > max_bytes:
+            raise ContractError("payload_too_large", f"body is over the limit of {max_bytes} bytes")
+    return b"".join(chunks)
+
+
+async def read_body(request: web.Request, type_: type[T], *, max_bytes: int,
+                    decoder: msgspec.json.Decoder[Any] | None = None, allow_empty: bool = False) -> T:
+    raw = await read_whole_body(request, max_bytes=max_bytes)
     if request.content_type not in ("application/json", "") and raw.strip():
         raise ApiError(415, "unsupported_media_type", "send the body as application/json")
     if allow_empty and not raw.strip():
