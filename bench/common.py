@@ -42,7 +42,7 @@ async def bench_environment(shards: int = 16) -> AsyncIterator[Settings]:
     await migrate(url)
     topology = Topology(prefix=f"b{uuid.uuid4().hex[:8]}.", ingest_shards=shards)
     settings = Settings(database_url=url, amqp_url=amqp_url, mq_prefix=topology.prefix, ingest_shards=shards,
-                        gateway_jwt_secret="bench-secret", db_pool_max=6)
+                        gateway_jwt_secret="bench-gateway-secret-0123456789abcdef", db_pool_max=6)
     try:
         yield settings
     finally:

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, get_type_hints
 
 DEV_JWT_SECRET = "dev-only-gateway-secret-change-me"
+MIN_JWT_SECRET_BYTES = 32
+# Words that mark a secret copied from an example or a default: refused outside DEV_MODE.
+PLACEHOLDER_MARKERS = ("change-me", "changeme", "change_me", "replace-me", "replace_me", "replaceme", "dev-only",
+                       "example", "placeholder", "secret-here", "your-secret", "not-a-secret")
 
 SERVICE_PORTS: dict[str, int] = {
     "collect-now-api": 8081,
@@ -53,8 +57,18 @@ class Settings:
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
     # Prefix for every exchange and queue name; tests use a unique one per test.
     mq_prefix: str = ""
+    # Allows what production must refuse: the built-in development gateway secret, a short or placeholder
+    # secret, and an ops API without a token. `make run` and the tests set it; deploy/k8s never does.
+    dev_mode: bool = False
     gateway_jwt_secret: str = ""
     gateway_jwt_public_key: str = ""
+    # Checked when set: the gateway's tokens must name this audience / issuer.
+    gateway_jwt_audience: str = ""
+    gateway_jwt_issuer: str = ""
+    # Clock skew tolerated on exp/iat/nbf between the gateway and this service.
+    gateway_jwt_leeway_seconds: int = 10
+    # Bearer token for the coordinator's /api/ops/* routes (a Kubernetes Secret); unset: those routes refuse.
+    ops_api_token: str = ""
     ingest_shards: int = 16
     http_host: str = "0.0.0.0"
     http_port: int = 0
@@ -127,6 +141,8 @@ class Settings:
         settings = cls(**values)
         if "hub_ping_interval_s" not in values:
             settings = replace(settings, hub_ping_interval_s=max(settings.heartbeat_timeout_seconds / 3, 1.0))
+        if settings.gateway_jwt_leeway_seconds < 0:
+            raise ConfigError("GATEWAY_JWT_LEEWAY_SECONDS must not be negative")
         if settings.ingest_shards <= 0:
             raise ConfigError("INGEST_SHARDS must be positive")
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s"):
@@ -136,12 +152,45 @@ class Settings:
         return settings
 
     def jwt_key(self) -> tuple[str, str]:
-        """(key, algorithm) for gateway JWTs; the development secret is used with a warning."""
+        """(key, algorithm) for gateway JWTs; raises ConfigError unless a real key is configured.
+
+        A real key is an RS256 public key (PEM) or an HS256 secret of at least 32 bytes that is not a
+        known placeholder. DEV_MODE accepts any secret and, when none is set, the development secret.
+        """
         if self.gateway_jwt_public_key:
-            return self.gateway_jwt_public_key, "RS256"
-        if self.gateway_jwt_secret:
-            return self.gateway_jwt_secret, "HS256"
+            return _checked_public_key(self.gateway_jwt_public_key), "RS256"
+        secret = self.gateway_jwt_secret
+        if secret:
+            if not self.dev_mode:
+                _check_secret(secret)
+            return secret, "HS256"
+        if not self.dev_mode:
+            raise ConfigError("set GATEWAY_JWT_SECRET (HS256, at least 32 random bytes) or GATEWAY_JWT_PUBLIC_KEY "
+                              "(RS256 PEM); DEV_MODE=1 allows the development secret")
         logging.getLogger("config").warning(
-            "GATEWAY_JWT_SECRET is not set: using the development secret; never do this in production"
+            "GATEWAY_JWT_SECRET is not set: DEV_MODE uses the development secret; never do this in production"
         )
         return DEV_JWT_SECRET, "HS256"
+
+
+def _check_secret(secret: str) -> None:
+    if len(secret.encode()) < MIN_JWT_SECRET_BYTES:
+        raise ConfigError(f"GATEWAY_JWT_SECRET is {len(secret.encode())} bytes; at least {MIN_JWT_SECRET_BYTES} "
+                          "random bytes are required (e.g. `openssl rand -hex 32`)")
+    lowered = secret.lower()
+    marker = next((m for m in PLACEHOLDER_MARKERS if m in lowered), None)
+    if secret == DEV_JWT_SECRET or marker is not None:
+        raise ConfigError(f"GATEWAY_JWT_SECRET looks like a placeholder (contains {marker!r}); set a random secret")
+
+
+def _checked_public_key(pem: str) -> str:
+    from cryptography.hazmat.primitives.asymmetric.rsa import RSAPublicKey
+    from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
+    try:
+        key = load_pem_public_key(pem.encode())
+    except ValueError as exc:
+        raise ConfigError(f"GATEWAY_JWT_PUBLIC_KEY is not a PEM public key: {exc}") from exc
+    if not isinstance(key, RSAPublicKey):
+        raise ConfigError("GATEWAY_JWT_PUBLIC_KEY must be an RSA public key (RS256)")
+    return pem

@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
-from libs.config import Settings
+from libs.config import ConfigError, Settings
 from libs.db.pool import Conn
 from libs.http import add_readiness_check
 from libs.telemetry.logging import configure_logging
@@ -110,11 +110,19 @@ def freeze_after_startup(app: web.Application) -> None:
 
 def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
     """Entry point for every service: configure, build the app, serve until SIGTERM/SIGINT."""
-    settings = Settings.from_env(service)
+    try:
+        settings = Settings.from_env(service)
+    except ConfigError as exc:
+        raise SystemExit(f"{service}: configuration error: {exc}") from None
     configure_logging(service, settings.log_level)
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
-    app = build(settings)
+    try:
+        app = build(settings)
+    except ConfigError as exc:
+        # Fail closed (a missing or placeholder secret): one clear line, a non-zero exit, no traceback.
+        log.critical("refusing to start: %s", exc, extra={"error": str(exc)})
+        raise SystemExit(2) from None
     freeze_after_startup(app)
     log.info("starting", extra={"port": settings.http_port, "instance_id": settings.instance_id})
     web.run_app(

@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mkdir -p .run
+# A local demo: DEV_MODE accepts this well-known secret (and an ops API without a token); production refuses both.
+export DEV_MODE=${DEV_MODE:-1}
 export GATEWAY_JWT_SECRET=${GATEWAY_JWT_SECRET:-local-demo-gateway-secret-change-me-0001}
 DEMO=.run/demo.json
 if [ ! -s "$DEMO" ]; then

@@ -29,9 +29,12 @@ def authenticate(request: web.Request) -> TenantPrincipal:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "unauthorized", "send the gateway token as `Authorization: Bearer <jwt>`")
-    key, algorithm = request.app[SETTINGS].jwt_key()
+    settings = request.app[SETTINGS]
+    key, algorithm = settings.jwt_key()
     try:
-        return verify_gateway_jwt(token.strip(), key, algorithm)
+        return verify_gateway_jwt(token.strip(), key, algorithm, audience=settings.gateway_jwt_audience or None,
+                                  issuer=settings.gateway_jwt_issuer or None,
+                                  leeway_s=settings.gateway_jwt_leeway_seconds)
     except AuthError as exc:
         raise ApiError(401, exc.code, exc.message) from exc
 

@@ -26,6 +26,7 @@ async def get_openapi(_: web.Request) -> web.Response:
 
 
 def build(settings: Settings) -> web.Application:
+    settings.jwt_key()  # fail closed: no real gateway key (outside DEV_MODE), no service
     app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -38,7 +39,6 @@ def build(settings: Settings) -> web.Application:
         app[POOL] = pool
         app[SETTINGS_CACHE] = SettingsCache(pool)
         add_pool_check(app, pool)
-        settings.jwt_key()  # warn at start-up, not on the first request, when the dev secret is in use
         yield
         await pool.close()
 

@@ -42,3 +42,24 @@ async def test_service_process_accepts_a_click_and_stops_cleanly(settings: Setti
     accepted = [e for e in events if e["event"] == "collect_now.accepted"]
     assert len(accepted) == 1 and accepted[0]["request_id"] == body["request_id"]
     assert auth["Authorization"].split()[1] not in api.logs()
+
+
+async def test_service_refuses_to_start_without_a_real_gateway_key(settings: Settings, tmp_path: Path) -> None:
+    for secret, why in (("", "set GATEWAY_JWT_SECRET"), ("local-demo-gateway-secret-change-me-0001", "placeholder"),
+                        ("too-short", "at least 32")):
+        env = service_env(settings, GATEWAY_JWT_SECRET=secret)
+        env.pop("DEV_MODE", None)
+        api = ServiceProcess("collect-now-api", env, log_dir=tmp_path)
+        try:
+            await asyncio.to_thread(api.start, timeout=15)
+        except RuntimeError as exc:
+            assert "exited with 2" in str(exc) and why in str(exc), str(exc)[-2000:]
+            assert "Traceback" not in api.logs(), api.logs()[-2000:]
+        else:
+            await asyncio.to_thread(api.stop)
+            raise AssertionError(f"collect-now-api started with GATEWAY_JWT_SECRET={secret!r}")
+    # DEV_MODE is the explicit escape hatch for local stacks
+    dev = ServiceProcess("collect-now-api", service_env(settings, GATEWAY_JWT_SECRET="", DEV_MODE="1"),
+                         log_dir=tmp_path)
+    await asyncio.to_thread(dev.start)
+    assert await asyncio.to_thread(dev.stop) == 0

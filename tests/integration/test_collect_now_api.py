@@ -378,7 +378,7 @@ async def test_another_tenants_token_gets_404_and_no_data(settings: Settings, po
         from libs.auth import issue_gateway_jwt
         wrong_key = issue_gateway_jwt("another-secret-of-at-least-32-bytes!", world.principal())
         forged = await http.get(status_path(mine["request_id"]), headers={"Authorization": f"Bearer {wrong_key}"})
-        expired_token = issue_gateway_jwt(JWT_SECRET, world.principal(), ttl_s=-10)
+        expired_token = issue_gateway_jwt(JWT_SECRET, world.principal(), ttl_s=-60)  # past the leeway
         expired = await http.get(status_path(mine["request_id"]), headers={"Authorization": f"Bearer {expired_token}"})
         foreign_post_body = await foreign_post.text()
         foreign_get_body = await foreign_get.text()

@@ -77,6 +77,7 @@ class ServiceProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()[-4000:]}")
             try:
                 with urllib.request.urlopen(self.url + ready_path, timeout=1) as resp:
