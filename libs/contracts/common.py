@@ -22,8 +22,23 @@ NOT_STARTED_PHASES: frozenset[str] = frozenset({"PREPARING", "NAVIGATING"})
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
-ShortText = Annotated[str, msgspec.Meta(max_length=200)]
-Token = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+# Text that Postgres or a consumer cannot take never gets in: `text` and `jsonb` cannot hold U+0000 (one such
+# value fails the whole statement it is in), and control characters make no sense in a name, a code, a reason
+# or a token. Single-line text refuses every C0 control and DEL; multi-line text (answers, titles, error
+# descriptions) keeps tab, line feed and carriage return.
+SINGLE_LINE = r"^[^\x00-\x1f\x7f]*$"
+MULTI_LINE = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
+_CONTROL_PATTERNS = {SINGLE_LINE: "a control character", MULTI_LINE: "a NUL or control character"}
+
+
+ShortText = Annotated[str, msgspec.Meta(max_length=200, pattern=SINGLE_LINE)]
+Token = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=SINGLE_LINE)]
+# ai_platforms.code: lower-case letters, digits, `_`, `-`, `.`, at most 40 (the column's width).
+PlatformCode = Annotated[str, msgspec.Meta(min_length=1, max_length=40, pattern=r"^[a-z0-9][a-z0-9_.-]*$")]
+# What a client may report of its login on one platform (desktop_clients.platform_health values).
+PlatformHealthState = Literal["healthy", "login_required", "captcha", "rate_limited", "degraded", "unknown"]
+MAX_PLATFORM_HEALTH_ENTRIES = 50
 
 
 class ContractError(ValueError):
@@ -36,7 +51,7 @@ class ContractError(ValueError):
         self.field = field
 
 
-_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_AT = re.compile(r" - at `(?P<key>key` in `)?\$(?P<path>[^`]*)`$")
 
 
 def _field_from_path(path: str) -> str | None:
@@ -63,7 +78,13 @@ def decode_json(data: bytes | str, type_: type[T], *, max_bytes: int = MAX_MESSA
         text = str(exc)
         match = _AT.search(text)
         field = _field_from_path(match.group("path")) if match else None
+        if match and match.group("key") and field:
+            field = f"{field} (a key)"
         message = text[: match.start()] if match else text
+        control = next((what for pattern, what in _CONTROL_PATTERNS.items() if repr(pattern) in message), None)
+        if control is not None:
+            raise ContractError("invalid_field", f"text contains {control} (U+0000-U+001F, U+007F), which is "
+                                "not allowed here", field) from exc
         if message.startswith("Object missing required field"):
             missing = message.split("`")[1] if "`" in message else None
             field = f"{field}.{missing}" if field and missing else missing

@@ -8,7 +8,16 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from libs.contracts.common import ExecutionPhase, Lane, NonNegativeInt, PositiveInt, ShortText, Token
+from libs.contracts.common import (
+    MULTI_LINE,
+    SINGLE_LINE,
+    ExecutionPhase,
+    Lane,
+    NonNegativeInt,
+    PositiveInt,
+    ShortText,
+    Token,
+)
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -19,6 +28,9 @@ class ErrorBody(msgspec.Struct, omit_defaults=True, kw_only=True):
     field: str | None = None
     current_generation: int | None = None
     retry_after_s: int | None = None
+    # `scope_too_large`: how many tasks the collect-now would touch, and the most one may.
+    scope_task_count: int | None = None
+    max_scope_tasks: int | None = None
 
 
 # ---- tenant: collect-now ----------------------------------------------------------------------
@@ -82,7 +94,9 @@ class CollectRequestStatus(msgspec.Struct, kw_only=True):
     superseded_by_request_id: uuid.UUID | None
     created_at: datetime
     updated_at: datetime
+    # One page of the request's tasks (monitor_task_id order); `next_cursor` fetches the next (null: last page).
     tasks: list[CollectRequestTask] = []
+    next_cursor: str | None = None
 
 
 # ---- desktop ----------------------------------------------------------------------------------
@@ -153,18 +167,18 @@ class CancelResponse(msgspec.Struct, kw_only=True):
 
 
 class Citation(msgspec.Struct, kw_only=True):
-    url: Annotated[str, msgspec.Meta(min_length=1, max_length=2048)]
-    title: Annotated[str, msgspec.Meta(max_length=1000)] | None = None
+    url: Annotated[str, msgspec.Meta(min_length=1, max_length=2048, pattern=SINGLE_LINE)]
+    title: Annotated[str, msgspec.Meta(max_length=1000, pattern=MULTI_LINE)] | None = None
     position: Annotated[int, msgspec.Meta(ge=0, le=10_000)] | None = None
 
 
 class ResultRequest(msgspec.Struct, kw_only=True):
     lease_token: Token
     status: Literal["succeeded", "failed"]
-    answer_text: Annotated[str, msgspec.Meta(max_length=100_000)] | None = None
+    answer_text: Annotated[str, msgspec.Meta(max_length=100_000, pattern=MULTI_LINE)] | None = None
     citations: Annotated[list[Citation], msgspec.Meta(max_length=200)] = []
     brand_mentioned: bool = False
-    error: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
+    error: Annotated[str, msgspec.Meta(max_length=2000, pattern=MULTI_LINE)] | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
 

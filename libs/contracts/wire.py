@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import uuid
 from datetime import date, datetime
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
-from libs.contracts.common import ExecutionPhase, Lane, NonNegativeInt, ShortText, TaskKind
+from libs.contracts.common import (
+    MAX_PLATFORM_HEALTH_ENTRIES,
+    ExecutionPhase,
+    Lane,
+    NonNegativeInt,
+    PlatformCode,
+    PlatformHealthState,
+    ShortText,
+    TaskKind,
+)
 
 
 class TaskAvailable(msgspec.Struct, tag="task_available", tag_field="type", kw_only=True):
@@ -74,8 +83,10 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type", kw_only=True,
     """Client -> server. Keeps last_heartbeat_at fresh; may report local state."""
 
     sent_at: datetime | None = None
-    # {"openai": "healthy", "gemini": "login_required"}
-    platform_health: dict[ShortText, ShortText] | None = None
+    # {"openai": "healthy", "gemini": "login_required"}: the client's whole current view, which replaces the
+    # stored one (a platform left out is no longer reported). The hub also refuses codes it does not know.
+    platform_health: Annotated[dict[PlatformCode, PlatformHealthState],
+                               msgspec.Meta(max_length=MAX_PLATFORM_HEALTH_ENTRIES)] | None = None
     local_queue_depth: NonNegativeInt | None = None
     active_task_id: uuid.UUID | None = None
     execution_phase: ExecutionPhase | None = None

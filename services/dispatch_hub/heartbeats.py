@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable
 
 import msgspec
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
@@ -21,6 +22,13 @@ log = logging.getLogger("hub.heartbeats")
 
 
 class HeartbeatWriter:
+    """Marks clients alive in one statement per interval, and stores their platform-health reports.
+
+    Liveness and health are written in separate transactions, and health reports set-based first and one by
+    one (each in its own savepoint) only when the set-based write fails: nothing one client sends can fail
+    another client's heartbeat, or make every client of this replica look offline.
+    """
+
     def __init__(self, pool: AsyncConnectionPool[Conn], *, hub: str, interval_s: float,
                  is_connected: Callable[[uuid.UUID], bool]) -> None:
         self._pool = pool
@@ -29,39 +37,72 @@ class HeartbeatWriter:
         self._is_connected = is_connected
         self._touched: set[uuid.UUID] = set()
         self._health: dict[uuid.UUID, dict[str, str]] = {}
+        self._ignored: set[uuid.UUID] = set()
         self.flushes = 0
+        self.health_rejected = 0
 
     def touch(self, client_id: uuid.UUID) -> None:
-        self._touched.add(client_id)
+        if client_id not in self._ignored:
+            self._touched.add(client_id)
 
     def report_health(self, client_id: uuid.UUID, health: dict[str, str]) -> None:
-        self._health.setdefault(client_id, {}).update(health)
+        """The client's whole current view: it replaces what was stored (the last report of the interval wins)."""
+        if client_id in self._ignored:
+            return
+        self._health[client_id] = dict(health)
         self._touched.add(client_id)
+
+    def ignore(self, client_id: uuid.UUID) -> None:
+        """A disabled client: its pending and future signs of life are dropped."""
+        self._ignored.add(client_id)
+        self._touched.discard(client_id)
+        self._health.pop(client_id, None)
+
+    def unignore(self, client_id: uuid.UUID) -> None:
+        self._ignored.discard(client_id)
 
     async def flush(self) -> int:
         touched, self._touched = self._touched, set()
         health, self._health = self._health, {}
         # A client that disconnected since its last sign of life is not revived here.
         ids = sorted((c for c in touched if self._is_connected(c)), key=str)
-        if not ids and not health:
-            return 0
-        # Two round trips (the batch and the health reports; the lifecycle events with the COMMIT): the clients'
-        # rows stay locked briefly, and a collect-now bumping a client's generation rarely waits for them.
-        async with self._pool.connection() as conn, pipelined_transaction(conn) as pipe:
-            cur = None
-            if ids:
-                cur = await conn.execute(q.HEARTBEAT_BATCH, {"ids": ids, "hub": self._hub})
-            for client_id, platform_health in health.items():
-                await conn.execute(q.PLATFORM_HEALTH, {"client_id": client_id,
-                                                       "health": msgspec.json.encode(platform_health).decode()})
-            revived = []
-            if cur is not None:
-                await pipe.sync()
-                revived = [r for r in await cur.fetchall() if not r["was_online"]]
-            for row in revived:
-                await emit_lifecycle(conn, "client.online", tenant_id=int(row["tenant_id"]), client_id=row["id"])
+        if ids:
+            await self._write_liveness(ids)
+        if health:
+            await self._write_health(health)
         self.flushes += 1
         return len(ids)
+
+    async def _write_liveness(self, ids: list[uuid.UUID]) -> None:
+        # Two round trips (the batch; the lifecycle events with the COMMIT): the clients' rows stay locked
+        # briefly, and a collect-now bumping a client's generation rarely waits for them.
+        async with self._pool.connection() as conn, pipelined_transaction(conn) as pipe:
+            cur = await conn.execute(q.HEARTBEAT_BATCH, {"ids": ids, "hub": self._hub})
+            await pipe.sync()
+            for row in await cur.fetchall():
+                if not row["was_online"]:
+                    await emit_lifecycle(conn, "client.online", tenant_id=int(row["tenant_id"]),
+                                         client_id=row["id"])
+
+    async def _write_health(self, health: dict[uuid.UUID, dict[str, str]]) -> None:
+        rows = [{"id": str(client_id), "health": report} for client_id, report in sorted(health.items(),
+                                                                                         key=lambda i: str(i[0]))]
+        try:
+            async with self._pool.connection() as conn, conn.transaction():
+                await conn.execute(q.PLATFORM_HEALTH_BATCH, {"rows": msgspec.json.encode(rows).decode()})
+            return
+        except psycopg.DataError:
+            log.warning("platform-health batch refused; writing the reports one by one")
+        async with self._pool.connection() as conn, conn.transaction():
+            for row in rows:
+                try:
+                    async with conn.transaction():  # a savepoint: one bad report fails only itself
+                        await conn.execute(q.PLATFORM_HEALTH, {"client_id": row["id"],
+                                                               "health": msgspec.json.encode(row["health"]).decode()})
+                except psycopg.DataError as exc:
+                    self.health_rejected += 1
+                    log.warning("platform-health report refused by the database",
+                                extra={"client_id": row["id"], "error": type(exc).__name__})
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -116,9 +116,15 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                 except ContractError as exc:
                     conn.deliver(_error_event(exc))
                     continue
-                gateway.heartbeats.touch(client_id)
-                if heartbeat.platform_health:
+                if heartbeat.platform_health is not None:
+                    unknown = await request.app[CONTEXT].platforms.unknown_codes(
+                        request.app[CONTEXT].pool, heartbeat.platform_health)
+                    if unknown:
+                        conn.deliver(_error_event(code="unknown_platform", field="platform_health",
+                                                  message=f"no AI platform has the code(s) {', '.join(unknown)}"))
+                        continue
                     gateway.heartbeats.report_health(client_id, dict(heartbeat.platform_health))
+                gateway.heartbeats.touch(client_id)
                 conn.deliver(msgspec.json.encode(HeartbeatAck(server_time=datetime.now(UTC))).decode())
             elif msg.type == WSMsgType.PING:
                 gateway.heartbeats.touch(client_id)

@@ -7,7 +7,10 @@ response or raises ApiError; the HTTP layer only decodes and encodes.
 from __future__ import annotations
 
 import logging
+import math
+import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -59,18 +62,36 @@ log = logging.getLogger("hub.leases")
 
 
 class PlatformCodes:
-    """ai_platform_id -> code (labels of the safe-point metrics); reloaded on an unknown id."""
+    """ai_platform_id -> code (labels of the safe-point metrics, the platform-health check); reloaded on an
+    unknown id or code, at most every `reload_interval_s` for codes (a client can send any code it likes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, reload_interval_s: float = 30.0) -> None:
         self._codes: dict[int, str] = {}
+        self._known: frozenset[str] = frozenset()
+        self._reload_interval = reload_interval_s
+        self._loaded_at = -math.inf
+
+    async def _load(self, conn: Conn) -> None:
+        cur = await conn.execute(q.PLATFORM_CODES)
+        self._codes = {int(r["id"]): str(r["code"]) for r in await cur.fetchall()}
+        self._known = frozenset(self._codes.values())
+        self._loaded_at = time.monotonic()
 
     async def code(self, conn: Conn, platform_id: int | None) -> str:
         if platform_id is None:
             return "unknown"
         if platform_id not in self._codes:
-            cur = await conn.execute(q.PLATFORM_CODES)
-            self._codes = {int(r["id"]): str(r["code"]) for r in await cur.fetchall()}
+            await self._load(conn)
         return self._codes.get(platform_id, "unknown")
+
+    async def unknown_codes(self, pool: AsyncConnectionPool[Conn], codes: Iterable[str]) -> list[str]:
+        """The codes that name no AI platform (sorted)."""
+        unknown = sorted(set(codes) - self._known)
+        if unknown and time.monotonic() - self._loaded_at >= self._reload_interval:
+            async with pool.connection() as conn:
+                await self._load(conn)
+            unknown = sorted(set(unknown) - self._known)
+        return unknown
 
 
 class SafePointStats:

@@ -155,9 +155,17 @@ WHERE c.id = p.id
 RETURNING c.id, c.tenant_id, p.was_online
 """
 
+# A client's report replaces its stored platform health (a platform it no longer reports is not kept).
 PLATFORM_HEALTH = """
-UPDATE desktop_clients SET platform_health = platform_health || %(health)s::jsonb, updated_at = now()
-WHERE id = %(client_id)s
+UPDATE desktop_clients SET platform_health = %(health)s::jsonb, updated_at = now()
+WHERE id = %(client_id)s AND platform_health IS DISTINCT FROM %(health)s::jsonb
+"""
+
+# Every report of a flush in one statement ([{"id", "health"}], ids sorted).
+PLATFORM_HEALTH_BATCH = """
+UPDATE desktop_clients c SET platform_health = r.health, updated_at = now()
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(id uuid, health jsonb)
+WHERE c.id = r.id AND c.platform_health IS DISTINCT FROM r.health
 """
 
 # On shutdown: this hub's clients are gone from here (another hub may already hold them).

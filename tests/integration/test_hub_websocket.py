@@ -224,3 +224,63 @@ async def test_shutdown_closes_sockets_going_away_and_marks_offline(
     msg = await closing
     assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1001
     assert (await client_row(pool, client))["online"] is False
+
+
+async def test_one_clients_bad_platform_health_never_fails_another_clients_heartbeat(
+        hub: TestServer, http: aiohttp.ClientSession, seed: dict[str, Any], pool: AsyncConnectionPool[Conn]) -> None:
+    bad_tenant, good_tenant = seed["tenants"]
+    bad, good = bad_tenant["clients"][0], good_tenant["clients"][0]
+    bad_ws, good_ws = await connect(http, hub, bad["token"]), await connect(http, hub, good["token"])
+    assert (await receive(bad_ws))["type"] == "hello" and (await receive(good_ws))["type"] == "hello"
+    before = (await client_row(pool, good["client_id"]))["last_heartbeat_at"]
+    cases = [
+        ('{"type":"heartbeat","platform_health":{"openai":"ok\\u0000"}}', "invalid_field"),
+        ('{"type":"heartbeat","platform_health":{"open\\u0000ai":"healthy"}}', "invalid_field"),
+        ('{"type":"heartbeat","platform_health":{"openai":"sunny"}}', "invalid_field"),
+        ('{"type":"heartbeat","platform_health":{"no-such-platform":"healthy"}}', "unknown_platform"),
+        ('{"type":"heartbeat","platform_health":{' + ",".join(f'"p{i}":"healthy"' for i in range(51)) + "}}",
+         "invalid_field"),
+    ]
+    for raw, code in cases:
+        await bad_ws.send_str(raw)
+        error = await receive(bad_ws)
+        assert (error["type"], error["error"]) == ("error", code) and error["field"].startswith("platform_health"), raw
+    await good_ws.send_str('{"type":"heartbeat","platform_health":{"openai":"healthy","gemini":"captcha"}}')
+    assert (await receive(good_ws))["type"] == "heartbeat_ack"
+
+    async def good_written() -> dict[str, Any] | None:
+        row = await client_row(pool, good["client_id"])
+        return row if row["last_heartbeat_at"] > before and row["platform_health"] else None
+
+    row = await eventually(good_written, timeout=10, message="the good client's heartbeat and health written")
+    assert row["platform_health"] == {"openai": "healthy", "gemini": "captcha"}
+    assert (await client_row(pool, bad["client_id"]))["platform_health"] == {}
+    # a later report replaces the stored one: gemini is no longer reported
+    await good_ws.send_str('{"type":"heartbeat","platform_health":{"openai":"login_required"}}')
+    assert (await receive(good_ws))["type"] == "heartbeat_ack"
+
+    async def replaced() -> dict[str, Any] | None:
+        row = await client_row(pool, good["client_id"])
+        return row if row["platform_health"] == {"openai": "login_required"} else None
+
+    await eventually(replaced, timeout=10, message="the report replaces, not merges")
+    await bad_ws.close()
+    await good_ws.close()
+
+
+async def test_a_report_the_database_refuses_fails_only_its_own_client(
+        settings: Settings, seed: dict[str, Any], pool: AsyncConnectionPool[Conn]) -> None:
+    """Defence in depth below the contract: a NUL reaching the flush (a bug elsewhere) costs one report only."""
+    from services.dispatch_hub.heartbeats import HeartbeatWriter
+
+    bad, good = (uuid.UUID(t["clients"][0]["client_id"]) for t in seed["tenants"])
+    writer = HeartbeatWriter(pool, hub="hub-test", interval_s=1.0, is_connected=lambda _: True)
+    before = {c: (await client_row(pool, str(c)))["last_heartbeat_at"] for c in (bad, good)}
+    writer.report_health(bad, {"openai": "ok\x00"})
+    writer.report_health(good, {"openai": "healthy"})
+    assert await writer.flush() == 2
+    assert writer.health_rejected == 1
+    rows = {c: await client_row(pool, str(c)) for c in (bad, good)}
+    assert all(rows[c]["last_heartbeat_at"] is not None and rows[c]["last_heartbeat_at"] != before[c]
+               for c in (bad, good))  # liveness of both written
+    assert rows[good]["platform_health"] == {"openai": "healthy"} and rows[bad]["platform_health"] == {}
