@@ -74,6 +74,11 @@ class Settings:
     http_port: int = 0
     db_pool_min: int = 1
     db_pool_max: int = 4
+    # Set on every pooled connection: no statement, lock wait or forgotten transaction holds a connection (and
+    # what it locked) for long. 0 turns one off.
+    db_statement_timeout_ms: int = 30_000
+    db_lock_timeout_ms: int = 10_000
+    db_idle_in_transaction_timeout_ms: int = 60_000
     log_level: str = "INFO"
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     shutdown_grace_seconds: float = 20.0
@@ -141,6 +146,9 @@ class Settings:
         settings = cls(**values)
         if "hub_ping_interval_s" not in values:
             settings = replace(settings, hub_ping_interval_s=max(settings.heartbeat_timeout_seconds / 3, 1.0))
+        for name in ("db_statement_timeout_ms", "db_lock_timeout_ms", "db_idle_in_transaction_timeout_ms"):
+            if getattr(settings, name) < 0:
+                raise ConfigError(f"{name.upper()} must not be negative")
         if settings.gateway_jwt_leeway_seconds < 0:
             raise ConfigError("GATEWAY_JWT_LEEWAY_SECONDS must not be negative")
         if settings.ingest_shards <= 0:

@@ -70,6 +70,12 @@ class LifoConnectionPool(AsyncConnectionPool[Conn]):
         return await super()._get_ready_connection(timeout)
 
 
+def session_timeouts(settings: Settings) -> str:
+    """libpq `options` that set the session's statement, lock-wait and idle-in-transaction timeouts."""
+    return (f"-c statement_timeout={settings.db_statement_timeout_ms} -c lock_timeout={settings.db_lock_timeout_ms} "
+            f"-c idle_in_transaction_session_timeout={settings.db_idle_in_transaction_timeout_ms}")
+
+
 def make_pool(
     settings: Settings, *, name: str, min_size: int | None = None, max_size: int | None = None,
     prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD, warm_up: WarmUp = (),
@@ -80,7 +86,7 @@ def make_pool(
         settings.database_url,
         min_size=settings.db_pool_min if min_size is None else min_size,
         max_size=settings.db_pool_max if max_size is None else max_size,
-        kwargs={"row_factory": dict_row, "application_name": name},
+        kwargs={"row_factory": dict_row, "application_name": name, "options": session_timeouts(settings)},
         configure=_configure(prepare_threshold, warm_up),
         open=False,
         name=name,

@@ -147,6 +147,10 @@ outbox_oldest_pending_age_ms = Gauge("outbox_oldest_pending_age_ms", "Age of the
 # ---- WebSocket / hub --------------------------------------------------------------------------
 desktop_websocket_connections = Gauge(
     "desktop_websocket_connections", "Open desktop WebSocket connections on this hub instance.")
+# Edge limits (one client or tenant cannot take what others need).
+edge_rejected_total = ExactCounter(
+    "edge_rejected_total", "Requests refused by a per-client, per-address or per-tenant limit, by reason.",
+    labelnames=("service", "reason"))
 
 # ---- leader election --------------------------------------------------------------------------
 leader_is_active = Gauge("leader_is_active", "1 when this replica holds the leader lock.", ["role"])

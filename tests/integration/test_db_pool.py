@@ -73,3 +73,26 @@ async def test_a_failing_warm_up_statement_leaves_the_connection_usable(settings
             assert conn.info.transaction_status == TransactionStatus.IDLE
     warnings = [r for r in caplog.records if r.name == "db.pool"]
     assert len(warnings) == 1 and "no_such_table" in warnings[0].__dict__["error"]
+
+
+async def test_every_pooled_connection_has_statement_lock_and_idle_timeouts(settings: Settings) -> None:
+    from dataclasses import replace
+
+    import psycopg
+
+    tight = replace(settings, db_statement_timeout_ms=300, db_lock_timeout_ms=200,
+                    db_idle_in_transaction_timeout_ms=5000)
+    async with open_pool(tight, name="timeouts", min_size=1, max_size=2) as pool:
+        async with pool.connection() as conn:
+            cur = await conn.execute("SELECT current_setting('statement_timeout') AS st, "
+                                     "current_setting('lock_timeout') AS lt, "
+                                     "current_setting('idle_in_transaction_session_timeout') AS it")
+            assert await cur.fetchone() == {"st": "300ms", "lt": "200ms", "it": "5s"}
+            with pytest.raises(psycopg.errors.QueryCanceled):
+                await conn.execute("SELECT pg_sleep(2)")
+        async with pool.connection() as holder, pool.connection() as waiter:
+            await holder.execute("BEGIN")
+            await holder.execute("SELECT pg_advisory_xact_lock(4242)")
+            with pytest.raises(psycopg.errors.LockNotAvailable):
+                await waiter.execute("SELECT pg_advisory_lock(4242)")
+            await holder.execute("ROLLBACK")
