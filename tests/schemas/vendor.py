@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 K8S_VERSION = "v1.30.0-local-strict"
 K8S_KINDS = (
     "namespace-v1", "configmap-v1", "secret-v1", "service-v1", "deployment-apps-v1", "job-batch-v1",
-    "horizontalpodautoscaler-autoscaling-v2", "poddisruptionbudget-policy-v1",
+    "horizontalpodautoscaler-autoscaling-v2", "poddisruptionbudget-policy-v1", "networkpolicy-networking-v1",
 )
 OBJECT_META_REF = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 REF = re.compile(r'"\$ref": "[^"#]*#/\$defs/([^"]+)"')
