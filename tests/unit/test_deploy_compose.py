@@ -1,6 +1,6 @@
 """docker-compose.yml: valid against the Compose Specification schema (vendored, offline), and it
-runs every service of DESIGN.md §2 with its console script, port and start-up ordering, within
-Postgres' max_connections."""
+runs every service of libs/config.py SERVICE_PORTS with its console script, port and start-up
+ordering, within Postgres' max_connections, as a development stack (DEV_MODE)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import jsonschema
 import pytest
 import yaml
 
-from libs.config import SERVICE_PORTS
+from libs.config import SERVICE_PORTS, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_SCHEMA = json.loads((ROOT / "tests" / "schemas" / "compose-spec.json").read_text())
-REQUIRED_ENV = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "INGEST_SHARDS"}
+REQUIRED_ENV = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN", "DEV_MODE", "INGEST_SHARDS"}
 BACKENDS = {"postgres": "postgres:15", "rabbitmq": "rabbitmq:3.10-management"}
 DEDICATED_CONNECTIONS_PER_SERVICE = 2  # LISTEN + leader advisory lock, outside the pool
 OPERATOR_HEADROOM = 20  # monitorctl, psql, `--scale` of one service
@@ -146,3 +146,17 @@ def test_demo_fleet_is_optional() -> None:
     assert "exec desktop-sim" in script
     assert {"monitorctl", "desktop-sim"} <= set(_console_scripts())
     assert sim["depends_on"]["dispatch-hub"]["condition"] == "service_healthy"
+
+
+def test_the_local_stack_runs_in_dev_mode() -> None:
+    # Its Postgres, broker and gateway secret are development ones; deploy/k8s never sets DEV_MODE.
+    services = _compose()["services"]
+    for name, spec in services.items():
+        if name in BACKENDS:
+            continue
+        # As compose runs it with nothing set in the shell: ${NAME:-default} is the default.
+        env = {key: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(value)) for key, value in spec["environment"].items()}
+        settings = Settings.from_env(env=env)
+        assert settings.dev_mode is True, name
+        settings.jwt_key()  # the development gateway secret is accepted, so the stack starts
+        assert settings.ops_api_token, f"{name}: the coordinator's /api/ops/* needs a token, even locally"

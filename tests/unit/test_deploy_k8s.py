@@ -1,22 +1,26 @@
 """deploy/k8s: every object validates against the Kubernetes / prometheus-operator JSON schemas
 (vendored under tests/schemas/, offline), and the Deployments agree with the code: console
-scripts, ports, probes, shutdown grace, scaling, Postgres connection budget."""
+scripts, ports, probes, shutdown grace, scaling, Postgres connection budget, settings and secrets.
+The NetworkPolicies are checked by evaluating who can reach which pod on which port."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import tomllib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
 import yaml
 from referencing import Registry, Resource
 
-from libs.config import SERVICE_PORTS
+from libs.config import SERVICE_PORTS, ConfigError, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -27,7 +31,7 @@ PROM_SCHEMA = SCHEMAS / "prometheus-operator" / "prometheusrule-monitoring-v1.js
 HTTP_SERVICES = {"collect-now-api", "dispatch-hub"}
 LEADER_ELECTED = {"dispatch-coordinator", "reconciler"}
 AUTOSCALED = {"collect-now-api", "dispatch-hub", "ingest-shard-workers", "projection-worker", "outbox-pump"}
-SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET"}
+SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN"}
 # deploy/k8s/README.md: the production Postgres must allow this many connections.
 POSTGRES_MAX_CONNECTIONS = 200
 POSTGRES_RESERVED = 3  # superuser_reserved_connections
@@ -292,21 +296,63 @@ def test_postgres_connection_budget_at_full_scale() -> None:
     for name, deployment in _by_kind("Deployment").items():
         pods = hpas[name]["spec"]["maxReplicas"] if name in hpas else deployment["spec"]["replicas"]
         pool = int(_env(_container(deployment))["DB_POOL_MAX"])
-        assert 1 <= pool <= 6, "DESIGN: a service uses at most 4-6 connections"
+        assert 1 <= pool <= 6, "a service uses at most 6 pooled connections"
         total += pods * (pool + DEDICATED_CONNECTIONS_PER_POD)
     assert total <= POSTGRES_MAX_CONNECTIONS - POSTGRES_RESERVED - OPERATOR_HEADROOM
     assert f"max_connections >= {POSTGRES_MAX_CONNECTIONS}" in (K8S / "README.md").read_text()
 
 
-def test_secret_template_and_configmap_split() -> None:
+def _secret_template() -> dict[str, str]:
     secret = _load(K8S / "secret.example.yaml")
     assert len(secret) == 1 and secret[0]["kind"] == "Secret"
-    data = secret[0]["stringData"]
+    data: dict[str, str] = secret[0]["stringData"]
+    return data
+
+
+def test_secret_template_and_configmap_split() -> None:
+    data = _secret_template()
     assert set(data) == SECRET_KEYS
     assert all("REPLACE_ME" in value for value in data.values())
     config = _configmap()
     assert not SECRET_KEYS & set(config)
     assert int(config["INGEST_SHARDS"]) > 0
+
+
+def test_placeholder_gateway_secret_never_starts_a_service() -> None:
+    placeholder = _secret_template()["GATEWAY_JWT_SECRET"]
+    with pytest.raises(ConfigError):
+        Settings.from_env(env={"GATEWAY_JWT_SECRET": placeholder}).jwt_key()
+
+
+def test_every_setting_in_the_manifests_is_a_settings_field() -> None:
+    known = {f.name.upper() for f in dataclasses.fields(Settings)}
+    assert set(_configmap()) <= known
+    assert set(_secret_template()) <= known
+    for name, deployment in _by_kind("Deployment").items():
+        env_names = {e["name"] for e in _container(deployment).get("env", [])}
+        assert env_names <= known, name
+    # Empty: the gateway JWT's aud / iss are not checked until the operator sets them.
+    assert {"GATEWAY_JWT_AUDIENCE", "GATEWAY_JWT_ISSUER"} <= set(_configmap())
+
+
+def _setting_names(value: Any) -> Iterator[str]:
+    """Every mapping key, and every `name` of an env entry, anywhere in a manifest."""
+    if isinstance(value, dict):
+        yield from value
+        if isinstance(value.get("name"), str) and ("value" in value or "valueFrom" in value):
+            yield value["name"]
+        for item in value.values():
+            yield from _setting_names(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _setting_names(item)
+
+
+def test_no_manifest_sets_dev_mode() -> None:
+    # DEV_MODE accepts the built-in development gateway secret and an unset ops token.
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in _load(path):
+            assert "DEV_MODE" not in set(_setting_names(doc)), path.name
 
 
 def test_migration_job_runs_monitorctl_migrate() -> None:
@@ -318,3 +364,285 @@ def test_migration_job_runs_monitorctl_migrate() -> None:
     assert "monitorctl" in _console_scripts()
     sources = {next(iter(s.values()))["name"] for s in container["envFrom"]}
     assert sources == {"monitoring-dispatch-config", "monitoring-dispatch-secrets"}
+
+
+# --- NetworkPolicies -------------------------------------------------------------------------------
+
+NAMESPACE = "monitoring-dispatch"
+NAME = "app.kubernetes.io/name"
+NAMESPACE_NAME = "kubernetes.io/metadata.name"  # the label Kubernetes sets on every namespace
+WORKERS = {"outbox-pump", "ingest-shard-workers", "projection-worker", "reconciler"}
+DENY_ALL = "default-deny"
+BACKEND_EGRESS = "egress-dns-and-backends"
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """A pod (its namespace, labels and containerPorts), or a host outside the cluster (namespace None)."""
+
+    namespace: str | None
+    labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    ports: tuple[Mapping[str, Any], ...] = ()
+
+
+OUTSIDE = Endpoint(None)
+KUBE_DNS = Endpoint("kube-system", {"k8s-app": "kube-dns"})
+# The peers the policies name, and look-alikes that must not get in.
+GATEWAY = Endpoint("tenant-api", {NAME: "tenant-api-gateway"})
+DESKTOP_INGRESS = Endpoint("ingress-nginx", {NAME: "ingress-nginx", "app.kubernetes.io/component": "controller"})
+PROMETHEUS = Endpoint("monitoring", {NAME: "prometheus"})
+OPS_TOOLING = Endpoint(NAMESPACE, {"app.kubernetes.io/component": "ops-tooling"})
+OUTSIDERS = {
+    "outside the cluster": OUTSIDE,
+    "another tenant-api pod": Endpoint("tenant-api", {NAME: "tenant-api-worker"}),
+    "a gateway-labelled pod elsewhere": Endpoint("default", {NAME: "tenant-api-gateway"}),
+    "the ingress-nginx admission webhook": Endpoint("ingress-nginx", {
+        NAME: "ingress-nginx", "app.kubernetes.io/component": "admission-webhook"}),
+    "grafana": Endpoint("monitoring", {NAME: "grafana"}),
+    "a prometheus-labelled pod here": Endpoint(NAMESPACE, {NAME: "prometheus"}),
+    "a pod in default": Endpoint("default", {}),
+    "an unlabelled pod here": Endpoint(NAMESPACE, {}),
+    "ops tooling elsewhere": Endpoint("default", {"app.kubernetes.io/component": "ops-tooling"}),
+}
+
+
+def _selects(selector: Mapping[str, Any], labels: Mapping[str, str]) -> bool:
+    """A Kubernetes label selector; the empty selector selects everything."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, values = expression["key"], expression.get("values", [])
+        present = key in labels
+        matched = {
+            "In": present and labels.get(key) in values,
+            "NotIn": not present or labels.get(key) not in values,
+            "Exists": present,
+            "DoesNotExist": not present,
+        }[expression["operator"]]
+        if not matched:
+            return False
+    return True
+
+
+def _peer_matches(peer: Mapping[str, Any], policy_namespace: str, other: Endpoint) -> bool:
+    if "ipBlock" in peer:
+        return True  # pod IPs may fall inside any CIDR: assume the worst
+    if other.namespace is None:
+        return False  # selectors only ever match pods
+    namespace_selector = peer.get("namespaceSelector")
+    if namespace_selector is None:
+        in_namespace = other.namespace == policy_namespace
+    else:
+        in_namespace = _selects(namespace_selector, {NAMESPACE_NAME: other.namespace})
+    pod_selector = peer.get("podSelector")
+    return in_namespace and (pod_selector is None or _selects(pod_selector, other.labels))
+
+
+def _port_matches(rule_ports: list[Mapping[str, Any]] | None, port: int, protocol: str, target: Endpoint) -> bool:
+    """A rule's ports; a named port is looked up among the target pod's containerPorts."""
+    if not rule_ports:
+        return True
+    for rule_port in rule_ports:
+        if rule_port.get("protocol", "TCP") != protocol:
+            continue
+        wanted = rule_port.get("port")
+        if wanted is None:
+            return True
+        if isinstance(wanted, str):
+            if any(p.get("name") == wanted and p["containerPort"] == port and p.get("protocol", "TCP") == protocol
+                   for p in target.ports):
+                return True
+        elif wanted <= port <= rule_port.get("endPort", wanted):
+            return True
+    return False
+
+
+def _policy_types(policy: Mapping[str, Any]) -> set[str]:
+    spec = policy["spec"]
+    default = {"Ingress", *(["Egress"] if "egress" in spec else [])}
+    return set(spec.get("policyTypes", default))
+
+
+def _direction_allows(policies: list[dict[str, Any]], direction: str, subject: Endpoint, peer: Endpoint,
+                      port: int, protocol: str, target: Endpoint) -> bool:
+    """Whether `subject`'s policies of this direction let it exchange traffic with `peer`."""
+    if subject.namespace is None:
+        return True
+    isolating = [p for p in policies
+                 if p["metadata"]["namespace"] == subject.namespace
+                 and _selects(p["spec"]["podSelector"], subject.labels)
+                 and direction in _policy_types(p)]
+    if not isolating:
+        return True  # a pod no policy selects is not isolated
+    rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    return any(
+        (not rule.get(peers_key) or any(_peer_matches(x, policy["metadata"]["namespace"], peer)
+                                        for x in rule[peers_key]))
+        and _port_matches(rule.get("ports"), port, protocol, target)
+        for policy in isolating for rule in policy["spec"].get(rules_key, [])
+    )
+
+
+def can_connect(policies: list[dict[str, Any]], source: Endpoint, target: Endpoint, port: int,
+                protocol: str = "TCP") -> bool:
+    """NetworkPolicy semantics: the target's ingress and the source's egress policies must both allow it."""
+    return (_direction_allows(policies, "Ingress", target, source, port, protocol, target)
+            and _direction_allows(policies, "Egress", source, target, port, protocol, target))
+
+
+def _policies() -> list[dict[str, Any]]:
+    return list(_by_kind("NetworkPolicy").values())
+
+
+def _workload_pods() -> dict[str, Endpoint]:
+    """The pods of every Deployment and Job, as their templates describe them."""
+    pods = {}
+    for kind in ("Deployment", "Job"):
+        for name, doc in _by_kind(kind).items():
+            template = doc["spec"]["template"]
+            ports = tuple(p for c in template["spec"]["containers"] for p in c.get("ports", []))
+            pods[name] = Endpoint(doc["metadata"]["namespace"], template["metadata"]["labels"], ports)
+    return pods
+
+
+def _sources(pods: dict[str, Endpoint]) -> dict[str, Endpoint]:
+    return {"tenant-api gateway": GATEWAY, "desktop ingress": DESKTOP_INGRESS, "prometheus": PROMETHEUS,
+            "ops tooling": OPS_TOOLING, **OUTSIDERS, **pods}
+
+
+def reachers(policies: list[dict[str, Any]], target: Endpoint, port: int, sources: Mapping[str, Endpoint]) -> set[str]:
+    """The names of the sources that can open a TCP connection to `target` on `port`."""
+    return {name for name, source in sources.items() if can_connect(policies, source, target, port)}
+
+
+EXPECTED_REACHERS = {
+    "collect-now-api": {"tenant-api gateway", "prometheus"},
+    "dispatch-hub": {"desktop ingress", "prometheus"},
+    # /metrics and /api/ops/* share the port; OPS_API_TOKEN guards /api/ops/*.
+    "dispatch-coordinator": {"prometheus", "ops tooling"},
+    **{worker: {"prometheus"} for worker in WORKERS},
+}
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
+def test_only_the_intended_peers_reach_a_service(service: str) -> None:
+    policies, pods = _policies(), _workload_pods()
+    sources = _sources(pods)
+    assert reachers(policies, pods[service], SERVICE_PORTS[service], sources) == EXPECTED_REACHERS[service]
+    for other_port in (SERVICE_PORTS[service] + 1, 22, 5432, 8080):
+        assert reachers(policies, pods[service], other_port, sources) == set(), other_port
+
+
+def test_the_migration_job_accepts_nothing() -> None:
+    policies, pods = _policies(), _workload_pods()
+    sources = _sources(pods)
+    for port in (*SERVICE_PORTS.values(), 5432, 8080):
+        assert reachers(policies, pods["monitoring-dispatch-migrate"], port, sources) == set()
+
+
+def test_expectations_cover_the_workers() -> None:
+    assert set(EXPECTED_REACHERS) == set(SERVICE_PORTS)
+    assert WORKERS == set(SERVICE_PORTS) - HTTP_SERVICES - {"dispatch-coordinator"}
+
+
+def _backend_ports() -> set[int]:
+    ports = set()
+    for key in ("DATABASE_URL", "AMQP_URL"):
+        url = urlsplit(_secret_template()[key])
+        port = url.port or {"postgresql": 5432, "amqp": 5672, "amqps": 5671}[url.scheme]
+        ports.add(port)
+    return ports
+
+
+@pytest.mark.parametrize("pod", sorted(set(SERVICE_PORTS) | {"monitoring-dispatch-migrate", "ops tooling"}))
+def test_egress_is_dns_and_the_backends_only(pod: str) -> None:
+    policies, pods = _policies(), _workload_pods()
+    source = _sources(pods)[pod]
+    assert can_connect(policies, source, KUBE_DNS, 53, "UDP")
+    assert can_connect(policies, source, KUBE_DNS, 53, "TCP")
+    assert not can_connect(policies, source, Endpoint("default", {}), 53, "UDP"), "DNS goes to kube-system only"
+    assert _backend_ports() == {5432, 5671}
+    for port in (*_backend_ports(), 5672):
+        assert can_connect(policies, source, OUTSIDE, port), port
+    for port in (80, 443, 4317, 4318, 6379):
+        assert not can_connect(policies, source, OUTSIDE, port), port
+    coordinator = pods["dispatch-coordinator"]
+    expected = pod == "ops tooling"
+    assert can_connect(policies, source, coordinator, SERVICE_PORTS["dispatch-coordinator"]) is expected
+
+
+def test_a_default_deny_isolates_every_pod_both_ways() -> None:
+    policies = _by_kind("NetworkPolicy")
+    deny = policies[DENY_ALL]["spec"]
+    assert deny["podSelector"] == {}
+    assert set(deny["policyTypes"]) == {"Ingress", "Egress"}
+    assert not deny.get("ingress") and not deny.get("egress")
+
+
+def test_each_pod_is_selected_by_exactly_the_expected_policies() -> None:
+    expected = {name: {DENY_ALL, BACKEND_EGRESS, name} for name in SERVICE_PORTS}
+    expected["monitoring-dispatch-migrate"] = {DENY_ALL, BACKEND_EGRESS}
+    expected["ops tooling"] = {DENY_ALL, BACKEND_EGRESS, "ops-tooling"}
+    policies, sources = _by_kind("NetworkPolicy"), _sources(_workload_pods())
+    for pod, policy_names in expected.items():
+        selecting = {name for name, policy in policies.items()
+                     if _selects(policy["spec"]["podSelector"], sources[pod].labels)}
+        assert selecting == policy_names, pod
+
+
+def _named_ports_exist(rule_ports: list[dict[str, Any]], pods: list[Endpoint], where: str) -> None:
+    assert pods, f"{where}: selects no pod of the manifests"
+    for rule_port in rule_ports:
+        for pod in pods:
+            names = {p["name"] for p in pod.ports}
+            numbers = {p["containerPort"] for p in pod.ports}
+            port = rule_port["port"]
+            assert port in (names if isinstance(port, str) else numbers), f"{where}: {port} not on {pod.labels}"
+
+
+def test_every_port_a_policy_names_is_a_container_port_of_its_pods() -> None:
+    pods = list(_workload_pods().values())
+    for name, policy in _by_kind("NetworkPolicy").items():
+        spec = policy["spec"]
+        selected = [pod for pod in pods if _selects(spec["podSelector"], pod.labels)]
+        for rule in spec.get("ingress", []):
+            _named_ports_exist(rule["ports"], selected, f"{name} ingress")
+        for rule in spec.get("egress", []):
+            in_namespace = [peer for peer in rule.get("to", []) if set(peer) == {"podSelector"}]
+            for peer in in_namespace:
+                targets = [pod for pod in pods if _selects(peer["podSelector"], pod.labels)]
+                _named_ports_exist(rule["ports"], targets, f"{name} egress")
+
+
+def test_no_policy_admits_ingress_from_everywhere() -> None:
+    for name, policy in _by_kind("NetworkPolicy").items():
+        for rule in policy["spec"].get("ingress", []):
+            assert rule.get("from"), f"{name}: an ingress rule without `from` admits every source"
+            assert rule.get("ports"), f"{name}: an ingress rule without `ports` opens every port"
+            for peer in rule["from"]:
+                assert "ipBlock" not in peer, f"{name}: peers are selected by labels, not addresses"
+                assert all(peer[key] for key in ("namespaceSelector", "podSelector") if key in peer), (
+                    f"{name}: an empty selector admits a whole namespace or the whole cluster")
+
+
+def test_reachability_model_catches_broken_policies() -> None:
+    policies, pods = _policies(), _workload_pods()
+    sources = _sources(pods)
+    by_name = {p["metadata"]["name"]: p for p in policies}
+
+    split_peer = copy.deepcopy(policies)
+    gateway_rule = next(p for p in split_peer if p["metadata"]["name"] == "collect-now-api")["spec"]["ingress"][0]
+    peer = gateway_rule["from"][0]
+    gateway_rule["from"] = [{"namespaceSelector": peer["namespaceSelector"]}, {"podSelector": peer["podSelector"]}]
+    assert "another tenant-api pod" in reachers(split_peer, pods["collect-now-api"], 8081, sources)
+
+    no_from = copy.deepcopy(policies)
+    del next(p for p in no_from if p["metadata"]["name"] == "dispatch-hub")["spec"]["ingress"][0]["from"]
+    assert {"outside the cluster", "a pod in default"} <= reachers(no_from, pods["dispatch-hub"], 8082, sources)
+
+    no_deny = [p for name, p in by_name.items() if name not in {DENY_ALL, "reconciler"}]
+    assert "a pod in default" in reachers(no_deny, pods["reconciler"], 9105, sources)
+    assert can_connect(no_deny, pods["reconciler"], OUTSIDE, 443) is False  # egress is still limited
+
+    everything_open: list[dict[str, Any]] = []
+    assert reachers(everything_open, pods["dispatch-coordinator"], 9101, sources) == set(sources)
