@@ -50,6 +50,8 @@ class ProjectionRebuild(msgspec.Struct, tag="projection_rebuild", tag_field="typ
 LifecycleKind = Literal[
     "task.leased", "task.completed", "task.failed", "task.aborted", "task.released",
     "client.online", "client.offline", "collect_now.accepted",
+    # Operator actions on a client (monitorctl client disable | enable | rotate-token), for the audit trail.
+    "client.disabled", "client.enabled", "client.token_rotated",
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
@@ -14,6 +15,8 @@ from libs.http import ApiError
 from services.dispatch_hub import queries as q
 from services.dispatch_hub.logic import bearer_token
 
+V = TypeVar("V")
+
 
 @dataclass(frozen=True, slots=True)
 class ClientPrincipal:
@@ -21,19 +24,27 @@ class ClientPrincipal:
     tenant_id: int
     workspace_id: int
     user_id: int
+    # The hash of the token the client authenticated with: a rotated token closes the sockets opened with it.
+    token_hash: str = ""
 
 
 class ClientAuthenticator:
-    """Resolves tokens to clients, with a short positive cache so the hot path skips a query.
+    """Resolves tokens to clients, with a short positive cache so the hot path skips a query, and a longer
+    negative cache so made-up tokens cost no query after the first.
 
-    A disabled client is refused within `cache_ttl_s` (the cache holds only enabled clients).
+    A disabled client is refused within `cache_ttl_s` (the cache holds only enabled clients), and at once on
+    the hub that holds its sockets (the revocation sweep calls `forget`).
     """
 
-    def __init__(self, pool: AsyncConnectionPool[Conn], *, cache_ttl_s: float = 10.0, max_entries: int = 50_000):
+    def __init__(self, pool: AsyncConnectionPool[Conn], *, cache_ttl_s: float = 5.0,
+                 negative_ttl_s: float = 30.0, max_entries: int = 50_000):
         self._pool = pool
         self._ttl = cache_ttl_s
+        self._negative_ttl = negative_ttl_s
         self._max = max_entries
         self._cache: dict[str, tuple[float, ClientPrincipal]] = {}
+        self._unknown: dict[str, float] = {}
+        self.lookups = 0
 
     async def authenticate(self, authorization: str | None) -> ClientPrincipal:
         token = bearer_token(authorization)
@@ -44,18 +55,33 @@ class ClientAuthenticator:
         cached = self._cache.get(token_hash)
         if cached is not None and cached[0] > now:
             return cached[1]
+        if self._unknown.get(token_hash, 0.0) > now:
+            raise ApiError(401, "unauthorized", "unknown client token")
+        self.lookups += 1
         async with self._pool.connection() as conn:
             cur = await conn.execute(q.AUTHENTICATE_CLIENT, {"token_hash": token_hash})
             row = await cur.fetchone()
         if row is None:
             self._cache.pop(token_hash, None)
+            _bounded_put(self._unknown, token_hash, now + self._negative_ttl, self._max)
             raise ApiError(401, "unauthorized", "unknown client token")
         if row["disabled_at"] is not None:
             self._cache.pop(token_hash, None)
             raise ApiError(401, "client_disabled", "this desktop client has been disabled")
         principal = ClientPrincipal(client_id=row["id"], tenant_id=int(row["tenant_id"]),
-                                    workspace_id=int(row["workspace_id"]), user_id=int(row["user_id"]))
-        if len(self._cache) >= self._max:
-            self._cache.clear()
-        self._cache[token_hash] = (now + self._ttl, principal)
+                                    workspace_id=int(row["workspace_id"]), user_id=int(row["user_id"]),
+                                    token_hash=token_hash)
+        _bounded_put(self._cache, token_hash, (now + self._ttl, principal), self._max)
         return principal
+
+    def forget(self, client_id: uuid.UUID) -> None:
+        """Drop a client's cached tokens (it was disabled, or its token rotated)."""
+        for token_hash, (_, principal) in list(self._cache.items()):
+            if principal.client_id == client_id:
+                del self._cache[token_hash]
+
+
+def _bounded_put(cache: dict[str, V], key: str, value: V, max_entries: int) -> None:
+    if len(cache) >= max_entries and key not in cache:
+        cache.clear()
+    cache[key] = value

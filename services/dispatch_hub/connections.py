@@ -25,10 +25,14 @@ class Connection:
         self.principal = principal
         self.live = False
         self.last_seen = time.monotonic()
+        self.opened_at = self.last_seen
         self._held: list[str] = []
         self._outbound: asyncio.Queue[str | None] = asyncio.Queue(maxsize=max_outbound)
         self._writer: asyncio.Task[None] | None = None
         self.overflowed = False
+        # Set once the hub decided to close it (replaced, revoked, silent): it no longer counts against the
+        # client's socket limit and is not closed twice.
+        self.closing = False
         self._closer: asyncio.Task[bool] | None = None
 
     @property

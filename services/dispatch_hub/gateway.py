@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,6 +37,13 @@ log = logging.getLogger("hub.gateway")
 REPLAY_LIMIT = 500
 GOING_AWAY = 1001
 HEARTBEAT_TIMEOUT_CLOSE = 4408
+# Application close codes (4000-4999) a desktop client can act on: 4401 authenticate again (the token was
+# rotated: get the new one), 4403 do not reconnect (the client was disabled), 4409 this socket was replaced
+# by a newer one of the same client (HUB_MAX_SOCKETS_PER_CLIENT).
+TOKEN_ROTATED_CLOSE = 4401
+CLIENT_DISABLED_CLOSE = 4403
+REPLACED_CLOSE = 4409
+REVOCATION_CHUNK = 5000
 
 
 def task_available_from_row(row: dict[str, Any]) -> TaskAvailable:
@@ -51,7 +58,8 @@ def task_available_from_row(row: dict[str, Any]) -> TaskAvailable:
 class Gateway:
     def __init__(self, pool: AsyncConnectionPool[Conn], amqp: AbstractRobustConnection, topology: Topology, *,
                  hub_id: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
-                 heartbeat_flush_s: float) -> None:
+                 heartbeat_flush_s: float, max_sockets_per_client: int = 2, revocation_check_s: float = 2.0,
+                 on_revoked: Callable[[uuid.UUID], None] | None = None) -> None:
         self._pool = pool
         self._amqp = amqp
         self._topology = topology
@@ -64,7 +72,11 @@ class Gateway:
         self._queue: AbstractQueue | None = None
         self.heartbeats = HeartbeatWriter(pool, hub=hub_id, interval_s=heartbeat_flush_s,
                                           is_connected=lambda c: c in self._sockets)
+        self.max_sockets_per_client = max_sockets_per_client
+        self.revocation_check_s = revocation_check_s
+        self._on_revoked = on_revoked
         self.forwarded = 0
+        self.revoked = 0
         self.closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -155,6 +167,7 @@ class Gateway:
                 self._sockets[client_id] = set()
             self._sockets[client_id].add(conn)
             metrics.desktop_websocket_connections.inc()
+            self._close_oldest_beyond_limit(client_id)
             # Under the client's lock, so a concurrent last-socket close cannot mark it offline after this.
             async with self._pool.connection() as db, db.transaction():
                 cur = await db.execute(q.CLIENT_ONLINE, {"client_id": client_id, "hub": self.hub_id})
@@ -211,6 +224,61 @@ class Gateway:
                 log.exception("could not mark the client offline", extra={"client_id": str(client_id)})
         log.info("client disconnected", extra={"client_id": str(client_id), "tenant_id": principal.tenant_id})
 
+    def _close_oldest_beyond_limit(self, client_id: uuid.UUID) -> None:
+        """A client holds at most `max_sockets_per_client` sockets here: the oldest beyond that are closed
+        (a reconnecting client's old socket that has not noticed it is dead yet, or a copied token)."""
+        conns = sorted((c for c in self._sockets[client_id] if not c.closing), key=lambda c: c.opened_at)
+        for old in conns[:max(0, len(conns) - self.max_sockets_per_client)]:
+            log.info("closing a client's oldest socket: a newer one replaced it",
+                     extra={"client_id": str(client_id), "limit": self.max_sockets_per_client})
+            self._close(old, REPLACED_CLOSE, b"replaced by a newer connection of this client")
+
+    def _close(self, conn: Connection, code: int, message: bytes) -> None:
+        conn.closing = True
+        self._spawn(conn.ws.close(code=code, message=message), name=f"close-{conn.client_id}")
+
+    # ---- revocation --------------------------------------------------------------------------
+    async def revoke_sweep(self) -> int:
+        """Close the sockets of clients that were disabled (4403) or whose token was rotated (4401), and of
+        clients that no longer exist; the number of sockets closed."""
+        ids = list(self._sockets)
+        found: dict[uuid.UUID, dict[str, Any]] = {}
+        for start in range(0, len(ids), REVOCATION_CHUNK):
+            async with self._pool.connection() as db:
+                cur = await db.execute(q.REVOKED_CLIENTS, {"ids": ids[start:start + REVOCATION_CHUNK]})
+                found.update({row["id"]: row for row in await cur.fetchall()})
+        closed = 0
+        for client_id in ids:
+            row = found.get(client_id)
+            for conn in tuple(self._sockets.get(client_id, ())):
+                if conn.closing:
+                    continue
+                if row is None or row["disabled"]:
+                    self._close(conn, CLIENT_DISABLED_CLOSE, b"client disabled")
+                elif row["token_hash"] != conn.principal.token_hash:
+                    self._close(conn, TOKEN_ROTATED_CLOSE, b"token rotated; authenticate again")
+                else:
+                    continue
+                closed += 1
+                if self._on_revoked is not None:
+                    self._on_revoked(client_id)
+                log.warning("closing a revoked client's socket", extra={
+                    "client_id": str(client_id), "reason": "token_rotated" if row and not row["disabled"]
+                    else "disabled"})
+        self.revoked += closed
+        return closed
+
+    async def run_revocation_sweep(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.revocation_check_s)
+            if stop.is_set() or not self._sockets:
+                continue
+            try:
+                await self.revoke_sweep()
+            except Exception:
+                log.exception("revocation sweep failed; will retry at the next interval")
+
     # ---- liveness ----------------------------------------------------------------------------
     async def run_pinger(self, stop: asyncio.Event) -> None:
         """One task for all sockets: ping each, close the ones silent for longer than the timeout."""
@@ -221,10 +289,11 @@ class Gateway:
                 return
             now = time.monotonic()
             for conn in self.all_connections():
+                if conn.closing:
+                    continue
                 if now - conn.last_seen > self.heartbeat_timeout_s:
                     log.info("closing a silent socket", extra={"client_id": conn.client_id})
-                    self._spawn(conn.ws.close(code=HEARTBEAT_TIMEOUT_CLOSE, message=b"heartbeat timeout"),
-                                name=f"close-{conn.client_id}")
+                    self._close(conn, HEARTBEAT_TIMEOUT_CLOSE, b"heartbeat timeout")
                 elif not conn.ws.closed:
                     with contextlib.suppress(Exception):
                         await conn.ws.ping()

@@ -37,29 +37,16 @@ class HeartbeatWriter:
         self._is_connected = is_connected
         self._touched: set[uuid.UUID] = set()
         self._health: dict[uuid.UUID, dict[str, str]] = {}
-        self._ignored: set[uuid.UUID] = set()
         self.flushes = 0
         self.health_rejected = 0
 
     def touch(self, client_id: uuid.UUID) -> None:
-        if client_id not in self._ignored:
-            self._touched.add(client_id)
+        self._touched.add(client_id)
 
     def report_health(self, client_id: uuid.UUID, health: dict[str, str]) -> None:
         """The client's whole current view: it replaces what was stored (the last report of the interval wins)."""
-        if client_id in self._ignored:
-            return
         self._health[client_id] = dict(health)
         self._touched.add(client_id)
-
-    def ignore(self, client_id: uuid.UUID) -> None:
-        """A disabled client: its pending and future signs of life are dropped."""
-        self._ignored.add(client_id)
-        self._touched.discard(client_id)
-        self._health.pop(client_id, None)
-
-    def unignore(self, client_id: uuid.UUID) -> None:
-        self._ignored.discard(client_id)
 
     async def flush(self) -> int:
         touched, self._touched = self._touched, set()

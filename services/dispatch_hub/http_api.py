@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import msgspec
@@ -15,11 +18,13 @@ from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import CancelRequest, ExtendRequest, LeaseRequest, ResultRequest
 from libs.contracts.wire import ErrorEvent, Heartbeat, HeartbeatAck, client_message_decoder
 from libs.http import ApiError, json_response, read_body
+from libs.telemetry import metrics
 from services.dispatch_hub import leases
 from services.dispatch_hub.auth import ClientAuthenticator, ClientPrincipal
 from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.leases import HubContext
+from services.dispatch_hub.logic import TokenBuckets
 from services.dispatch_hub.openapi import openapi_document
 
 log = logging.getLogger("hub.http")
@@ -29,6 +34,24 @@ GATEWAY = web.AppKey("gateway", Gateway)
 CONTEXT = web.AppKey("hub_context", HubContext)
 MAX_BODY = web.AppKey("max_body", int)
 MAX_WS_MESSAGE = 64 * 1024
+
+
+@dataclass(slots=True)
+class UpgradeLimits:
+    """WebSocket upgrade budgets: per source address (checked before the token is looked up) and per client."""
+
+    by_address: TokenBuckets
+    by_client: TokenBuckets
+
+    def check(self, buckets: TokenBuckets, key: str, what: str) -> None:
+        wait = buckets.take(key, time.monotonic())
+        if wait is not None:
+            metrics.edge_rejected_total.inc(service="dispatch-hub", reason=f"upgrade_rate_{what}")
+            raise ApiError(429, "rate_limited", f"too many WebSocket connections from this {what}; retry in "
+                           f"{math.ceil(wait)} s", retry_after_s=math.ceil(wait))
+
+
+UPGRADE_LIMITS = web.AppKey("upgrade_limits", UpgradeLimits)
 
 
 async def _principal(request: web.Request) -> ClientPrincipal:
@@ -95,7 +118,10 @@ def _error_event(exc: ContractError | None = None, *, code: str = "", message: s
 
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
+    limits = request.app[UPGRADE_LIMITS]
+    limits.check(limits.by_address, request.remote or "unknown", "address")
     principal = await _principal(request)  # 401 JSON before the upgrade
+    limits.check(limits.by_client, str(principal.client_id), "client")
     gateway = request.app[GATEWAY]
     if gateway.closing:
         raise ApiError(503, "shutting_down", "this hub is shutting down; reconnect")

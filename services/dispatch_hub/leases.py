@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
 from psycopg import AsyncCursor
 from psycopg_pool import AsyncConnectionPool
 
-from libs.auth import hash_token
+from libs.auth import hash_token, tokens_match
 from libs.contracts.amqp import MonitorResult
 from libs.contracts.http import (
     BrandRef,
@@ -50,11 +51,16 @@ from services.dispatch_hub.logic import (
     PREEMPT_REASON,
     LeaseCheck,
     LeaseState,
+    ResultPost,
     RollingWindow,
     check_lease,
+    classify_result_post,
     is_stale_generation,
     lease_token_epoch,
     new_lease_token,
+    preempt_cancel_allowed,
+    result_digest,
+    result_id_for,
 )
 from services.dispatch_hub.results import BrokerUnavailable, ResultPublisher
 
@@ -246,6 +252,10 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             cur = await conn.execute(q.LEASE_STATE_FOR_UPDATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
             row = _fence(await cur.fetchone(), principal, body.lease_token)
             client = principal.client_id
+            if body.reason == PREEMPT_REASON and not preempt_cancel_allowed(row["control_flags"]):
+                raise ApiError(409, "no_interrupt_requested", f"reason {PREEMPT_REASON!r} acknowledges an interrupt "
+                               "the server requested, and none was requested for this task; cancel with another "
+                               "reason", "reason")
             if body.reason == PREEMPT_REASON:
                 if is_stale_generation(body.interrupt_generation, int(row["interrupt_generation"])):
                     metrics.interrupt_generation_mismatch_count.inc()
@@ -309,19 +319,78 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
 async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: ResultRequest) -> (
     ResultResponse
 ):
+    """Publish the result of a lease to its ingest shard (confirmed), once per lease: the same body posted
+    again answers the same 202 and publishes nothing new; a different body on the same lease is a 409."""
+    digest = result_digest(msgspec.json.encode(body))
     async with ctx.pool.connection() as conn:
         cur = await conn.execute(q.LEASE_STATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
-        row = _fence(await cur.fetchone(), principal, body.lease_token)
+        row = await cur.fetchone()
+        replayed = _result_replay(row, principal, body.lease_token, digest)
+        if replayed is not None:
+            return replayed
+        row = _fence(row, principal, body.lease_token)
+        epoch = int(row["lease_epoch"])
+        claim_params = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch, "digest": digest}
+        async with conn.transaction():
+            cur = await conn.execute(q.CLAIM_RESULT, claim_params)
+            claim = await cur.fetchone()
+        assert claim is not None  # the fence passed: the row is there at this epoch
+        post = classify_result_post(claim["previous"], digest, received=claim["result_received_at"] is not None)
+        if post is ResultPost.CONFLICT:
+            raise _result_conflict()
+        if post is ResultPost.REPLAY:
+            return ResultResponse(accepted=True, result_id=result_id_for(task_id, epoch))
         cur = await conn.execute(q.RESULT_CONTEXT, {"monitor_task_id": row["monitor_task_id"],
                                                     "tenant_id": principal.tenant_id})
         business = await cur.fetchone()
     if business is None:
         raise ApiError(404, "not_found", "the business task of this execution no longer exists")
+    message = _result_message(ctx, principal, row, business, body)
+    try:
+        await ctx.publisher.publish(message, routing_key=f"shard.{message.shard}")
+    except BrokerUnavailable as exc:
+        async with ctx.pool.connection() as conn:
+            await conn.execute(q.RELEASE_RESULT_CLAIM, claim_params)
+        raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
+                       retry_after_s=2) from exc
+    async with ctx.pool.connection() as conn:
+        await conn.execute(q.MARK_RESULT_RECEIVED, {"task_id": task_id, "tenant_id": principal.tenant_id,
+                                                    "epoch": epoch})
+    log.info("result accepted", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
+                                       "tenant_id": principal.tenant_id, "result_id": str(message.result_id),
+                                       "shard": message.shard, "status": body.status,
+                                       "republished": post is ResultPost.REPUBLISH})
+    return ResultResponse(accepted=True, result_id=message.result_id)
+
+
+def _result_conflict() -> ApiError:
+    return ApiError(409, "result_already_posted", "a different result was already posted on this lease; a lease "
+                    "takes one result (an identical retry is answered as the first post was)", "lease_token")
+
+
+def _result_replay(row: dict[str, Any] | None, principal: ClientPrincipal, token: str,
+                   digest: str) -> ResultResponse | None:
+    """A post on a lease whose result was accepted already (even if ingest has ended the execution since):
+    the same 202 for the same body, 409 for another. None: not such a post (fence and claim as usual)."""
+    if row is None or row["target_client_id"] != principal.client_id or row["result_received_at"] is None:
+        return None
+    epoch = lease_token_epoch(token)
+    if (epoch != int(row["lease_epoch"]) or row["lease_token_hash"] is None
+            or not tokens_match(token, row["lease_token_hash"]) or row["result_digest"] is None):
+        return None
+    if classify_result_post(row["result_digest"], digest, received=True) is ResultPost.CONFLICT:
+        raise _result_conflict()
+    return ResultResponse(accepted=True, result_id=result_id_for(row["id"], epoch))
+
+
+def _result_message(ctx: HubContext, principal: ClientPrincipal, row: dict[str, Any], business: dict[str, Any],
+                    body: ResultRequest) -> MonitorResult:
     shard = shard_for(int(business["tenant_id"]), int(business["brand_id"]), business["business_date"],
                       ctx.ingest_shards)
-    message = MonitorResult(
-        result_id=uuid.uuid4(), task_id=task_id, monitor_task_id=int(row["monitor_task_id"]),
-        lease_epoch=int(row["lease_epoch"]), tenant_id=int(business["tenant_id"]),
+    epoch = int(row["lease_epoch"])
+    return MonitorResult(
+        result_id=result_id_for(row["id"], epoch), task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]),
+        lease_epoch=epoch, tenant_id=int(business["tenant_id"]),
         workspace_id=int(business["workspace_id"]), brand_id=int(business["brand_id"]),
         question_id=int(business["question_id"]), ai_platform_id=int(business["ai_platform_id"]),
         collector_type=business["collector_type"], run_mode=business["run_mode"],
@@ -329,15 +398,3 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         answer_text=body.answer_text, citations=body.citations, brand_mentioned=body.brand_mentioned,
         error=body.error, started_at=body.started_at, finished_at=body.finished_at, received_at=datetime.now(UTC),
         collect_request_id=row["collect_request_id"], shard=shard)
-    try:
-        await ctx.publisher.publish(message, routing_key=f"shard.{shard}")
-    except BrokerUnavailable as exc:
-        raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
-                       retry_after_s=2) from exc
-    async with ctx.pool.connection() as conn:
-        await conn.execute(q.MARK_RESULT_RECEIVED, {"task_id": task_id, "tenant_id": principal.tenant_id,
-                                                    "epoch": int(row["lease_epoch"])})
-    log.info("result accepted", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
-                                       "tenant_id": principal.tenant_id, "result_id": str(message.result_id),
-                                       "shard": shard, "status": body.status})
-    return ResultResponse(accepted=True, result_id=message.result_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 import uuid
@@ -114,3 +115,75 @@ class RollingWindow:
 
     def __len__(self) -> int:
         return len(self._values)
+
+
+# ---- idempotent results -------------------------------------------------------------------------
+
+RESULT_ID_NAMESPACE = uuid.UUID("6f1c7e0a-3b7d-5a55-9c1e-8d2f4a6b9e10")
+
+
+def result_id_for(task_id: uuid.UUID, lease_epoch: int) -> uuid.UUID:
+    """The result of one lease has one id, whichever post published it: a re-publish after a lost answer or a
+    crash between publish and bookkeeping is the same message to ingest, which applies a result id once."""
+    return uuid.uuid5(RESULT_ID_NAMESPACE, f"{task_id}:{lease_epoch}")
+
+
+def result_digest(body: bytes) -> str:
+    """What tells an identical retry from a different result posted on the same lease."""
+    return hashlib.sha256(body).hexdigest()
+
+
+class ResultPost(Enum):
+    FIRST = "first"            # nothing posted on this lease yet: publish
+    REPUBLISH = "republish"    # the same body was posted but not confirmed (in flight or crashed): publish again
+    REPLAY = "replay"          # the same body was accepted already: answer the same 202, publish nothing
+    CONFLICT = "conflict"      # a different result was posted on this lease: 409
+
+
+def classify_result_post(previous_digest: str | None, digest: str, *, received: bool) -> ResultPost:
+    if previous_digest is None:
+        return ResultPost.FIRST
+    if previous_digest != digest:
+        return ResultPost.CONFLICT
+    return ResultPost.REPLAY if received else ResultPost.REPUBLISH
+
+
+def preempt_cancel_allowed(control_flags: dict[str, object] | None) -> bool:
+    """A cancel that says `collect_now_preempt` yields the business task without counting an attempt, so it is
+    honoured only for an interrupt the server requested (otherwise a client could skip retry accounting)."""
+    return bool((control_flags or {}).get("interrupt_requested"))
+
+
+# ---- rate limits ----------------------------------------------------------------------------------
+
+
+class TokenBuckets:
+    """Per-key token buckets (`rate` tokens a second, at most `burst` saved), for upgrade rate limits per
+    client and per address. Keys idle long enough to have refilled are dropped, so memory stays bounded by
+    the keys active in the last `burst / rate` seconds (and by `max_keys`)."""
+
+    def __init__(self, rate: float, burst: float, *, max_keys: int = 100_000) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("a token bucket needs rate > 0 and burst >= 1")
+        self.rate = rate
+        self.burst = burst
+        self.max_keys = max_keys
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+
+    def take(self, key: str, now: float) -> float | None:
+        """Take a token: None when allowed, else the seconds until one is available."""
+        tokens, at = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        if tokens < 1:
+            self._buckets[key] = (tokens, now)
+            return (1 - tokens) / self.rate
+        if len(self._buckets) >= self.max_keys and key not in self._buckets:
+            self._prune(now)
+        self._buckets[key] = (tokens - 1, now)
+        return None
+
+    def _prune(self, now: float) -> None:
+        full_after = self.burst / self.rate
+        self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < full_after}
+        if len(self._buckets) >= self.max_keys:
+            self._buckets.clear()  # a flood of distinct keys: forget them all rather than grow without bound

@@ -15,8 +15,17 @@ from libs.mq.topology import Topology
 from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
 from services.dispatch_hub.auth import ClientAuthenticator
 from services.dispatch_hub.gateway import Gateway
-from services.dispatch_hub.http_api import AUTH, CONTEXT, GATEWAY, MAX_BODY, add_routes
+from services.dispatch_hub.http_api import (
+    AUTH,
+    CONTEXT,
+    GATEWAY,
+    MAX_BODY,
+    UPGRADE_LIMITS,
+    UpgradeLimits,
+    add_routes,
+)
 from services.dispatch_hub.leases import HubContext, PlatformCodes, SafePointStats
+from services.dispatch_hub.logic import TokenBuckets
 from services.dispatch_hub.results import AmqpResultPublisher
 
 POOL_MAX = 6
@@ -25,6 +34,9 @@ POOL_MAX = 6
 def build(settings: Settings) -> web.Application:
     app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
     app[MAX_BODY] = settings.max_body_bytes
+    app[UPGRADE_LIMITS] = UpgradeLimits(
+        by_address=TokenBuckets(settings.hub_upgrades_per_address_per_s, settings.hub_upgrade_burst_per_address),
+        by_client=TokenBuckets(settings.hub_upgrades_per_client_per_s, settings.hub_upgrade_burst_per_client))
     add_routes(app)
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -39,9 +51,13 @@ def build(settings: Settings) -> web.Application:
             pool, amqp, topology, hub_id=settings.instance_id,
             heartbeat_interval_s=settings.hub_ping_interval_s,
             heartbeat_timeout_s=settings.heartbeat_timeout_seconds,
-            heartbeat_flush_s=settings.hub_heartbeat_flush_s)
+            heartbeat_flush_s=settings.hub_heartbeat_flush_s,
+            max_sockets_per_client=settings.hub_max_sockets_per_client,
+            revocation_check_s=settings.hub_revocation_check_s,
+            on_revoked=lambda client_id: app[AUTH].forget(client_id))
         await gateway.start()
-        app[AUTH] = ClientAuthenticator(pool)
+        app[AUTH] = ClientAuthenticator(pool, cache_ttl_s=settings.hub_auth_cache_s,
+                                        negative_ttl_s=settings.hub_auth_negative_cache_s)
         app[GATEWAY] = gateway
         app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool, max_age_s=5.0), platforms=PlatformCodes(),
                                   safe_points=SafePointStats(), publisher=publisher,
@@ -68,6 +84,7 @@ def build(settings: Settings) -> web.Application:
     app.on_shutdown.append(on_shutdown)
     background(app, "heartbeat-writer", lambda stop: app[GATEWAY].heartbeats.run(stop))
     background(app, "websocket-pinger", lambda stop: app[GATEWAY].run_pinger(stop))
+    background(app, "revocation-sweep", lambda stop: app[GATEWAY].run_revocation_sweep(stop))
     return app
 
 

@@ -5,6 +5,12 @@ SELECT id, tenant_id, workspace_id, user_id, disabled_at
 FROM desktop_clients WHERE token_hash = %(token_hash)s
 """
 
+# Revocation sweep: which of this hub's connected clients were disabled or had their token rotated.
+REVOKED_CLIENTS = """
+SELECT id, token_hash, disabled_at IS NOT NULL AS disabled
+FROM desktop_clients WHERE id = ANY(%(ids)s)
+"""
+
 # Serialises concurrent lease calls of one client so the concurrency limit holds (no row lock on
 # desktop_clients, which heartbeats and collect-now update).
 LOCK_CLIENT_LEASES = "SELECT pg_advisory_xact_lock(hashtextextended('hub.lease:' || %(client_id)s::text, 0))"
@@ -80,7 +86,8 @@ RETURNING lease_expires_at, interrupt_generation, control_flags, ai_platform_id
 LEASE_STATE = """
 SELECT d.id, d.target_client_id, d.status, d.lease_epoch, d.lease_token_hash, d.interrupt_generation,
        d.control_flags, d.monitor_task_id, d.tenant_id, d.workspace_id, d.ai_platform_id, d.lane, d.kind,
-       d.collect_request_id, d.brand_id, d.question_id, d.business_date, d.interrupt_reason
+       d.collect_request_id, d.brand_id, d.question_id, d.business_date, d.interrupt_reason,
+       d.result_digest, d.result_received_at
 FROM desktop_tasks d
 WHERE d.id = %(task_id)s AND d.tenant_id = %(tenant_id)s
 """
@@ -93,6 +100,26 @@ SELECT t.collector_type, t.run_mode, t.tenant_id, t.workspace_id, t.brand_id, t.
        t.business_date
 FROM monitoring_collect_tasks t
 WHERE t.id = %(monitor_task_id)s AND t.tenant_id = %(tenant_id)s
+"""
+
+# The first result body posted on a lease claims it; `previous` is the digest an earlier post stored (NULL: this
+# post is the first).
+CLAIM_RESULT = """
+WITH prev AS (
+    SELECT id, result_digest FROM desktop_tasks
+    WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
+    FOR UPDATE
+)
+UPDATE desktop_tasks d SET result_digest = coalesce(prev.result_digest, %(digest)s)
+FROM prev WHERE d.id = prev.id
+RETURNING prev.result_digest AS previous, d.result_received_at
+"""
+
+# A publish that failed gives the claim back, so the client's retry can post again.
+RELEASE_RESULT_CLAIM = """
+UPDATE desktop_tasks SET result_digest = NULL
+WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
+  AND result_digest = %(digest)s AND result_received_at IS NULL
 """
 
 MARK_RESULT_RECEIVED = """
@@ -133,7 +160,8 @@ LIMIT %(limit)s
 CLIENT_ONLINE = """
 UPDATE desktop_clients c
 SET online = true, connected_hub = %(hub)s, last_heartbeat_at = now(), offline_since = NULL, updated_at = now()
-FROM (SELECT id, online AS was_online FROM desktop_clients WHERE id = %(client_id)s FOR UPDATE) p
+FROM (SELECT id, online AS was_online FROM desktop_clients
+      WHERE id = %(client_id)s AND disabled_at IS NULL FOR UPDATE) p
 WHERE c.id = p.id
 RETURNING c.interrupt_generation, p.was_online
 """
@@ -145,12 +173,13 @@ WHERE id = %(client_id)s AND connected_hub = %(hub)s AND online
 RETURNING tenant_id
 """
 
-# One statement per flush for every client that showed a sign of life (ids sorted: no deadlocks).
+# One statement per flush for every client that showed a sign of life (ids sorted: no deadlocks); a disabled
+# client's heartbeats are ignored.
 HEARTBEAT_BATCH = """
 UPDATE desktop_clients c
 SET last_heartbeat_at = now(), online = true, connected_hub = %(hub)s, offline_since = NULL
 FROM (SELECT id, online AS was_online FROM desktop_clients
-      WHERE id = ANY(%(ids)s) ORDER BY id FOR UPDATE) p
+      WHERE id = ANY(%(ids)s) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
 WHERE c.id = p.id
 RETURNING c.id, c.tenant_id, p.was_online
 """
@@ -158,14 +187,14 @@ RETURNING c.id, c.tenant_id, p.was_online
 # A client's report replaces its stored platform health (a platform it no longer reports is not kept).
 PLATFORM_HEALTH = """
 UPDATE desktop_clients SET platform_health = %(health)s::jsonb, updated_at = now()
-WHERE id = %(client_id)s AND platform_health IS DISTINCT FROM %(health)s::jsonb
+WHERE id = %(client_id)s AND disabled_at IS NULL AND platform_health IS DISTINCT FROM %(health)s::jsonb
 """
 
 # Every report of a flush in one statement ([{"id", "health"}], ids sorted).
 PLATFORM_HEALTH_BATCH = """
 UPDATE desktop_clients c SET platform_health = r.health, updated_at = now()
 FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(id uuid, health jsonb)
-WHERE c.id = r.id AND c.platform_health IS DISTINCT FROM r.health
+WHERE c.id = r.id AND c.disabled_at IS NULL AND c.platform_health IS DISTINCT FROM r.health
 """
 
 # On shutdown: this hub's clients are gone from here (another hub may already hold them).

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
+
 from libs.auth import hash_token
 from services.dispatch_hub.logic import (
     LeaseCheck,
@@ -81,3 +83,45 @@ def test_percentile_and_rolling_window() -> None:
 
 def test_the_announced_heartbeat_interval_is_whole_seconds_and_never_zero() -> None:
     assert [announced_heartbeat_interval(s) for s in (0.3, 1.0, 2.9, 10.0)] == [1, 1, 2, 10]
+
+
+def test_token_buckets_allow_the_burst_then_the_rate_per_key() -> None:
+    from services.dispatch_hub.logic import TokenBuckets
+
+    buckets = TokenBuckets(rate=1.0, burst=3)
+    assert [buckets.take("a", 0.0) for _ in range(3)] == [None, None, None]
+    assert buckets.take("a", 0.0) == pytest.approx(1.0)
+    assert buckets.take("b", 0.0) is None  # another key has its own bucket
+    assert buckets.take("a", 0.5) == pytest.approx(0.5)
+    assert buckets.take("a", 1.6) is None
+    assert buckets.take("a", 100.0) is None  # refilled, at most to the burst
+    assert [buckets.take("a", 100.0) for _ in range(2)] == [None, None]
+    assert buckets.take("a", 100.0) is not None
+
+
+def test_token_buckets_stay_bounded_under_a_flood_of_keys() -> None:
+    from services.dispatch_hub.logic import TokenBuckets
+
+    buckets = TokenBuckets(rate=1.0, burst=2, max_keys=100)
+    for i in range(10_000):
+        buckets.take(f"k{i}", float(i) / 1000)
+    assert len(buckets._buckets) <= 100
+
+
+def test_a_result_post_is_classified_by_the_digest_already_stored() -> None:
+    from services.dispatch_hub.logic import ResultPost, classify_result_post, result_id_for
+
+    assert classify_result_post(None, "d1", received=False) is ResultPost.FIRST
+    assert classify_result_post("d1", "d1", received=True) is ResultPost.REPLAY
+    assert classify_result_post("d1", "d1", received=False) is ResultPost.REPUBLISH
+    assert classify_result_post("d1", "d2", received=True) is ResultPost.CONFLICT
+    task = uuid.uuid4()
+    assert result_id_for(task, 1) == result_id_for(task, 1) != result_id_for(task, 2)
+
+
+def test_a_preempt_cancel_needs_a_requested_interrupt() -> None:
+    from services.dispatch_hub.logic import preempt_cancel_allowed
+
+    assert not preempt_cancel_allowed(None) and not preempt_cancel_allowed({})
+    assert not preempt_cancel_allowed({"interrupt_requested": False})
+    assert preempt_cancel_allowed({"interrupt_requested": True, "interrupt_generation": 2})

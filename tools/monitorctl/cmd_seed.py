@@ -1,4 +1,5 @@
-"""`monitorctl seed-demo` and `monitorctl client create`: demo data and desktop client tokens."""
+"""`monitorctl seed-demo` and `monitorctl client create`: demo data and desktop client tokens (the other
+`client` commands are in cmd_client.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 from typing import Any
 
 from libs.demo import create_client, seed_demo
+from tools.monitorctl.cmd_client import register_client_commands
 from tools.monitorctl.common import Context, fail
 
 
@@ -33,6 +35,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     create.add_argument("--max-queue-depth", type=_non_negative, default=20)
     create.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     create.set_defaults(func=run_client_create)
+    register_client_commands(client_sub)
 
 
 def _positive(value: str) -> int:
