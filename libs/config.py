@@ -110,6 +110,21 @@ class Settings:
     hub_heartbeat_flush_s: float = 2.0
     # How long a result publish waits for the broker's confirm before the client is told to retry.
     hub_result_confirm_timeout_s: float = 5.0
+    # Live WebSockets per client token on one hub; a newer one closes the oldest (close code 4409).
+    hub_max_sockets_per_client: int = 2
+    # WebSocket upgrades per client (after authentication) and per source address (before it), as token
+    # buckets: a rate per second and a burst. An address can stand for a whole office behind NAT, or for an
+    # ingress: keep its budget generous (a hub restart reconnects every client at once).
+    hub_upgrades_per_client_per_s: float = 0.2
+    hub_upgrade_burst_per_client: int = 5
+    hub_upgrades_per_address_per_s: float = 200.0
+    hub_upgrade_burst_per_address: int = 2000
+    # How often a hub looks for disabled clients and rotated tokens among its sockets (and closes them).
+    hub_revocation_check_s: float = 2.0
+    # Client-token lookups cached in each hub: known tokens briefly (a disabled client is refused within this),
+    # unknown ones longer (a flood of made-up tokens costs no queries).
+    hub_auth_cache_s: float = 5.0
+    hub_auth_negative_cache_s: float = 30.0
     # ingest-shard-workers
     # Results per ingest transaction (at most) and unacked deliveries per shard channel. Measured: 200/400
     # -> ~3,700-4,200 results/s with 2 workers, 500/1000 -> ~4,200-5,000 (fewer commits and round trips).
@@ -153,7 +168,13 @@ class Settings:
             raise ConfigError("GATEWAY_JWT_LEEWAY_SECONDS must not be negative")
         if settings.ingest_shards <= 0:
             raise ConfigError("INGEST_SHARDS must be positive")
-        for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s"):
+        if settings.hub_max_sockets_per_client < 1:
+            raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")
+        if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:
+            raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
+        for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
+                     "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
+                     "hub_auth_cache_s", "hub_auth_negative_cache_s"):
             value = getattr(settings, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name.upper()}={value!r} must be a positive number of seconds")

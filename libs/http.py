@@ -41,7 +41,10 @@ def json_response(value: Any, status: int = 200, headers: dict[str, str] | None 
 
 def error_response(status: int, code: str, message: str, field: str | None = None, **extra: Any) -> web.Response:
     body = ErrorBody(error=code, message=message, field=field, **extra)
-    return json_response(body, status=status)
+    # A 429 or 503 that says when to come back says it in the standard header too (HTTP clients honour it).
+    retry_after = extra.get("retry_after_s")
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return json_response(body, status=status, headers=headers)
 
 
 @web.middleware
@@ -60,7 +63,11 @@ async def json_errors(request: web.Request, handler: Callable[[web.Request], Awa
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
                 410: "gone"}.get(exc.status, "http_error")
-        return error_response(exc.status, code, exc.reason or code)
+        response = error_response(exc.status, code, exc.reason or code)
+        # A 405 names the methods the resource does take, in its Allow header; keep it on the JSON answer.
+        if "Allow" in exc.headers:
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -115,7 +122,11 @@ async def readyz(request: web.Request) -> web.Response:
             results[name] = "ok"
         except Exception as exc:
             ok = False
-            results[name] = f"failing: {type(exc).__name__}: {exc}"[:200]
+            # The answer is public (kubelet, load balancers): an exception's text can name hosts, DSNs or SQL,
+            # so it goes to the log only.
+            results[name] = "failing"
+            log.warning("readiness check failing", extra={
+                "check": name, "error_type": type(exc).__name__, "error": str(exc)[:500]})
     return json_response({"status": "ok" if ok else "unavailable", "checks": results}, status=200 if ok else 503)
 
 
