@@ -126,3 +126,15 @@ def _value(value: bool) -> Any:
 
 def _done(sim: SimClient, count: int) -> Any:
     return _value(len(sim.stats.executed) >= count)
+
+
+async def test_a_disabled_sim_stops_reconnecting(settings: Settings, pool: AsyncConnectionPool[Conn],
+                                                 seed: dict[str, Any]) -> None:
+    tenant = seed["tenants"][0]
+    client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
+    async with running_hub(settings, hub_revocation_check_s=0.3) as hub, SimClient(options(hub, token)) as sim:
+        await eventually(lambda: sim.stats.hellos >= 1 or None, timeout=10, message="connected")
+        async with pool.connection() as conn:
+            await conn.execute("UPDATE desktop_clients SET disabled_at = now() WHERE id = %s", (client,))
+        await eventually(lambda: sim.stats.refused, timeout=10, message="told to stop")
+        assert sim.stats.refused == "disabled" and sim.stats.connects == 1

@@ -38,6 +38,13 @@ log = logging.getLogger("desktop_sim")
 PREEMPT_REASON = "collect_now_preempt"
 
 
+# The hub's application close codes that mean "stop": reconnecting would be refused or would fight the other
+# process that holds this token (see the README's "Security model").
+STOP_CODES = {4401: "token_rotated", 4403: "disabled", 4409: "replaced"}
+_SOCKET_ENDED = (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED,
+                 aiohttp.WSMsgType.ERROR)
+
+
 @dataclass(slots=True)
 class SimOptions:
     hub_url: str
@@ -79,6 +86,8 @@ class SimStats:
     safe_point_intervals_ms: list[float] = field(default_factory=list)
     phases: dict[str, list[str]] = field(default_factory=dict)
     died: bool = False
+    # Why the hub told this client to stop reconnecting (close code 4401/4403/4409 or a 401 handshake).
+    refused: str | None = None
 
     def snapshot(self) -> dict[str, Any]:
         return {"connects": self.connects, "hellos": self.hellos, "events": len(self.events),
@@ -202,7 +211,11 @@ class SimClient:
                 self._ws = ws
                 self.stats.connects += 1
                 heartbeat = asyncio.create_task(self._heartbeats(ws))
-                async for msg in ws:
+                while True:
+                    msg = await ws.receive()
+                    if msg.type in _SOCKET_ENDED:
+                        self._note_close(msg.data if msg.type is aiohttp.WSMsgType.CLOSE else None)
+                        break
                     if msg.type != aiohttp.WSMsgType.TEXT:
                         continue
                     event: dict[str, Any] = msgspec.json.decode(msg.data)
@@ -214,6 +227,16 @@ class SimClient:
                     if self._on_event is not None:
                         self._on_event(event)
                     self._commands.put_nowait(("event", event))
+            except aiohttp.WSServerHandshakeError as exc:
+                if exc.status == 401:
+                    self.stats.refused = "unauthorized"  # unknown or rotated token, or a disabled client
+                    log.warning("the hub refused this client's token; not reconnecting",
+                                extra={"sim": self.options.name})
+                elif exc.status == 429 and exc.headers and exc.headers.get("Retry-After", "").isdigit():
+                    retry_after = int(exc.headers["Retry-After"])
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), retry_after)
+                log.debug("handshake refused", extra={"sim": self.options.name, "status": exc.status})
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.debug("connection failed", extra={"sim": self.options.name, "error": str(exc)})
             finally:
@@ -221,13 +244,22 @@ class SimClient:
                 self.connected.clear()
                 if heartbeat is not None:
                     heartbeat.cancel()
-            if self._stopping.is_set() or self.stats.died:
+            if self._stopping.is_set() or self.stats.died or self.stats.refused is not None:
                 return
             delay = backoff_delay(attempt, base_s=self.options.reconnect_base_s, max_s=self.options.reconnect_max_s,
                                   rng=self._rng)
             attempt += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
+
+    def _note_close(self, code: int | None) -> None:
+        """The hub's close codes a client acts on: 4401 (token rotated), 4403 (disabled) and 4409 (another
+        process uses this token) mean "do not reconnect"; anything else is reconnected with backoff."""
+        reason = STOP_CODES.get(int(code)) if code is not None else None
+        if reason is not None:
+            self.stats.refused = reason
+            log.warning("the hub closed this client's socket for good", extra={"sim": self.options.name,
+                                                                               "code": code, "reason": reason})
 
     async def _heartbeats(self, ws: aiohttp.ClientWebSocketResponse) -> None:
         while not ws.closed:
