@@ -186,6 +186,12 @@ ingest_results_duplicate_count = ExactCounter(
     "ingest_results_duplicate_count", "Redelivered MonitorResults already applied (acked, nothing changed).")
 ingest_dead_letter_count = ExactCounter(
     "ingest_dead_letter_count", "MonitorResults sent to the ingest DLQ, by reason.", ["reason"])
+ingest_dead_letter_unconfirmed_count = ExactCounter(
+    "ingest_dead_letter_unconfirmed_count",
+    "Ingest dead letters the broker did not confirm (returned, nacked, timed out); the original was given back.")
+ingest_poison_fallback_count = ExactCounter(
+    "ingest_poison_fallback_count",
+    "Ingest batches refused by an error that is not transient, then applied one result per transaction.")
 ingest_transient_error_count = ExactCounter(
     "ingest_transient_error_count", "Ingest batches that hit a transient database error (requeued).")
 ingest_shard_yield_count = ExactCounter(
@@ -203,6 +209,11 @@ projection_rebuild_rerequested_count = ExactCounter(
     "projection_rebuild_rerequested_count", "Rebuilds whose key was requested again meanwhile (row kept).")
 projection_rebuild_failed_count = ExactCounter(
     "projection_rebuild_failed_count", "Projection rebuild attempts that failed.")
+projection_dead_letter_count = ExactCounter(
+    "projection_dead_letter_count", "ProjectionRebuild events sent to the projection DLQ, by reason.", ["reason"])
+projection_dead_letter_unconfirmed_count = ExactCounter(
+    "projection_dead_letter_unconfirmed_count",
+    "Projection dead letters the broker did not confirm; the event was given back (requeued).")
 projection_rebuild_duration_ms = _hist("projection_rebuild_duration_ms", "Duration of one projection rebuild (ms).")
 projection_queue_depth = Gauge("projection_queue_depth", "Rows waiting in projection_rebuild_queue.")
 projection_merge_mode_active = Gauge(

@@ -1,0 +1,94 @@
+"""Dead letters a consumer may ack after: the copy is published with publisher confirms, mandatory, and the
+confirm is awaited (with a timeout) before `publish` returns.
+
+Why the consumer copies a refused message itself rather than leaving it to the broker's own dead-lettering
+(`reject(requeue=False)` towards the queue's `x-dead-letter-exchange`, or the quorum delivery limit): on our
+quorum queues that path is at-most-once (a copy the DLX cannot route, or one in flight during a leader change,
+is dropped) and the dead letter carries no reason, only `x-death` with "rejected" or "delivery_limit". Here
+the reason travels in the headers, and a copy that is not confirmed as routed to the DLQ raises
+`DeadLetterUnconfirmed`, so the caller gives the original back (nack with requeue) instead of acking it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+
+from libs.mq.topology import Topology
+
+log = logging.getLogger("mq.dead_letter")
+
+REASON_HEADER = "x-dead-letter-reason"
+
+
+class DeadLetterUnconfirmed(Exception):
+    """The broker did not confirm the dead-letter copy: the original must not be acked."""
+
+
+def dead_letter_copy(message: AbstractIncomingMessage, reason: str) -> aio_pika.Message:
+    """The message as it goes to a DLQ: same body, id and headers, plus why and where it came from."""
+    headers = dict(message.headers or {})
+    headers[REASON_HEADER] = reason[:1000]
+    headers["x-original-routing-key"] = message.routing_key or ""
+    headers["x-original-exchange"] = message.exchange or ""
+    return aio_pika.Message(body=message.body, headers=headers, content_type=message.content_type,
+                            message_id=message.message_id, delivery_mode=aio_pika.DeliveryMode.PERSISTENT)
+
+
+class DeadLetterPublisher:
+    """Publishes dead letters on a channel of its own (opened on first use), one at a time.
+
+    A channel of its own: a failed publish (an unknown exchange closes the channel) never takes a consumer's
+    channel, and its unacked deliveries, down with it. One at a time: the broker names a returned message only
+    by its message id, and a redelivered message keeps its id, so two copies in flight could be confused.
+    """
+
+    def __init__(self, connection: AbstractConnection, topology: Topology, *, timeout: float = 5.0) -> None:
+        self._connection = connection
+        self._topology = topology
+        self._timeout = timeout
+        self._channel: AbstractChannel | None = None
+        self._lock = asyncio.Lock()
+
+    async def publish(self, dlq: str, message: AbstractIncomingMessage, reason: str) -> None:
+        """Copy `message` to `dlq` with `reason`; return once the broker confirmed it routed the copy.
+
+        Raises DeadLetterUnconfirmed when it was returned unroutable, nacked, not confirmed in time, or the
+        channel or connection failed meanwhile."""
+        async with self._lock:
+            try:
+                async with asyncio.timeout(self._timeout):
+                    channel = await self._open()
+                    exchange = await channel.get_exchange(self._topology.dlx_exchange, ensure=False)
+                    confirmation = await exchange.publish(dead_letter_copy(message, reason), routing_key=dlq,
+                                                          mandatory=True)
+            except (aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError, OSError) as exc:
+                # TimeoutError is an OSError. The channel may be closed or hold a late confirm: start afresh.
+                await self._discard()
+                raise DeadLetterUnconfirmed(f"{type(exc).__name__}: {exc}"[:300]) from exc
+            if not isinstance(confirmation, aiormq.spec.Basic.Ack):
+                await self._discard()
+                raise DeadLetterUnconfirmed(f"not confirmed: {type(confirmation).__name__}")
+        log.warning("message dead-lettered", extra={"dlq": dlq, "reason": reason[:200],
+                                                     "message_id": message.message_id})
+
+    async def close(self) -> None:
+        async with self._lock:
+            await self._discard()
+
+    async def _open(self) -> AbstractChannel:
+        if self._channel is None or self._channel.is_closed:
+            # on_return_raises: a copy the DLX cannot route fails the publish instead of "succeeding".
+            self._channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
+        return self._channel
+
+    async def _discard(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None and not channel.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(channel.close(), self._timeout)
