@@ -1,12 +1,28 @@
 """Shard consumers: every replica consumes every shard queue; single active consumer makes one replica
 active per shard, and each shard's deliveries are applied serially, in batches, in delivery order.
 
-Acknowledgement: a batch is acked (one `multiple` ack) after its transaction committed; poison
-messages are copied to the ingest DLQ with the reason first. A transient database error requeues
-everything outstanding on the shard's channel (the quorum delivery limit bounds the retries, then
-the broker dead-letters). A shard is never processed by two loops at once: handing it over
-(shutdown, yielding to another replica) closes its channel after the in-flight batch, which returns
-the unapplied deliveries to the head of the queue for the next consumer in line.
+Acknowledgement: a batch is acked (one `multiple` ack) after its transaction committed and after each of its
+poison messages was copied to the ingest DLQ with its reason AND the broker confirmed that copy as routed
+(`DeadLetterPublisher`: publisher confirms, mandatory, a timeout). When a copy is not confirmed, the rest of
+the batch is acked one by one and that original is given back (nack with requeue, after a back-off), to be
+dead-lettered on a later delivery: a poison message is never acked without its copy in the DLQ. The consumer
+never rejects a message into the queue's own x-dead-letter-exchange: on quorum queues that broker-side path
+is at-most-once (an unroutable dead letter is dropped) and it carries no reason.
+
+Errors while applying: a batch refused by an error that is not transient (a constraint, a value Postgres
+cannot store, a trigger, a bug on one input) is applied again one result per transaction, in order, so only
+the results that fail on their own are dead-lettered (reason `db_rejected: ...` or `apply_error: ...`, with
+the exception type, SQLSTATE and first line of the message) and every other result is applied exactly once:
+the refused batch was rolled back whole, and the applied-result ledger (`RECORD_APPLIED`, unique on
+result_id) turns any second apply of a result, in this fallback or on a redelivery, into a no-op. A transient
+error (connection lost, serialization failure, deadlock, lock timeout, admin shutdown: `is_transient`) is
+never a reason to dead-letter: it is retried in process, then everything outstanding on the shard's channel
+is requeued, with a growing back-off (past the quorum delivery limit the broker dead-letters such messages
+itself: the at-most-once backstop of an outage that outlasts every retry).
+
+A shard is never processed by two loops at once: handing it over (shutdown, yielding to another replica)
+closes its channel after the in-flight batch, which returns the unapplied deliveries to the head of the
+queue for the next consumer in line.
 """
 
 from __future__ import annotations
@@ -16,7 +32,9 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 import psycopg
@@ -28,7 +46,8 @@ from libs.contracts.amqp import MonitorResult, result_decoder
 from libs.db.pool import Conn
 from libs.dispatch_settings import SettingsCache
 from libs.ingest.shards import assign_shards, lag_ms
-from libs.mq.connection import dead_letter
+from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
+from libs.mq.poison import describe_failure, is_transient
 from libs.mq.topology import Topology
 from libs.telemetry import metrics as m
 from services.ingest_shard_workers import queries as q
@@ -37,9 +56,9 @@ from services.ingest_shard_workers.apply import BatchOutcome, apply_batch
 log = logging.getLogger("ingest.consumer")
 
 TRANSIENT_RETRIES = (0.2, 0.5, 1.0)
+# Pauses between attempts to dead-letter one message before it is given back to the queue.
+DEAD_LETTER_RETRIES = (0.2, 1.0)
 BROKER_ERRORS = (AMQPError, ChannelInvalidStateError, ConnectionError, asyncio.TimeoutError)
-# Data the database refuses (NUL bytes, out-of-range values, ...): a property of the message, not of the moment.
-POISON_DB_ERRORS: tuple[type[Exception], ...] = (psycopg.DataError, psycopg.IntegrityError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +95,12 @@ def _alive(message: AbstractIncomingMessage) -> bool:
         return False
 
 
+def _poison_reason(exc: BaseException) -> str:
+    """Dead-letter reason of a result that fails when applied alone; its first word is the metric label."""
+    kind = "db_rejected" if isinstance(exc, psycopg.Error) else "apply_error"
+    return f"{kind}: {describe_failure(exc)}"
+
+
 def _decode(message: AbstractIncomingMessage) -> MonitorResult | str:
     try:
         return result_decoder.decode(message.body)
@@ -90,7 +115,7 @@ class ShardConsumer:
 
     def __init__(self, shard: int, connection: AbstractRobustConnection, topology: Topology,
                  pool: AsyncConnectionPool[Conn], config: IngestConfig, settings: SettingsCache,
-                 write_rate: WriteRate) -> None:
+                 write_rate: WriteRate, dead_letters: DeadLetterPublisher) -> None:
         self.shard = shard
         self.connection = connection
         self.topology = topology
@@ -98,6 +123,7 @@ class ShardConsumer:
         self.config = config
         self.settings = settings
         self.write_rate = write_rate
+        self.dead_letters = dead_letters
         self.channel: AbstractChannel | None = None
         self.buffer: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         self.last_delivery_at = 0.0
@@ -148,7 +174,12 @@ class ShardConsumer:
                 batch.append(self.buffer.get_nowait())
             batch = [message for message in batch if _alive(message)]
             if batch:
-                await self._process(batch)
+                try:
+                    await self._process(batch)
+                except Exception:
+                    # A bug outside applying (which sorts its own errors): the batch goes back, the loop lives on.
+                    log.exception("unexpected error handling a batch; requeued", extra={"shard": self.shard})
+                    await self._requeue_outstanding(batch[-1])
             if self.buffer.empty():
                 lag.set(0)
 
@@ -197,31 +228,55 @@ class ShardConsumer:
             return
         by_id = {r.result_id: message for message, r in decoded}
         poison += [(by_id[rid], reason) for rid, reason in outcome.rejected.items()]
+        if await self._settle(batch, poison):
+            self._record(outcome, len(batch), time.monotonic() - started)
+
+    async def _settle(self, batch: list[AbstractIncomingMessage],
+                      poison: list[tuple[AbstractIncomingMessage, str]]) -> bool:
+        """Dead-letter the poison messages (each copy confirmed), then ack the batch. An original whose copy
+        was not confirmed is left out of the acks and given back. False when the acks failed."""
+        unconfirmed = [message for message, reason in poison if not await self._dead_letter(message, reason)]
         try:
-            for message, reason in poison:
-                await self._dead_letter(message, reason)
-            await batch[-1].ack(multiple=True)
+            if not unconfirmed:
+                await batch[-1].ack(multiple=True)
+                return True
+            kept = {id(message) for message in unconfirmed}
+            for message in batch:
+                if id(message) not in kept:
+                    await message.ack()
         except BROKER_ERRORS as exc:
             # Committed but not acked: the redelivery is recognised by the ledger and changes nothing.
             log.warning("ack failed after commit; the broker will redeliver",
                         extra={"shard": self.shard, "error": str(exc)})
-            return
-        self._record(outcome, len(batch), time.monotonic() - started)
+            return False
+        await self._give_back(unconfirmed)
+        return True
 
     async def _apply_with_retries(self, results: list[MonitorResult]) -> BatchOutcome:
         if not results:
             return BatchOutcome()
+        try:
+            return await self._retrying(partial(self._apply, results))
+        except _Requeue:
+            raise
+        except Exception as exc:
+            m.ingest_poison_fallback_count.inc()
+            log.warning("batch refused; applying its results one by one", exc_info=not isinstance(exc, psycopg.Error),
+                        extra={"shard": self.shard, "results": len(results), "error": describe_failure(exc)})
+            return await self._apply_one_by_one(results)
+
+    async def _retrying(self, apply: Callable[[], Awaitable[BatchOutcome]]) -> BatchOutcome:
+        """`apply()`, retried in process on transient errors, then _Requeue; any other error propagates."""
         for attempt, backoff in enumerate((*TRANSIENT_RETRIES, None)):
             try:
-                return await self._apply(results)
-            except POISON_DB_ERRORS:
-                return await self._apply_one_by_one(results)
+                return await apply()
             except Exception as exc:
-                # Transient (connection, deadlock, pool timeout) or unexpected: retried here, then
-                # requeued, so the quorum delivery limit bounds it — never a crash loop.
+                if not is_transient(exc):
+                    raise
+                # Requeued after the retries, so the quorum delivery limit bounds it: never a crash loop.
                 m.ingest_transient_error_count.inc()
-                log.warning("error applying a batch", exc_info=not isinstance(exc, psycopg.Error | OSError),
-                            extra={"shard": self.shard, "attempt": attempt + 1, "error": str(exc)[:300]})
+                log.warning("transient error applying results", exc_info=not isinstance(exc, psycopg.Error | OSError),
+                            extra={"shard": self.shard, "attempt": attempt + 1, "error": describe_failure(exc)})
                 if backoff is None:
                     raise _Requeue from exc
                 await self._pause(backoff)
@@ -236,13 +291,21 @@ class ShardConsumer:
             return await apply_batch(conn, results, applied_by=self.config.instance_id, settings=self.settings)
 
     async def _apply_one_by_one(self, results: list[MonitorResult]) -> BatchOutcome:
-        """Isolate the result the database refuses: each in its own transaction, in order."""
+        """Isolate the results that cannot be applied: each in its own transaction, in delivery order.
+
+        A transient error still retries (that one result) and then requeues the batch: the results applied
+        so far stay committed, and their redelivery is a no-op (ledger)."""
         total = BatchOutcome()
         for r in results:
             try:
-                one = await self._apply([r])
-            except POISON_DB_ERRORS as exc:
-                total.rejected[r.result_id] = f"db_rejected: {type(exc).__name__}: {exc}"[:500]
+                one = await self._retrying(partial(self._apply, [r]))
+            except _Requeue:
+                raise
+            except Exception as exc:
+                total.rejected[r.result_id] = _poison_reason(exc)
+                log.warning("result refused; dead-lettering it", exc_info=not isinstance(exc, psycopg.Error),
+                            extra={"shard": self.shard, "result_id": str(r.result_id), "tenant_id": r.tenant_id,
+                                   "task_id": str(r.task_id), "error": describe_failure(exc)})
                 continue
             total.applied += one.applied
             total.duplicates += one.duplicates
@@ -252,11 +315,31 @@ class ShardConsumer:
             total.first_result_latencies_ms += one.first_result_latencies_ms
         return total
 
-    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
-        if self.channel is None:
-            raise ChannelInvalidStateError("shard channel closed")
-        await dead_letter(self.channel, self.topology, self.topology.ingest_dlq, message, reason)
-        m.ingest_dead_letter_count.inc(reason=reason.split(":", 1)[0])
+    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> bool:
+        """Copy to the ingest DLQ, retried a little; True once the broker confirmed the copy."""
+        for attempt, backoff in enumerate((*DEAD_LETTER_RETRIES, None)):
+            try:
+                await self.dead_letters.publish(self.topology.ingest_dlq, message, reason)
+            except DeadLetterUnconfirmed as exc:
+                m.ingest_dead_letter_unconfirmed_count.inc()
+                log.error("dead letter not confirmed; the message is kept", extra={
+                    "shard": self.shard, "message_id": message.message_id, "attempt": attempt + 1,
+                    "reason": reason[:200], "error": str(exc)})
+                if backoff is None or self._stop.is_set() or not _alive(message):
+                    return False
+                await self._pause(backoff)
+                continue
+            m.ingest_dead_letter_count.inc(reason=reason.split(":", 1)[0])
+            return True
+        raise AssertionError("unreachable")
+
+    async def _give_back(self, messages: list[AbstractIncomingMessage]) -> None:
+        """Requeue poison messages whose dead letter was not confirmed, after the same back-off as a requeued
+        batch, so a broker that keeps refusing the copy spends the delivery limit slowly."""
+        await self._pause(_requeue_backoff(messages[-1]))
+        for message in messages:
+            with contextlib.suppress(*BROKER_ERRORS):
+                await message.nack(requeue=True)
 
     async def _requeue_outstanding(self, last: AbstractIncomingMessage) -> None:
         """Return the batch and everything buffered behind it, in order, for a later delivery.
@@ -264,9 +347,7 @@ class ShardConsumer:
         Backs off first (longer for messages already redelivered), so a database outage spends the
         delivery limit over tens of seconds rather than in a burst.
         """
-        count = (last.headers or {}).get("x-delivery-count")
-        redeliveries = count if isinstance(count, int) else 0
-        await self._pause(min(2.0 ** redeliveries, 15.0))
+        await self._pause(_requeue_backoff(last))
         while not self.buffer.empty():
             queued = self.buffer.get_nowait()
             if _alive(queued):
@@ -290,6 +371,13 @@ class _Requeue(Exception):
     """Transient failure that outlived the in-process retries."""
 
 
+def _requeue_backoff(message: AbstractIncomingMessage) -> float:
+    """Seconds to wait before giving `message` back: longer for a message redelivered already."""
+    count = (message.headers or {}).get("x-delivery-count")
+    redeliveries = count if isinstance(count, int) else 0
+    return min(2.0 ** redeliveries, 15.0)
+
+
 class IngestWorker:
     """All shard consumers of this replica, plus membership (shard spreading) and housekeeping."""
 
@@ -301,8 +389,10 @@ class IngestWorker:
         self.config = config
         self.write_rate = WriteRate()
         settings = SettingsCache(pool, max_age_s=5.0)
-        self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate)
-                       for k in range(topology.ingest_shards)]
+        # Shared by the shards: dead letters are rare, and it publishes them one at a time anyway.
+        self.dead_letters = DeadLetterPublisher(connection, topology)
+        self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate,
+                                     self.dead_letters) for k in range(topology.ingest_shards)]
         self.subscribed = asyncio.Event()
         self._assigned: dict[int, str] = {}
 
@@ -324,6 +414,7 @@ class IngestWorker:
             await asyncio.gather(*loops, housekeeping, return_exceptions=True)
             for shard in self.shards:
                 await shard.close()
+            await self.dead_letters.close()
             with contextlib.suppress(Exception):
                 async with self.pool.connection() as conn:
                     await conn.execute(q.LEAVE_MEMBERS, {"instance_id": self.config.instance_id})
