@@ -5,6 +5,14 @@ Merge mode (seed §12.4): while the dispatch-coordinator publishes auto slow-dow
 a rebuild (their queue rows stay the durable requests) and once per merge window the oldest keys are
 rebuilt in batches of up to `merge_batch`, one transaction each, batch after batch while they come back
 full. When slow-down ends, per-event rebuilds resume and the sweep drains what is left.
+
+Failures: an event's rebuild that fails transiently (connection, deadlock, lock timeout) is requeued; one
+refused for any other reason (a poison key) is dead-lettered with the reason and acked, since its queue row
+stays the durable request that the sweep retries up to `max_attempts`. A dead letter (that one, or an event
+that does not decode) is acked only once the broker confirmed the copy in the projection DLQ
+(`DeadLetterPublisher`); otherwise the event is requeued after a pause, never dropped. The broker's own
+dead-lettering (the queue's delivery limit) is left as the backstop for events requeued too often: it is
+at-most-once and carries no reason, so the worker does not reject events into it.
 """
 
 from __future__ import annotations
@@ -19,7 +27,8 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from aio_pika.exceptions import AMQPError, ChannelInvalidStateError
 
 from libs.contracts.amqp import ProjectionRebuild, projection_decoder
-from libs.mq.connection import dead_letter
+from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
+from libs.mq.poison import describe_failure, is_transient
 from libs.mq.topology import Topology
 from libs.telemetry import metrics as m
 from services.projection_worker.mode import RebuildMode, rebuild_mode
@@ -28,6 +37,9 @@ from services.projection_worker.rebuild import Rebuilder
 log = logging.getLogger("projection.consumer")
 
 BROKER_ERRORS = (AMQPError, ChannelInvalidStateError, ConnectionError, asyncio.TimeoutError)
+REQUEUE_PAUSE_S = 0.5
+# Longer: a DLQ that refuses copies is a broker or topology problem that takes a while to fix.
+DEAD_LETTER_UNCONFIRMED_PAUSE_S = 2.0
 
 
 class ProjectionWorker:
@@ -45,6 +57,7 @@ class ProjectionWorker:
         self.mode = RebuildMode(merge=False)
         self.inbox: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
         self.channel: AbstractChannel | None = None
+        self.dead_letters = DeadLetterPublisher(connection, topology)
         self.subscribed = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -70,6 +83,7 @@ class ProjectionWorker:
             with contextlib.suppress(*BROKER_ERRORS):
                 await queue.cancel(tag)
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self.dead_letters.close()
             # Unacked events go back to the queue when the channel closes.
             with contextlib.suppress(*BROKER_ERRORS):
                 await channel.close()
@@ -94,13 +108,15 @@ class ProjectionWorker:
         try:
             await self._rebuild_event(event)
         except Exception as exc:
-            # Transient (or not): requeued, so the queue's delivery limit bounds it, then the broker
-            # dead-letters; the queue row stays, so the sweep retries the key either way.
-            log.warning("projection rebuild failed; requeued", exc_info=True,
-                        extra={"tenant_id": event.tenant_id, "brand_id": event.brand_id, "error": str(exc)[:300]})
-            await asyncio.sleep(0.5)
-            with contextlib.suppress(*BROKER_ERRORS):
-                await message.nack(requeue=True)
+            key = {"tenant_id": event.tenant_id, "brand_id": event.brand_id,
+                   "business_date": event.business_date.isoformat(), "error": describe_failure(exc)}
+            if is_transient(exc):
+                log.warning("projection rebuild failed; requeued", extra=key)
+                await self._requeue(message, REQUEUE_PAUSE_S)
+                return
+            # Poison key: the event stops circling; the queue row stays, so the sweep retries the key.
+            log.warning("projection rebuild refused; event dead-lettered", exc_info=True, extra=key)
+            await self._settle(message, dead_letter_reason=f"rebuild_failed: {describe_failure(exc)}")
             return
         await self._settle(message)
 
@@ -111,13 +127,28 @@ class ProjectionWorker:
         await self.rebuilder.rebuild(claim, "event")
 
     async def _settle(self, message: AbstractIncomingMessage, dead_letter_reason: str | None = None) -> None:
+        """Ack the event; with a reason, only once its dead-letter copy is confirmed (else requeue it)."""
+        if dead_letter_reason is not None:
+            try:
+                await self.dead_letters.publish(self.topology.projection_dlq, message, dead_letter_reason)
+            except DeadLetterUnconfirmed as exc:
+                m.projection_dead_letter_unconfirmed_count.inc()
+                log.error("dead letter not confirmed; the event is requeued",
+                          extra={"message_id": message.message_id, "reason": dead_letter_reason[:200],
+                                 "error": str(exc)})
+                await self._requeue(message, DEAD_LETTER_UNCONFIRMED_PAUSE_S)
+                return
+            m.projection_dead_letter_count.inc(reason=dead_letter_reason.split(":", 1)[0])
         try:
-            if dead_letter_reason is not None and self.channel is not None:
-                await dead_letter(self.channel, self.topology, self.topology.projection_dlq, message,
-                                  dead_letter_reason)
             await message.ack()
         except BROKER_ERRORS as exc:
             log.warning("could not settle a projection event; it will be redelivered", extra={"error": str(exc)})
+
+    async def _requeue(self, message: AbstractIncomingMessage, pause_s: float) -> None:
+        """Give the event back after a pause, so the delivery limit is not spent in a burst."""
+        await asyncio.sleep(pause_s)
+        with contextlib.suppress(*BROKER_ERRORS):
+            await message.nack(requeue=True)
 
     async def _sweep(self, stop: asyncio.Event) -> None:
         next_merge: float | None = None
@@ -194,11 +225,10 @@ class ProjectionWorker:
         return len(claims), (await self.rebuilder.rebuild_merged(claims)).rebuilt
 
     async def sweep_once(self) -> int:
-        """Claim and rebuild the oldest unclaimed keys; returns how many were rebuilt."""
+        """Claim and rebuild the oldest unclaimed keys, one by one (a poison key is skipped and released);
+        returns how many were rebuilt."""
         claims = await self.rebuilder.claim_oldest(self.sweep_batch)
-        for claim in claims:
-            await self.rebuilder.rebuild(claim, "sweep")
-        return len(claims)
+        return (await self.rebuilder.rebuild_each(claims, "sweep"))[0]
 
 
 async def _next(inbox: asyncio.Queue[AbstractIncomingMessage], stop: asyncio.Event) -> AbstractIncomingMessage | None:

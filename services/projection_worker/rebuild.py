@@ -1,6 +1,10 @@
 """Projection rebuilds: claim coalesced keys, recompute them from raw facts, release or delete the requests.
 
-One key per transaction normally; in merge mode (auto slow-down) a batch of keys in one transaction."""
+One key per transaction normally; in merge mode (auto slow-down) a batch of keys in one transaction. A key
+whose rebuild fails for a reason that is not transient (a poison key) is released with its attempt counted
+and the keys claimed with it go on; it is retried until `max_attempts`, then left in the queue table for an
+operator. A transient failure (connection, deadlock, lock timeout) gives back every key not yet rebuilt.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
+from libs.mq.poison import describe_failure, is_transient
 from libs.telemetry import metrics as m
 from services.projection_worker import queries as q
 
@@ -165,16 +170,30 @@ class Rebuilder:
         return MergeOutcome(lost=lost)
 
     async def _rebuild_one_by_one(self, held: list[Claim], lost: int) -> MergeOutcome:
+        rebuilt, served = await self.rebuild_each(held, "merge")
+        return MergeOutcome(rebuilt=rebuilt, served=served, rerequested=rebuilt - served, lost=lost)
+
+    async def rebuild_each(self, claims: list[Claim], trigger: Trigger) -> tuple[int, int]:
+        """Rebuild `claims` one key per transaction; returns (keys rebuilt, requests served).
+
+        A key whose rebuild is refused is released (`rebuild` does it) and the next key goes on, so one
+        poison key never holds the others' claims until their lease expires. A transient error releases
+        the keys not reached yet and propagates."""
         rebuilt = served = 0
-        for claim in held:
+        for index, claim in enumerate(claims):
             try:
-                done = await self.rebuild(claim, "merge")
-            except Exception:
-                log.warning("projection rebuild failed; key released", exc_info=True, extra=_log_key(claim))
+                done = await self.rebuild(claim, trigger)
+            except Exception as exc:
+                if is_transient(exc):
+                    if claims[index + 1:]:
+                        await self._release_failed_keys(claims[index + 1:])
+                    raise
+                log.warning("projection rebuild refused; key released, the others go on", exc_info=True,
+                            extra={**_log_key(claim), "trigger": trigger, "error": describe_failure(exc)})
                 continue
             rebuilt += 1
             served += done
-        return MergeOutcome(rebuilt=rebuilt, served=served, rerequested=rebuilt - served, lost=lost)
+        return rebuilt, served
 
     async def _merge_transaction(self, held: list[Claim]) -> tuple[int, int]:
         me = self.config.instance_id
