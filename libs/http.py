@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import msgspec
@@ -13,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import ErrorBody
+from libs.telemetry import metrics
 from libs.telemetry.metrics import exposition
 
 log = logging.getLogger("http")
@@ -148,8 +151,54 @@ def add_readiness_check(app: web.Application, name: str, check: ReadinessCheck) 
     app[READINESS_CHECKS][name] = check
 
 
+# A WebSocket handler marks its request upgraded (the handler runs in the middleware's task, so the middleware
+# sees the mark; a started request's own mapping must not change).
+_UPGRADED: ContextVar[bool] = ContextVar("upgraded", default=False)
+
+
+def mark_upgraded() -> None:
+    _UPGRADED.set(True)
+_UNMATCHED = "unmatched"  # 404s are one route: a scanner's made-up paths must not create a series each
+
+
+def _route_of(request: web.Request) -> str:
+    info = request.match_info
+    if info.http_exception is not None or info.route.resource is None:
+        return _UNMATCHED
+    return info.route.resource.canonical
+
+
+@web.middleware
+async def red_metrics(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> (
+    web.StreamResponse
+):
+    """Rate, errors and duration per route template (outside `json_errors`, so error answers count too). A
+    WebSocket session counts once, as its upgrade (101), and not in the duration histogram."""
+    started = time.perf_counter()
+    status = 500
+    _UPGRADED.set(False)
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        # aiohttp cancels a handler whose client went away: a WebSocket session ending, or 499 (as nginx says).
+        status = 101 if _UPGRADED.get() else 499
+        raise
+    finally:
+        service = metrics.service_name()
+        route = _route_of(request)
+        metrics.http_requests_total.inc(service=service, route=route, method=request.method, status=status)
+        if status != 101:
+            metrics.http_request_duration_seconds.labels(service=service, route=route, method=request.method) \
+                .observe(time.perf_counter() - started)
+
+
 def make_app(*, max_body_bytes: int = 256 * 1024) -> web.Application:
-    app = web.Application(middlewares=[json_errors], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[red_metrics, json_errors], client_max_size=max_body_bytes)
     app[READINESS_CHECKS] = {}
     add_ops_routes(app)
     return app

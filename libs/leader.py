@@ -57,6 +57,7 @@ class LeaderLock:
             finally:
                 self.is_leader.clear()
                 metrics.leader_is_active.labels(role=self.role).set(0)
+                metrics.set_leading(self.role, False)
                 if conn is not None:
                     with contextlib.suppress(Exception):
                         await conn.close()
@@ -65,6 +66,7 @@ class LeaderLock:
         log.info("became leader", extra={"role": self.role})
         self.is_leader.set()
         metrics.leader_is_active.labels(role=self.role).set(1)
+        metrics.set_leading(self.role, True)
         leading_stop = asyncio.Event()
         work = asyncio.create_task(lead(leading_stop), name=f"{self.role}-lead")
         try:

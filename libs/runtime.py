@@ -18,6 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import ConfigError, Settings
 from libs.db.pool import Conn
 from libs.http import add_readiness_check
+from libs.telemetry import metrics
 from libs.telemetry.logging import configure_logging
 
 log = logging.getLogger("runtime")
@@ -115,6 +116,7 @@ def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
     except ConfigError as exc:
         raise SystemExit(f"{service}: configuration error: {exc}") from None
     configure_logging(service, settings.log_level)
+    metrics.set_service_name(service)
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     try:

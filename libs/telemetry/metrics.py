@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -23,9 +23,63 @@ EXACT_COUNTER_NAMES: set[str] = set()
 _COUNTER_META = re.compile(rb"^# (HELP|TYPE) ([A-Za-z_:][A-Za-z0-9_:]*)_total ", re.M)
 
 
+# Gauges that describe the whole system and are computed by a leader-elected role: a standby would export its
+# stale or initial values (zeros) beside the leader's, which an alert or a dashboard could take for the truth,
+# so only the replica leading that role exports them (libs/leader.py reports leadership here).
+LEADER_OWNED: dict[str, str] = {
+    "monitor_dispatch_high_backlog": "dispatch-coordinator",
+    "monitor_dispatch_normal_backlog": "dispatch-coordinator",
+    "monitor_dispatch_high_oldest_age_ms": "dispatch-coordinator",
+    "monitor_normal_starvation_age_p99": "dispatch-coordinator",
+    "execution_owner_legacy_count": "dispatch-coordinator",
+    "execution_owner_desktop_tasks_count": "dispatch-coordinator",
+    "desktop_client_monitor_queue_depth": "dispatch-coordinator",
+    "tenant_monitor_normal_backlog": "dispatch-coordinator",
+    "dispatch_auto_slowdown_signal": "dispatch-coordinator",
+    "dispatch_auto_slowdown_active": "dispatch-coordinator",
+    "reconciler_migration_stalled_ready_tasks": "reconciler",
+    "reconciler_migration_orphan_tasks": "reconciler",
+}
+_leading: set[str] = set()
+_service = "unknown"
+
+
+def set_service_name(name: str) -> None:
+    """The service this process runs (the `service` label of the RED metrics); set once at start-up."""
+    global _service
+    _service = name
+
+
+def service_name() -> str:
+    return _service
+
+
+def set_leading(role: str, leading: bool) -> None:
+    """Whether this process leads `role` now (its leader-owned gauges are exported only while it does)."""
+    if leading:
+        _leading.add(role)
+    else:
+        _leading.discard(role)
+
+
+class _LeaderFiltered(CollectorRegistry):
+    """A view of a registry without the leader-owned families of roles this process does not lead."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        super().__init__(auto_describe=False)
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._source.collect():
+            role = LEADER_OWNED.get(metric.name)
+            if role is None or role in _leading:
+                yield metric
+
+
 def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
     """The Prometheus text exposition, with HELP/TYPE lines of exact-name counters naming the
-    samples they describe (generate_latest() writes `<name>_total` for every counter family)."""
+    samples they describe (generate_latest() writes `<name>_total` for every counter family), and
+    leader-owned gauges only from the leader."""
 
     def fix(match: re.Match[bytes]) -> bytes:
         name = match.group(2)
@@ -33,7 +87,7 @@ def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
             return b"# " + match.group(1) + b" " + name + b" "
         return match.group(0)
 
-    return _COUNTER_META.sub(fix, generate_latest(registry))
+    return _COUNTER_META.sub(fix, generate_latest(_LeaderFiltered(registry)))
 
 
 class ExactCounter(Collector):
@@ -147,6 +201,17 @@ outbox_oldest_pending_age_ms = Gauge("outbox_oldest_pending_age_ms", "Age of the
 # ---- WebSocket / hub --------------------------------------------------------------------------
 desktop_websocket_connections = Gauge(
     "desktop_websocket_connections", "Open desktop WebSocket connections on this hub instance.")
+# RED metrics of every HTTP API (and WebSocket upgrades), by route template: libs/http.py's middleware.
+http_requests_total = ExactCounter(
+    "http_requests_total", "HTTP requests answered, by service, route template, method and status.",
+    labelnames=("service", "route", "method", "status"))
+http_request_duration_seconds = Histogram(
+    "http_request_duration_seconds", "Time to answer an HTTP request (WebSocket sessions excluded), seconds.",
+    ["service", "route", "method"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+websocket_messages_total = ExactCounter(
+    "websocket_messages_total", "WebSocket messages, by direction (in: from clients, out: to clients) and kind.",
+    labelnames=("direction", "kind"))
 # Edge limits (one client or tenant cannot take what others need).
 edge_rejected_total = ExactCounter(
     "edge_rejected_total", "Requests refused by a per-client, per-address or per-tenant limit, by reason.",

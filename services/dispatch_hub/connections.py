@@ -11,6 +11,7 @@ import time
 
 from aiohttp import web
 
+from libs.telemetry import metrics
 from services.dispatch_hub.auth import ClientPrincipal
 
 log = logging.getLogger("hub.ws")
@@ -76,6 +77,7 @@ class Connection:
                 return
             try:
                 await self.ws.send_str(text)
+                metrics.websocket_messages_total.inc(direction="out", kind="text")
             except (ConnectionError, RuntimeError):
                 return  # closing or closed: the handler's receive loop ends and cleans up
 

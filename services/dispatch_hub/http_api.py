@@ -17,7 +17,7 @@ from aiohttp import WSMsgType, web
 from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import CancelRequest, ExtendRequest, LeaseRequest, ResultRequest
 from libs.contracts.wire import ErrorEvent, Heartbeat, HeartbeatAck, client_message_decoder
-from libs.http import ApiError, json_response, read_body
+from libs.http import ApiError, json_response, mark_upgraded, read_body
 from libs.telemetry import metrics
 from services.dispatch_hub import leases
 from services.dispatch_hub.auth import ClientAuthenticator, ClientPrincipal
@@ -52,6 +52,7 @@ class UpgradeLimits:
 
 
 UPGRADE_LIMITS = web.AppKey("upgrade_limits", UpgradeLimits)
+_KINDS = {WSMsgType.TEXT: "text", WSMsgType.BINARY: "binary", WSMsgType.PING: "ping", WSMsgType.PONG: "pong"}
 
 
 async def _principal(request: web.Request) -> ClientPrincipal:
@@ -126,8 +127,10 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     if gateway.closing:
         raise ApiError(503, "shutting_down", "this hub is shutting down; reconnect")
     # autoping off: pings and pongs reach this loop, so both count as heartbeats.
-    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_MESSAGE)
+    # aiohttp refuses a message of max_msg_size bytes or more (1009); the limit is "at most 64 KiB", hence + 1.
+    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_MESSAGE + 1)
     await ws.prepare(request)
+    mark_upgraded()
     conn = Connection(ws, principal)
     conn.start()
     client_id = principal.client_id
@@ -136,6 +139,7 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
         conn.go_live(first)
         async for msg in ws:
             conn.touch()
+            metrics.websocket_messages_total.inc(direction="in", kind=_KINDS.get(msg.type, "other"))
             if msg.type == WSMsgType.TEXT:
                 try:
                     heartbeat = decode_client_message(msg.data)

@@ -132,7 +132,13 @@ def exposition() -> Iterator[str]:
         elif isinstance(collector, Gauge | Histogram):
             collector.labels(**values)
             touched.append((collector, tuple(values.values())))
+    # As the leader of every role exposes them (a standby leaves the leader-owned gauges out).
+    roles = set(metrics.LEADER_OWNED.values())
+    for role in roles:
+        metrics.set_leading(role, True)
     yield render_exposition(REGISTRY).decode()
+    for role in roles:
+        metrics.set_leading(role, False)
     for collector, label_values in touched:
         collector.remove(*label_values)
 
