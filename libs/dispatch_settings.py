@@ -64,6 +64,8 @@ class DispatchSettings:
     idempotency_window_seconds: int = 300
     max_active_requests_per_tenant: int = 2
     max_requests_per_user_per_hour: int = 20
+    # The most business tasks (questions x platforms of the day) one collect-now may promote; larger is refused.
+    collect_now_max_scope_tasks: int = 500
     # Phase 2 rollout (seed §16.2.2): tenant_id % 100 < rollout_percentage -> desktop_tasks
     rollout_percentage: int = 100
     reconcile_interval_seconds: int = 300

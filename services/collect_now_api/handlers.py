@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from aiohttp import web
@@ -18,6 +19,13 @@ from services.collect_now_api.service import collect_now, request_status
 POOL = web.AppKey("pool", AsyncConnectionPool[Conn])
 
 MAX_COLLECT_NOW_BODY_BYTES = 64 * 1024
+# The request status's task list, a page at a time.
+DEFAULT_TASK_PAGE = 100
+MAX_TASK_PAGE = 500
+# A cursor is the decimal of the previous page's last monitor_task_id; clients pass it back unchanged.
+CURSOR_PATTERN = "^[0-9]{1,19}$"
+MAX_ID = 2**63 - 1
+_UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
 # Dispatch settings re-read at most once a second, in the background: hot reload, no query per click.
@@ -41,13 +49,41 @@ def authenticate(request: web.Request) -> TenantPrincipal:
 
 def _int_path(request: web.Request, name: str) -> int:
     raw = request.match_info[name]
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0 or value > 2**63 - 1:
-        raise ApiError(400, "invalid_field", f"{name} must be a positive integer, got {raw!r}", name)
+    value = _digits(raw)
+    if value is None or not 0 < value <= MAX_ID:
+        raise ApiError(400, "invalid_field", f"{name} must be a positive integer, got {raw[:40]!r}", name)
     return value
+
+
+def _digits(raw: str) -> int | None:
+    """An ASCII decimal of at most 19 digits, else None (no sign, space, `_` or other scripts' digits, which
+    `int()` would take)."""
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 19 else None
+
+
+def _uuid(raw: str) -> uuid.UUID | None:
+    """The 8-4-4-4-12 hex form only (`uuid.UUID` also takes braces, `urn:uuid:`, bare hex, `+` and `_`)."""
+    return uuid.UUID(raw) if _UUID.fullmatch(raw) else None
+
+
+def _page(request: web.Request) -> tuple[int, int]:
+    """(limit, after_task_id) from `?limit=` (1..500, default 100) and `?cursor=` (a previous `next_cursor`)."""
+    query = request.query
+    limit = DEFAULT_TASK_PAGE
+    if "limit" in query:
+        parsed = _digits(query["limit"])
+        if parsed is None or not 1 <= parsed <= MAX_TASK_PAGE:
+            raise ApiError(400, "invalid_field", f"limit must be an integer from 1 to {MAX_TASK_PAGE}, "
+                           f"got {query['limit'][:40]!r}", "limit")
+        limit = parsed
+    after = 0
+    if "cursor" in query:
+        parsed = _digits(query["cursor"])
+        if parsed is None:
+            raise ApiError(400, "invalid_field", "cursor is not one this API issued: pass a response's "
+                           "`next_cursor` unchanged", "cursor")
+        after = min(parsed, MAX_ID)  # past the largest id: an empty last page
+    return limit, after
 
 
 async def post_collect_now(request: web.Request) -> web.Response:
@@ -63,10 +99,10 @@ async def post_collect_now(request: web.Request) -> web.Response:
 async def get_collect_request(request: web.Request) -> web.Response:
     principal = authenticate(request)
     raw = request.match_info["request_id"]
-    try:
-        request_id = uuid.UUID(raw)
-    except ValueError:
-        raise ApiError(400, "invalid_field", f"request_id must be a UUID, got {raw!r}", "request_id") from None
+    request_id = _uuid(raw)
+    if request_id is None:
+        raise ApiError(400, "invalid_field", f"request_id must be a UUID, got {raw[:40]!r}", "request_id")
+    limit, after_task_id = _page(request)
     async with request.app[POOL].connection() as conn:
-        status = await request_status(conn, principal, request_id)
+        status = await request_status(conn, principal, request_id, limit=limit, after_task_id=after_task_id)
     return json_response(status)

@@ -1,54 +1,38 @@
-"""The OpenAPI 3.1 document of collect-now-api, generated from the msgspec contracts (kept true by a test)."""
+"""The OpenAPI 3.1 document of collect-now-api, generated from the msgspec contracts (kept true by tests and a
+schemathesis run against the real process)."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-import msgspec
-
 from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody
+from libs.openapi import errors, json_content, method_not_allowed, ops_paths, ref, schema_components
+from services.collect_now_api.handlers import CURSOR_PATTERN, DEFAULT_TASK_PAGE, MAX_ID, MAX_TASK_PAGE
 
 COLLECT_NOW_PATH = "/api/tenant/monitoring/brands/{brand_id}/collect-now"
 REQUEST_STATUS_PATH = "/api/tenant/monitoring/collect-requests/{request_id}"
 
-_REF = "#/components/schemas/{name}"
-
-
-def _json(schema_ref: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": {"$ref": schema_ref}}}}
-
-
-def _error(description: str) -> dict[str, Any]:
-    return _json(_REF.format(name="ErrorBody"), description)
-
-
-def _plain(description: str, content_type: str = "application/json") -> dict[str, Any]:
-    return {"description": description, "content": {content_type: {"schema": {"type": "object"}
-                                                                   if content_type == "application/json"
-                                                                   else {"type": "string"}}}}
-
 
 @functools.cache
 def openapi_document() -> dict[str, Any]:
-    (request_ref, response_ref, status_ref, _), components = msgspec.json.schema_components(
-        [CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody], ref_template=_REF)
-    auth_errors = {
-        "401": _error("Missing, malformed, expired or wrongly signed gateway token."),
-        "500": _error("Unexpected error (logged)."),
-    }
+    components = schema_components((CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody))
+    auth = errors(401, s401="Missing, malformed, expired or wrongly signed gateway token.")
+    server = errors(500)
     return {
         "openapi": "3.1.0",
         "info": {
             "title": "collect-now-api",
             "version": "1.0.0",
-            "description": "Tenant API for \"collect now\" (seed §10, §13.1, §13.5). Authenticated by the "
-                           "tenant-api gateway's JWT (claims tenant_id, workspace_id, user_id, exp). Errors are "
-                           "`{\"error\", \"message\", \"field\"}`.",
+            "description": "Tenant API for \"collect now\". Authenticated by the tenant-api gateway's JWT (claims "
+                           "tenant_id, workspace_id, user_id, exp). Errors are `{\"error\", \"message\", \"field\"}`. "
+                           "A method a path does not list answers 405 with an `Allow` header "
+                           "(`components.responses.MethodNotAllowed`).",
         },
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
         "components": {
             "schemas": components,
+            "responses": {"MethodNotAllowed": method_not_allowed()},
             "securitySchemes": {"gatewayJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"}},
         },
         "paths": {
@@ -63,26 +47,29 @@ def openapi_document() -> dict[str, Any]:
                         "ones to yield. Idempotent per (user, brand, scope) within the idempotency window "
                         "(200 with idempotent_replay=true). A newer request for the same client supersedes the "
                         "older one. When no client is online the request is accepted unbound "
-                        "(target_client_id null) and any client that connects before the TTL can take it."),
+                        "(target_client_id null) and any client that connects before the TTL can take it. "
+                        "A scope over the operator's limit (dispatch setting collect_now_max_scope_tasks, 500 by "
+                        "default) is refused with 422 `scope_too_large`."),
                     "security": [{"gatewayJwt": []}],
                     "parameters": [{"name": "brand_id", "in": "path", "required": True,
-                                    "schema": {"type": "integer", "minimum": 1}}],
-                    "requestBody": {"required": False,
-                                    "content": {"application/json": {"schema": request_ref}}},
+                                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_ID}}],
+                    "requestBody": {"required": False, "content": json_content(ref("CollectNowRequest"))},
                     "responses": {
                         "202": {"description": "Accepted: a new request.",
-                                "content": {"application/json": {"schema": response_ref}}},
+                                "content": json_content(ref("CollectNowResponse"))},
                         "200": {"description": "Idempotent replay of the same request made within the window.",
-                                "content": {"application/json": {"schema": response_ref}}},
-                        "400": _error("Malformed body or a field that is invalid (`field` names it)."),
-                        "404": _error("The brand does not exist in the caller's tenant and workspace."),
-                        "413": _error("Body too large."),
-                        "415": _error("Body is not application/json."),
-                        "422": _error("Nothing to collect: no enabled questions or platforms in the scope."),
-                        "429": _error("Rate limited: `too_many_active_requests` (active requests per tenant) or "
+                                "content": json_content(ref("CollectNowResponse"))},
+                        **errors(400, 404, 413, 415, 422, 429,
+                                 s400="Malformed body or brand_id, or a keyword, question or platform that is not "
+                                      "the brand's or the tenant's (`field` names it).",
+                                 s404="The brand does not exist in the caller's tenant and workspace.",
+                                 s422="Nothing to collect (`empty_scope`: no enabled questions or platforms), or "
+                                      "too much (`scope_too_large`, with `scope_task_count` and "
+                                      "`max_scope_tasks`).",
+                                 s429="Rate limited: `too_many_active_requests` (active requests per tenant) or "
                                       "`too_many_requests` (requests per user per hour); `retry_after_s` says "
                                       "when to try again."),
-                        **auth_errors,
+                        **auth, **server,
                     },
                 },
             },
@@ -90,26 +77,29 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "operationId": "getCollectRequest",
                     "summary": "Progress of a collect-now request (for polling): preempted, started, first "
-                               "dispatch and result, TTL remaining, per-task status",
+                               "dispatch and result, TTL remaining, and a page of its tasks",
                     "security": [{"gatewayJwt": []}],
-                    "parameters": [{"name": "request_id", "in": "path", "required": True,
-                                    "schema": {"type": "string", "format": "uuid"}}],
+                    "parameters": [
+                        {"name": "request_id", "in": "path", "required": True,
+                         "schema": {"type": "string", "format": "uuid"}},
+                        {"name": "limit", "in": "query", "required": False,
+                         "description": "Tasks per page.",
+                         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TASK_PAGE,
+                                    "default": DEFAULT_TASK_PAGE}},
+                        {"name": "cursor", "in": "query", "required": False,
+                         "description": "The previous page's `next_cursor`, unchanged (opaque).",
+                         "schema": {"type": "string", "pattern": CURSOR_PATTERN}},
+                    ],
                     "responses": {
-                        "200": {"description": "The request's status.",
-                                "content": {"application/json": {"schema": status_ref}}},
-                        "400": _error("request_id is not a UUID."),
-                        "404": _error("No such request in the caller's tenant."),
-                        **auth_errors,
+                        "200": {"description": "The request's status; `next_cursor` is null on the last page.",
+                                "content": json_content(ref("CollectRequestStatus"))},
+                        **errors(400, 404, s400="request_id is not a UUID, or limit or cursor is invalid "
+                                                "(`field` names it).",
+                                 s404="No such request in the caller's tenant and workspace."),
+                        **auth, **server,
                     },
                 },
             },
-            "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
-                                      "responses": {"200": _plain("OpenAPI 3.1 document")}}},
-            "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness",
-                                 "responses": {"200": _plain("Alive")}}},
-            "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness (Postgres reachable)",
-                                "responses": {"200": _plain("Ready"), "503": _plain("Not ready")}}},
-            "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
-                                 "responses": {"200": _plain("Prometheus text exposition", "text/plain")}}},
+            **ops_paths("Readiness (Postgres reachable)"),
         },
     }

@@ -256,10 +256,11 @@ SELECT r.*,
                WHERE d.tenant_id = r.tenant_id AND d.collect_request_id = r.id
                  AND d.leased_at IS NOT NULL) AS execution_leased
 FROM monitoring_collect_requests r
-WHERE r.id = %(request_id)s AND r.tenant_id = %(tenant_id)s
+WHERE r.id = %(request_id)s AND r.tenant_id = %(tenant_id)s AND r.workspace_id = %(workspace_id)s
 """
 
-# Per-task status with its active execution (or, when none is active, this request's latest one).
+# Per-task status with its active execution (or, when none is active, this request's latest one). One page, in
+# monitor_task_id order: the tasks after `after_task_id` (the cursor; 0 for the first page), at most `limit`.
 REQUEST_TASKS = """
 SELECT t.id AS monitor_task_id, t.question_id, t.ai_platform_id, t.status, t.dispatch_lane AS lane,
        e.status AS execution_status, e.execution_phase
@@ -272,8 +273,9 @@ LEFT JOIN LATERAL (
     ORDER BY (d.status IN ('queued', 'in_progress', 'unknown')) DESC, d.created_at DESC
     LIMIT 1
 ) e ON true
-WHERE t.tenant_id = %(tenant_id)s AND t.id = ANY(%(task_ids)s::bigint[])
+WHERE t.tenant_id = %(tenant_id)s AND t.id = ANY(%(task_ids)s::bigint[]) AND t.id > %(after_task_id)s
 ORDER BY t.id
+LIMIT %(limit)s
 """
 
 # What a new pooled connection plans before its first click (libs.db.pool: EXPLAIN, nothing runs): the statements

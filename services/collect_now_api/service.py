@@ -173,7 +173,7 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
         if limited is not None:
             raise ApiError(429, limited.code, limited.message, retry_after_s=limited.retry_after_s)
         scope = _scope.decode(reads["scope"])
-        _check_scope(scope, body)
+        _check_scope(scope, body, max_tasks=settings.collect_now_max_scope_tasks)
         old_ids: list[uuid.UUID] = [] if client_id is None else [
             r.id for r in active if r.target_client_id == client_id]
 
@@ -288,7 +288,7 @@ def _scope_hashes(brand_id: int, body: CollectNowRequest) -> dict[date, str]:
     return {day: _scope_hash(brand_id, body, day) for day in (today + timedelta(days=n) for n in range(-2, 3))}
 
 
-def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest) -> None:
+def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest, *, max_tasks: int) -> None:
     if body.question_ids:
         missing = sorted(set(body.question_ids) - {r.question_id for r in scope})
         if missing:
@@ -302,6 +302,11 @@ def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest) -> None:
     if not scope:
         raise ApiError(422, "empty_scope", "nothing to collect: the brand (or keyword) has no enabled questions "
                        "or the tenant has no enabled platforms")
+    if len(scope) > max_tasks:
+        # One click must not promote (and lock, and preempt for) an unbounded number of tasks.
+        raise ApiError(422, "scope_too_large", f"the collect-now would affect {len(scope)} tasks (questions x "
+                       f"platforms); the limit is {max_tasks}: narrow it with keyword_id, question_ids or "
+                       "ai_platform_ids", scope_task_count=len(scope), max_scope_tasks=max_tasks)
 
 
 def _candidate(row: _CandidateRow) -> ClientCandidate:
@@ -340,14 +345,20 @@ async def _wait_for_first_dispatch(pool: AsyncConnectionPool[Conn], principal: T
     return accepted
 
 
-async def request_status(conn: Conn, principal: TenantPrincipal, request_id: uuid.UUID) -> CollectRequestStatus:
-    """§13.5: progress of one request of the caller's tenant (another tenant's request is not found)."""
-    row = await _fetch_one(conn, q.REQUEST_STATUS, {"request_id": request_id, "tenant_id": principal.tenant_id})
+async def request_status(conn: Conn, principal: TenantPrincipal, request_id: uuid.UUID, *, limit: int = 100,
+                         after_task_id: int = 0) -> CollectRequestStatus:
+    """§13.5: progress of one request of the caller's tenant and workspace (any other request is not found), with
+    one page of its tasks: at most `limit`, those after monitor task `after_task_id`."""
+    row = await _fetch_one(conn, q.REQUEST_STATUS, {"request_id": request_id, "tenant_id": principal.tenant_id,
+                                                     "workspace_id": principal.workspace_id})
     if row is None:
         raise ApiError(404, "not_found", "collect request not found", "request_id")
     task_ids = [int(i) for i in (row["request_scope"] or {}).get("monitor_task_ids", [])]
     tasks = await _fetch_all(conn, q.REQUEST_TASKS, {"request_id": request_id, "tenant_id": principal.tenant_id,
-                                                      "task_ids": task_ids})
+                                                      "task_ids": task_ids, "after_task_id": after_task_id,
+                                                      "limit": limit + 1})
+    more = len(tasks) > limit
+    tasks = tasks[:limit]
     started_statuses = {"running", "partial", "succeeded", "failed"}
     return CollectRequestStatus(
         request_id=row["id"], status=row["status"], brand_id=row["brand_id"], keyword_id=row["keyword_id"],
@@ -362,7 +373,8 @@ async def request_status(conn: Conn, principal: TenantPrincipal, request_id: uui
         ttl_expires_at=row["ttl_expires_at"], ttl_remaining_ms=int(row["ttl_remaining_ms"]),
         superseded_by_request_id=row["superseded_by_request_id"], created_at=row["created_at"],
         updated_at=row["updated_at"],
-        tasks=[CollectRequestTask(**t) for t in tasks])
+        tasks=[CollectRequestTask(**t) for t in tasks],
+        next_cursor=str(tasks[-1]["monitor_task_id"]) if more else None)
 
 
 async def _fetch_one(conn: Conn, query: str, params: dict[str, Any]) -> dict[str, Any] | None:

@@ -31,6 +31,7 @@ async def test_every_route_is_documented_and_real_responses_match(settings: Sett
     async with pool.connection() as conn:
         world = await make_world(conn, tenants=2, questions=2, keywords_per_brand=2)
         await set_setting(conn, "max_requests_per_user_per_hour", 3)
+        await set_setting(conn, "collect_now_max_scope_tasks", 5)  # a keyword's 3 tasks fit, the brand's 6 do not
     brand = world.brand
     collect = COLLECT_NOW_PATH.replace("{brand_id}", str(world.brand_id))
     async with api_client(settings) as http:
@@ -64,11 +65,19 @@ async def test_every_route_is_documented_and_real_responses_match(settings: Sett
                    headers={**world.auth(), "Content-Type": "application/x-www-form-urlencoded"})  # 415
         await call("POST", COLLECT_NOW_PATH, collect, json={"keyword_id": brand["keyword_ids"][1]},
                    headers=world.auth())
-        await call("POST", COLLECT_NOW_PATH, collect, json={}, headers=world.auth())
+        await call("POST", COLLECT_NOW_PATH, collect, json={}, headers=world.auth())  # 422: 6 tasks, 5 at most
         await call("POST", COLLECT_NOW_PATH, collect, json={"question_ids": brand["question_ids"][:1]},
+                   headers=world.auth())
+        await call("POST", COLLECT_NOW_PATH, collect, json={"question_ids": brand["question_ids"][1:]},
                    headers=world.auth())  # 429: 3 per hour
         status_url = REQUEST_STATUS_PATH.replace("{request_id}", accepted["request_id"])
         await call("GET", REQUEST_STATUS_PATH, status_url, headers=world.auth())
+        first_page = await call("GET", REQUEST_STATUS_PATH, status_url, params={"limit": "1"}, headers=world.auth())
+        assert len(first_page["tasks"]) == 1 and first_page["next_cursor"] is not None
+        await call("GET", REQUEST_STATUS_PATH, status_url, params={"cursor": first_page["next_cursor"]},
+                   headers=world.auth())
+        await call("GET", REQUEST_STATUS_PATH, status_url, params={"limit": "0"}, headers=world.auth())  # 400
+        await call("GET", REQUEST_STATUS_PATH, status_url, params={"cursor": "x"}, headers=world.auth())  # 400
         await call("GET", REQUEST_STATUS_PATH, status_url, headers=world.auth(tenant_index=1))  # 404
         await call("GET", REQUEST_STATUS_PATH, REQUEST_STATUS_PATH.replace("{request_id}", "x"), headers=world.auth())
         await call("GET", REQUEST_STATUS_PATH, status_url)  # 401
@@ -77,12 +86,14 @@ async def test_every_route_is_documented_and_real_responses_match(settings: Sett
     assert statuses == {
         (COLLECT_NOW_PATH, "post", 202), (COLLECT_NOW_PATH, "post", 200), (COLLECT_NOW_PATH, "post", 400),
         (COLLECT_NOW_PATH, "post", 401), (COLLECT_NOW_PATH, "post", 404), (COLLECT_NOW_PATH, "post", 413),
-        (COLLECT_NOW_PATH, "post", 415), (COLLECT_NOW_PATH, "post", 429),
+        (COLLECT_NOW_PATH, "post", 415), (COLLECT_NOW_PATH, "post", 422), (COLLECT_NOW_PATH, "post", 429),
         (REQUEST_STATUS_PATH, "get", 200), (REQUEST_STATUS_PATH, "get", 404), (REQUEST_STATUS_PATH, "get", 400),
         (REQUEST_STATUS_PATH, "get", 401),
     }
     for path, method, status, body in seen:
         validate(doc, path, method, status, body)
+    refused = {body["error"] for _, _, status, body in seen if status in (422, 429)}
+    assert refused == {"scope_too_large", "too_many_requests"}
     # The validator is not vacuous: a response missing a required field is refused.
     broken = {k: v for k, v in seen[0][3].items() if k != "request_id"}
     try:

@@ -1,12 +1,15 @@
-"""The OpenAPI document of collect-now-api is well-formed and its schemas are valid JSON Schema."""
+"""The OpenAPI documents of collect-now-api and dispatch-hub are well-formed, their schemas are valid JSON Schema,
+and they declare what the handlers take (pages, limits, date-times)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from jsonschema import Draft202012Validator
 
 from services.collect_now_api.openapi import COLLECT_NOW_PATH, REQUEST_STATUS_PATH, openapi_document
+from services.dispatch_hub.openapi import openapi_document as hub_document
 
 METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
 
@@ -55,3 +58,45 @@ def test_every_reference_resolves_and_every_schema_is_valid() -> None:
     for status in ("400", "401", "404", "413", "429"):
         response = doc["paths"][COLLECT_NOW_PATH]["post"]["responses"][status]
         assert response["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+
+
+def _date_time_fields(schema: dict[str, Any]) -> set[str]:
+    out = set()
+    for name, prop in schema.get("properties", {}).items():
+        if any(b.get("format") == "date-time" for b in prop.get("anyOf", [prop])):
+            out.add(name)
+    return out
+
+
+def test_times_are_date_times_and_pages_and_limits_are_declared() -> None:
+    doc = openapi_document()
+    schemas = doc["components"]["schemas"]
+    assert _date_time_fields(schemas["CollectRequestStatus"]) == {
+        "first_dispatched_at", "first_result_at", "ttl_expires_at", "created_at", "updated_at"}
+    assert _date_time_fields(schemas["CollectNowResponse"]) == {"ttl_expires_at"}
+    assert "next_cursor" in schemas["CollectRequestStatus"]["properties"]
+    assert {"scope_task_count", "max_scope_tasks"} <= set(schemas["ErrorBody"]["properties"])
+    status = doc["paths"][REQUEST_STATUS_PATH]["get"]
+    query = {p["name"]: p["schema"] for p in status["parameters"] if p["in"] == "query"}
+    assert query["limit"] == {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}
+    assert re.fullmatch(query["cursor"]["pattern"].strip("^$"), str(2**63 - 1))
+    assert "422" in doc["paths"][COLLECT_NOW_PATH]["post"]["responses"]
+    brand_id = doc["paths"][COLLECT_NOW_PATH]["post"]["parameters"][0]["schema"]
+    assert brand_id == {"type": "integer", "minimum": 1, "maximum": 2**63 - 1}
+    allow = doc["components"]["responses"]["MethodNotAllowed"]["headers"]["Allow"]
+    assert allow["required"] is True
+
+
+def test_the_hub_document_is_as_well_formed() -> None:
+    doc = hub_document()
+    schemas = doc["components"]["schemas"]
+    for ref in _refs(doc):
+        assert ref.rsplit("/", 1)[1] in schemas, ref
+    for schema in schemas.values():
+        Draft202012Validator.check_schema(schema)
+    ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids))
+    assert _date_time_fields(schemas["LeasedTask"]) == {"lease_expires_at"}
+    for path in ("/api/desktop/monitor/lease", "/api/desktop/tasks/{task_id}/result"):
+        assert {"400", "401", "413", "415", "500"} <= set(doc["paths"][path]["post"]["responses"])
+    assert {"101", "400", "401", "429", "503"} <= set(doc["paths"]["/api/desktop/ws"]["get"]["responses"])
