@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
@@ -22,6 +23,32 @@ from services.dispatch_coordinator.explain import explain_task
 ROLE = "dispatch-coordinator"
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 LEADER = web.AppKey("leader", LeaderLock)
+OPS_PREFIX = "/api/ops/"
+
+
+def check_ops_token(settings: Settings, authorization: str) -> None:
+    """The ops API is closed: a bearer token equal to OPS_API_TOKEN, or (no token configured) DEV_MODE."""
+    expected = settings.ops_api_token
+    if not expected:
+        if settings.dev_mode:
+            return
+        raise ApiError(403, "ops_api_disabled", "the ops API is disabled: set OPS_API_TOKEN to enable it "
+                                                "(DEV_MODE opens it without a token)")
+    scheme, _, token = authorization.partition(" ")
+    # Constant time: the comparison must not tell how much of a guessed token was right.
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise ApiError(401, "unauthorized", "send the ops token as `Authorization: Bearer <OPS_API_TOKEN>`")
+
+
+@web.middleware
+async def ops_auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> (
+    web.StreamResponse
+):
+    """Every path under /api/ops/ (a route or not: unknown paths do not reveal which exist); /metrics, /healthz and
+    /readyz stay open for Prometheus and the kubelet."""
+    if (request.path + "/").startswith(OPS_PREFIX):
+        check_ops_token(request.app[SETTINGS], request.headers.get("Authorization", ""))
+    return await handler(request)
 
 
 async def explain_handler(request: web.Request) -> web.Response:
@@ -44,6 +71,7 @@ async def status_handler(request: web.Request) -> web.Response:
 
 def build(settings: Settings) -> web.Application:
     app = base_app(settings, make_app())
+    app.middlewares.append(ops_auth)  # inside json_errors: refusals are JSON
     app.router.add_get("/api/ops/tasks/{task_id}/explain", explain_handler)
     app.router.add_get("/api/ops/dispatch/status", status_handler)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,12 @@ def _is_leader(proc: ServiceProcess) -> bool:
     return 'leader_is_active{role="dispatch-coordinator"} 1.0' in text
 
 
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+OPS_TOKEN = "leader-test-ops-token-0123456789abcdef"
+
+
+def _get_json(url: str, token: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as resp:
         return json.loads(resp.read())
 
 
@@ -52,7 +57,7 @@ async def test_standby_takes_over_after_kill_9_without_duplicate_dispatch(
             await set_setting(conn, key, value)
         await conn.execute("INSERT INTO platform_settings (ai_platform_id, max_concurrent) SELECT id, 3 "
                            "FROM ai_platforms ON CONFLICT (ai_platform_id) DO UPDATE SET max_concurrent = 3")
-    env = service_env(settings)
+    env = service_env(settings, OPS_API_TOKEN=OPS_TOKEN)
     procs = [ServiceProcess("dispatch-coordinator", env, log_dir=tmp_path) for _ in range(2)]
     fleet = Fleet(pool, seeded.client_ids, task_seconds=0.02)
     try:
@@ -81,10 +86,17 @@ async def test_standby_takes_over_after_kill_9_without_duplicate_dispatch(
 
         # Operator views on the surviving instance and through the CLI.
         task_id = await _scalar(pool, "SELECT min(id) FROM monitoring_collect_tasks")
-        explained = await asyncio.to_thread(_get_json, f"{standby.url}/api/ops/tasks/{task_id}/explain")
+        explain_url = f"{standby.url}/api/ops/tasks/{task_id}/explain"
+        try:
+            await asyncio.to_thread(_get_json, explain_url)
+        except urllib.error.HTTPError as refused:
+            assert refused.code == 401 and json.loads(refused.read())["error"] == "unauthorized"
+        else:
+            raise AssertionError("the ops API answered without its token")
+        explained = await asyncio.to_thread(_get_json, explain_url, OPS_TOKEN)
         assert explained["task_id"] == task_id and explained["ready"] is False
         assert any("status is completed" in line for line in explained["why"])
-        status = await asyncio.to_thread(_get_json, f"{standby.url}/api/ops/dispatch/status")
+        status = await asyncio.to_thread(_get_json, f"{standby.url}/api/ops/dispatch/status", OPS_TOKEN)
         assert status["this_instance"]["leader"] is True and status["clients"]["eligible"] == 12
         out = await asyncio.to_thread(subprocess.run, [str(BIN / "monitorctl"), "--json", "explain", str(task_id)],
                                       env=env, capture_output=True, text=True, timeout=30, check=True)

@@ -1,0 +1,83 @@
+"""The operational surface: the coordinator's ops token rule, /readyz that tells nothing of its failures, and JSON
+405s that keep their Allow header. No network: handlers run on mocked requests."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from libs.config import Settings
+from libs.http import ApiError, add_readiness_check, json_errors, make_app, readyz
+from services.dispatch_coordinator.main import check_ops_token
+
+TOKEN = "ops-token-0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+@pytest.mark.parametrize(("authorization", "allowed"), [
+    (f"Bearer {TOKEN}", True),
+    (f"bearer {TOKEN}", True),
+    (f"Bearer  {TOKEN} ", True),
+    ("", False),
+    ("Bearer", False),
+    ("Bearer ", False),
+    (f"Basic {TOKEN}", False),
+    (f"Bearer {TOKEN[:-1]}", False),
+    (f"Bearer {TOKEN}x", False),
+    (TOKEN, False),
+])
+def test_with_a_token_configured_only_that_bearer_token_passes(authorization: str, allowed: bool) -> None:
+    for dev_mode in (False, True):  # DEV_MODE never weakens a configured token
+        settings = Settings(ops_api_token=TOKEN, dev_mode=dev_mode)
+        if allowed:
+            check_ops_token(settings, authorization)
+            continue
+        with pytest.raises(ApiError) as refused:
+            check_ops_token(settings, authorization)
+        assert (refused.value.status, refused.value.code) == (401, "unauthorized")
+        assert TOKEN not in refused.value.message
+
+
+def test_without_a_token_the_ops_api_is_disabled_unless_dev_mode() -> None:
+    with pytest.raises(ApiError) as refused:
+        check_ops_token(Settings(ops_api_token=""), f"Bearer {TOKEN}")
+    assert (refused.value.status, refused.value.code) == (403, "ops_api_disabled")
+    assert "OPS_API_TOKEN" in refused.value.message
+    check_ops_token(Settings(ops_api_token="", dev_mode=True), "")
+
+
+async def test_readyz_answers_ok_or_failing_and_logs_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    app = make_app()
+
+    async def fine() -> None:
+        return None
+
+    async def broken() -> None:
+        raise ConnectionError('connection to "db.internal.example" failed: postgresql://svc:hunter2@db/monitoring; '
+                              "SELECT secret FROM tenants")
+
+    add_readiness_check(app, "postgres", broken)
+    add_readiness_check(app, "rabbitmq", fine)
+    with caplog.at_level(logging.WARNING, logger="http"):
+        resp = await readyz(make_mocked_request("GET", "/readyz", app=app))
+    assert isinstance(resp, web.Response) and resp.status == 503 and isinstance(resp.body, bytes)
+    body = json.loads(resp.body)
+    assert body == {"status": "unavailable", "checks": {"postgres": "failing", "rabbitmq": "ok"}}
+    for leak in ("db.internal", "hunter2", "SELECT", "ConnectionError"):
+        assert leak not in resp.body.decode()
+    (record,) = [r for r in caplog.records if r.getMessage() == "readiness check failing"]
+    assert record.__dict__["check"] == "postgres" and record.__dict__["error_type"] == "ConnectionError"
+    assert "db.internal.example" in record.__dict__["error"]
+
+
+async def test_a_json_405_keeps_the_allow_header() -> None:
+    async def handler(_: web.Request) -> web.StreamResponse:
+        raise web.HTTPMethodNotAllowed("DELETE", ["GET", "HEAD"])
+
+    resp = await json_errors(make_mocked_request("DELETE", "/readyz"), handler)
+    assert isinstance(resp, web.Response) and resp.status == 405 and isinstance(resp.body, bytes)
+    assert set(resp.headers["Allow"].split(",")) == {"GET", "HEAD"}
+    assert resp.content_type == "application/json" and json.loads(resp.body)["error"] == "method_not_allowed"
