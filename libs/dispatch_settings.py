@@ -69,14 +69,52 @@ class DispatchSettings:
     # Phase 2 rollout (seed §16.2.2): tenant_id % 100 < rollout_percentage -> desktop_tasks
     rollout_percentage: int = 100
     reconcile_interval_seconds: int = 300
+    # Ceilings (seed §9.2, the circuit-breaker column): no budget or limit can be set above its ceiling, and a
+    # ceiling changes only through its own command (`monitorctl budgets set-ceiling`), never by `budgets set`.
+    cluster_dispatch_per_minute_ceiling: int = 500
+    tenant_dispatch_per_minute_ceiling: int = 60
+    client_max_concurrent_ceiling: int = 4
+    client_max_queue_depth_ceiling: int = 40
+    platform_max_concurrent_ceiling: int = 2
 
 
 _TYPES = {f.name: f.type for f in fields(DispatchSettings)}
 _DEFAULTS = DispatchSettings()
 
+# What each ceiling bounds: dispatch settings by key, and per-client / per-platform limits by name.
+CEILING_OF: dict[str, str] = {
+    "cluster_dispatch_per_minute": "cluster_dispatch_per_minute_ceiling",
+    "tenant_dispatch_per_minute": "tenant_dispatch_per_minute_ceiling",
+    "client.max_concurrent": "client_max_concurrent_ceiling",
+    "client.max_queue_depth": "client_max_queue_depth_ceiling",
+    "platform.max_concurrent": "platform_max_concurrent_ceiling",
+}
+CEILINGS = frozenset(CEILING_OF.values())
+
 
 class SettingError(ValueError):
     pass
+
+
+def check_ceiling(settings: DispatchSettings, what: str, value: int) -> None:
+    """Refuse a budget or limit above its ceiling, naming both and the command that raises the ceiling."""
+    ceiling_key = CEILING_OF.get(what)
+    if ceiling_key is None:
+        return
+    ceiling = int(getattr(settings, ceiling_key))
+    if value > ceiling:
+        raise SettingError(f"{what} = {value} is above its ceiling {ceiling}; raising a ceiling is a deliberate "
+                           f"step of its own: `monitorctl budgets set-ceiling {ceiling_key} {value}`")
+
+
+def check_new_ceiling(settings: DispatchSettings, ceiling_key: str, value: int) -> None:
+    """A ceiling may be lowered, but not below what its budget is set to now (lower the budget first)."""
+    if ceiling_key not in CEILINGS:
+        raise SettingError(f"{ceiling_key!r} is not a ceiling; ceilings: {', '.join(sorted(CEILINGS))}")
+    bounded = next(what for what, key in CEILING_OF.items() if key == ceiling_key)
+    if bounded in _TYPES and value < int(getattr(settings, bounded)):
+        raise SettingError(f"{ceiling_key} = {value} is below {bounded} = {getattr(settings, bounded)}; "
+                           f"lower {bounded} first")
 
 
 def coerce(key: str, value: Any) -> Any:
@@ -132,6 +170,8 @@ async def load_settings(conn: Conn) -> DispatchSettings:
 
 
 async def set_setting(conn: Conn, key: str, value: Any) -> Any:
+    """Store one setting (in the caller's transaction), unchecked against ceilings: operators go through
+    `services/dispatch_coordinator/admin.py`, which checks them."""
     coerced = coerce(key, value)
     await conn.execute(
         "INSERT INTO dispatch_settings (key, value, updated_at) VALUES (%(key)s, %(value)s, now()) "

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
 from libs.contracts.wire import TaskControl
 from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
-from libs.dispatch_settings import as_dict, load_settings, set_setting
+from libs.dispatch_settings import (
+    CEILINGS,
+    SettingError,
+    as_dict,
+    check_ceiling,
+    check_new_ceiling,
+    coerce,
+    load_settings,
+    set_setting,
+)
 from libs.domain.dispatch import window_start
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
@@ -27,6 +37,13 @@ SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) 
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE %(code)s::text IS NULL OR p.code = %(code)s
 ORDER BY p.id
+"""
+_SET_CLIENT_LIMITS = """
+UPDATE desktop_clients
+SET max_concurrent_monitor = coalesce(%(max_concurrent)s, max_concurrent_monitor),
+    max_queue_depth = coalesce(%(max_queue_depth)s, max_queue_depth), updated_at = now()
+WHERE id = %(id)s
+RETURNING id AS client_id, tenant_id, max_concurrent_monitor AS max_concurrent, max_queue_depth
 """
 _UPSERT_PLATFORM = """
 INSERT INTO platform_settings (ai_platform_id, max_concurrent, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms,
@@ -76,9 +93,47 @@ async def get_budgets(conn: Conn) -> dict[str, Any]:
     return as_dict(await load_settings(conn))
 
 
+CEILING_LOCK = "SELECT pg_advisory_xact_lock(7401552113)"  # a budget and its ceiling change one at a time
+
+
 async def set_budget(conn: Conn, key: str, value: Any) -> Any:
+    """`monitorctl budgets set`: any dispatch setting but a ceiling, a budget never above its ceiling."""
+    if key in CEILINGS:
+        raise SettingError(f"{key} is a ceiling; change it with `monitorctl budgets set-ceiling {key} VALUE`")
     async with conn.transaction():
+        await conn.execute(CEILING_LOCK)
+        check_ceiling(await load_settings(conn), key, coerce(key, value))
         return await set_setting(conn, key, value)
+
+
+async def set_ceiling(conn: Conn, key: str, value: Any) -> Any:
+    """`monitorctl budgets set-ceiling`: raise a ceiling (or lower it, not below its budget)."""
+    async with conn.transaction():
+        await conn.execute(CEILING_LOCK)
+        check_new_ceiling(await load_settings(conn), key, coerce(key, value))
+        return await set_setting(conn, key, value)
+
+
+async def set_client_limits(conn: Conn, client_id: uuid.UUID, *, max_concurrent: int | None,
+                            max_queue_depth: int | None) -> dict[str, Any]:
+    """A client's monitor concurrency and queue depth, bounded by their ceilings (the coordinator reads them
+    on its next pass)."""
+    async with conn.transaction():
+        settings = await load_settings(conn)
+        for what, value in (("client.max_concurrent", max_concurrent), ("client.max_queue_depth", max_queue_depth)):
+            if value is not None:
+                if value < 0:
+                    raise AdminError(f"{what} must be >= 0")
+                try:
+                    check_ceiling(settings, what, value)
+                except SettingError as exc:
+                    raise AdminError(str(exc)) from None
+        cur = await conn.execute(_SET_CLIENT_LIMITS, {"id": client_id, "max_concurrent": max_concurrent,
+                                                      "max_queue_depth": max_queue_depth})
+        row = await cur.fetchone()
+    if row is None:
+        raise AdminError(f"no desktop client {client_id}")
+    return dict(row)
 
 
 async def set_lane_paused(conn: Conn, lane: str, paused: bool) -> list[str]:
@@ -99,6 +154,11 @@ async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = No
                        hard_timeout_ms: int | None = None, paused: bool | None = None) -> dict[str, Any]:
     if max_concurrent is not None and max_concurrent < 0:
         raise AdminError("--max-concurrent must be >= 0")
+    if max_concurrent is not None:
+        try:
+            check_ceiling(await load_settings(conn), "platform.max_concurrent", max_concurrent)
+        except SettingError as exc:
+            raise AdminError(str(exc)) from None
     for name, value in (("--soft-timeout-ms", soft_timeout_ms), ("--hard-timeout-ms", hard_timeout_ms)):
         if value is not None and value <= 0:
             raise AdminError(f"{name} must be > 0")

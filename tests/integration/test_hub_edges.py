@@ -5,9 +5,6 @@ interrupt, sockets per client, upgrade rate limits, the unknown-token cache, and
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from datetime import date
@@ -28,6 +25,7 @@ from libs.domain.shard import shard_for
 from libs.mq.topology import Topology
 from services.dispatch_hub.http_api import AUTH
 from tests.support.desktop import dispatch_execution, running_hub
+from tests.support.monitorctl import run_monitorctl
 from tests.support.wait import eventually
 
 Json = dict[str, Any]
@@ -73,12 +71,6 @@ async def closed_with(ws: aiohttp.ClientWebSocketResponse, timeout: float = 10.0
                 return None
 
     return await asyncio.wait_for(drain(), timeout)
-
-
-def monitorctl(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DATABASE_URL": settings.database_url, "AMQP_URL": settings.amqp_url}
-    return subprocess.run([sys.executable, "-m", "tools.monitorctl", "--json", *args], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)
 
 
 async def shard_messages(amqp: AbstractRobustConnection, topology: Topology, shard: int) -> list[MonitorResult]:
@@ -202,7 +194,7 @@ async def test_disable_enable_and_rotate_bite_within_seconds(
     async with running_hub(settings, hub_revocation_check_s=0.5, hub_auth_cache_s=0.5) as hub:
         ws, bystander = await connect(http, hub, token), await connect(http, hub, other_token)
         assert (await post(http, hub, "/api/desktop/monitor/lease", token, {}))[0] == 200  # cached as enabled
-        done = await asyncio.to_thread(monitorctl, settings, "client", "disable", client)
+        done = await asyncio.to_thread(run_monitorctl, settings, "client", "disable", client)
         assert done.returncode == 0, done.stderr
         assert msgspec.json.decode(done.stdout) == {"client_id": client, "disabled": True, "changed": True}
         assert await closed_with(ws) == 4403
@@ -221,14 +213,14 @@ async def test_disable_enable_and_rotate_bite_within_seconds(
                 return True if await cur.fetchone() == {"online": False} else None
 
         await eventually(offline, timeout=5, message="marked offline once its last socket closed")
-        again = await asyncio.to_thread(monitorctl, settings, "client", "disable", client)
+        again = await asyncio.to_thread(run_monitorctl, settings, "client", "disable", client)
         assert msgspec.json.decode(again.stdout)["changed"] is False  # idempotent
 
-        enabled = await asyncio.to_thread(monitorctl, settings, "client", "enable", client)
+        enabled = await asyncio.to_thread(run_monitorctl, settings, "client", "enable", client)
         assert enabled.returncode == 0 and msgspec.json.decode(enabled.stdout)["changed"] is True
         ws = await connect(http, hub, token)
 
-        rotated = await asyncio.to_thread(monitorctl, settings, "client", "rotate-token", client)
+        rotated = await asyncio.to_thread(run_monitorctl, settings, "client", "rotate-token", client)
         assert rotated.returncode == 0, rotated.stderr
         new_token = msgspec.json.decode(rotated.stdout)["token"]
         assert await closed_with(ws) == 4401

@@ -21,6 +21,7 @@ from libs.auth import hash_token, new_client_token
 from libs.contracts.amqp import LifecycleKind
 from libs.db.pool import Conn
 from libs.tasks.transitions import emit_lifecycle
+from services.dispatch_coordinator import admin
 from tools.monitorctl.common import Context, fail
 
 # `online` stays the hub's to write: it marks the client offline when it closes the client's sockets.
@@ -43,6 +44,31 @@ def register_client_commands(client_sub: argparse._SubParsersAction[argparse.Arg
         cmd.add_argument("client_id", type=_client_id)
         cmd.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
         cmd.set_defaults(func=func)
+    register_client_set(client_sub)
+
+
+def register_client_set(client_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cmd = client_sub.add_parser("set", help="change a client's monitor concurrency and queue depth (bounded by "
+                                            "client_max_concurrent_ceiling / client_max_queue_depth_ceiling)")
+    cmd.add_argument("client_id", type=_client_id)
+    cmd.add_argument("--max-concurrent", type=int)
+    cmd.add_argument("--max-queue-depth", type=int)
+    cmd.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    cmd.set_defaults(func=run_set)
+
+
+async def run_set(args: argparse.Namespace, ctx: Context) -> int:
+    if getattr(args, "json", False):
+        ctx.as_json = True
+    if args.max_concurrent is None and args.max_queue_depth is None:
+        return fail("give --max-concurrent and/or --max-queue-depth")
+    try:
+        row = await admin.set_client_limits(await ctx.conn(), args.client_id, max_concurrent=args.max_concurrent,
+                                            max_queue_depth=args.max_queue_depth)
+    except admin.AdminError as exc:
+        return fail(str(exc))
+    ctx.emit(row)
+    return 0
 
 
 def _client_id(value: str) -> uuid.UUID:

@@ -20,6 +20,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bset.add_argument("key", help="e.g. cluster_dispatch_per_minute, tenant_dispatch_per_minute")
     bset.add_argument("value", help="the new value (JSON or plain text)")
     bset.set_defaults(func=budgets_set)
+    ceil = inner.add_parser("set-ceiling", help="raise (or lower) a budget's ceiling: the circuit-breaker value "
+                                                "no `budgets set`, `client set` or `platform set` may exceed")
+    ceil.add_argument("key", help="e.g. cluster_dispatch_per_minute_ceiling, client_max_concurrent_ceiling")
+    ceil.add_argument("value", type=int)
+    ceil.set_defaults(func=budgets_set_ceiling)
 
     lane = sub.add_parser("lane", help="pause or resume a dispatch lane")
     lane_inner = lane.add_subparsers(dest="lane_cmd", required=True)
@@ -78,6 +83,15 @@ async def budgets_get(args: argparse.Namespace, ctx: Context) -> int:
 async def budgets_set(args: argparse.Namespace, ctx: Context) -> int:
     try:
         value = await admin.set_budget(await ctx.conn(), args.key, _parse_value(args.value))
+    except SettingError as exc:
+        return fail(str(exc))
+    ctx.emit({"key": args.key, "value": value}, f"{args.key} = {json.dumps(value)}")
+    return 0
+
+
+async def budgets_set_ceiling(args: argparse.Namespace, ctx: Context) -> int:
+    try:
+        value = await admin.set_ceiling(await ctx.conn(), args.key, args.value)
     except SettingError as exc:
         return fail(str(exc))
     ctx.emit({"key": args.key, "value": value}, f"{args.key} = {json.dumps(value)}")

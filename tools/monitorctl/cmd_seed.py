@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from libs.demo import create_client, seed_demo
+from libs.dispatch_settings import SettingError, check_ceiling, load_settings
 from tools.monitorctl.cmd_client import register_client_commands
 from tools.monitorctl.common import Context, fail
 
@@ -89,6 +90,12 @@ async def run_client_create(args: argparse.Namespace, ctx: Context) -> int:
     cur = await conn.execute("SELECT 1 FROM tenants WHERE id = %(id)s", {"id": args.tenant})
     if await cur.fetchone() is None:
         return fail(f"tenant {args.tenant} does not exist")
+    settings = await load_settings(conn)
+    try:
+        check_ceiling(settings, "client.max_concurrent", args.max_concurrent)
+        check_ceiling(settings, "client.max_queue_depth", args.max_queue_depth)
+    except SettingError as exc:
+        return fail(str(exc))
     async with conn.transaction():
         client_id, token = await create_client(
             conn, tenant_id=args.tenant, workspace_id=args.workspace, user_id=args.user, name=args.name,

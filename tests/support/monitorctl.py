@@ -1,0 +1,33 @@
+"""Run the real `monitorctl` (a subprocess, as an operator would) against a test's database."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from typing import Any
+
+import msgspec
+
+from libs.config import Settings
+
+
+def run_monitorctl(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DATABASE_URL": settings.database_url, "AMQP_URL": settings.amqp_url}
+    return subprocess.run([sys.executable, "-m", "tools.monitorctl", "--json", *args], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+async def monitorctl_json(settings: Settings, *args: str) -> Any:
+    """The command's JSON output; fails the test with its stderr if it did not succeed."""
+    done = await asyncio.to_thread(run_monitorctl, settings, *args)
+    assert done.returncode == 0, done.stderr
+    return msgspec.json.decode(done.stdout)
+
+
+async def monitorctl_refused(settings: Settings, *args: str) -> str:
+    """The error a refused command printed (exit code 2)."""
+    done = await asyncio.to_thread(run_monitorctl, settings, *args)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    return done.stderr
