@@ -47,7 +47,18 @@ def errors(*statuses: int, **descriptions: str) -> dict[str, Any]:
     for status in statuses:
         text = descriptions.get(f"s{status}", STATUS_TEXT[status])
         out[str(status)] = response(ERROR_BODY, text)
+        if status in _RETRY_AFTER:
+            out[str(status)]["headers"] = {"Retry-After": _RETRY_AFTER[status]}
     return out
+
+
+# `libs.http.error_response` sets Retry-After from `retry_after_s`, which every 429 carries (and some 503s).
+_RETRY_AFTER: dict[int, dict[str, Any]] = {
+    429: {"required": True, "description": "seconds to wait, as `retry_after_s`",
+          "schema": {"type": "string", "pattern": "^[0-9]+$"}},
+    503: {"required": False, "description": "seconds to wait, when known",
+          "schema": {"type": "string", "pattern": "^[0-9]+$"}},
+}
 
 
 def schema_components(types: tuple[Any, ...]) -> dict[str, Any]:

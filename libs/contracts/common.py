@@ -76,6 +76,10 @@ def decode_json(data: bytes | str, type_: type[T], *, max_bytes: int = MAX_MESSA
         return value
     except msgspec.ValidationError as exc:
         text = str(exc)
+        if "got `float`" in text:
+            respelled = _whole_floats_as_ints(raw)
+            if respelled != raw:  # once respelled, a body has no whole floats left: this recursion ends
+                return decode_json(respelled, type_, max_bytes=max(max_bytes, len(respelled)), decoder=decoder)
         match = _AT.search(text)
         field = _field_from_path(match.group("path")) if match else None
         if match and match.group("key") and field:
@@ -94,6 +98,27 @@ def decode_json(data: bytes | str, type_: type[T], *, max_bytes: int = MAX_MESSA
         raise ContractError("invalid_field", message, field) from exc
     except msgspec.DecodeError as exc:
         raise ContractError("invalid_json", f"body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # msgspec's depth guard (about a thousand levels), even in skipped fields
+        raise ContractError("invalid_json", "body is nested too deeply") from exc
+
+
+def _whole_floats_as_ints(raw: bytes) -> bytes:
+    """JSON Schema (so every OpenAPI document here) counts `2.0` as the integer 2, strict msgspec does not: for the
+    error path only, the body with whole floats spelled as integers (canonical JSON, so respelling it again gives
+    the same bytes)."""
+    def whole(value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+            return int(value)
+        if isinstance(value, list):
+            return [whole(v) for v in value]
+        if isinstance(value, dict):
+            return {k: whole(v) for k, v in value.items()}
+        return value
+
+    try:
+        return msgspec.json.encode(whole(msgspec.json.decode(raw)))
+    except (msgspec.MsgspecError, UnicodeError, RecursionError):
+        return raw
 
 
 def encode(value: Any) -> bytes:

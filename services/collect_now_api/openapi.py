@@ -66,9 +66,10 @@ def openapi_document() -> dict[str, Any]:
                                  s422="Nothing to collect (`empty_scope`: no enabled questions or platforms), or "
                                       "too much (`scope_too_large`, with `scope_task_count` and "
                                       "`max_scope_tasks`).",
-                                 s429="Rate limited: `too_many_active_requests` (active requests per tenant) or "
-                                      "`too_many_requests` (requests per user per hour); `retry_after_s` says "
-                                      "when to try again."),
+                                 s429="Rate limited: `too_many_active_requests` (active requests per tenant), "
+                                      "`too_many_requests` (requests per user per hour) or `tenant_busy` (other "
+                                      "clicks of the tenant still in flight); `retry_after_s` and the "
+                                      "`Retry-After` header say when to try again."),
                         **auth, **server,
                     },
                 },
