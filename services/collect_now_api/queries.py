@@ -10,6 +10,9 @@ ACTIVE_REQUEST_STATUSES = ("accepted", "dispatching", "running")
 # Serialises collect-now within one tenant: idempotency, the active-request limit and the supersede
 # chain are then decided on committed data, and two clicks can never both create a request.
 LOCK_TENANT = "SELECT pg_advisory_xact_lock(hashtextextended('collect_now.tenant:' || %(tenant_id)s::text, 0))"
+# How long a click waits for its tenant's lock (and, for the rest of its transaction, for any row lock) before it
+# is answered 429: a burst of one tenant's clicks must not hold the connections other tenants' clicks need.
+LOCK_WAIT = "SELECT set_config('lock_timeout', %(lock_wait)s, true)"
 
 BRAND = """
 SELECT b.id, b.workspace_id, t.time_zone, (now() AT TIME ZONE t.time_zone)::date AS business_date
@@ -160,6 +163,20 @@ FROM g
 WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
   AND source = 'daily_schedule' AND status = 'in_progress' AND interrupt_generation < g.gen
 RETURNING id, monitor_task_id, ai_platform_id, lane
+"""
+
+# The interrupted executions' replacement (task_control.replacement_task_id): the id the coordinator gives the
+# high execution of the first promoted task, decided here so the interrupt can name it; kept in the interrupted
+# executions' control flags for the hub's replay.
+NAME_REPLACEMENT = """
+WITH named AS (
+    UPDATE monitoring_collect_tasks SET next_execution_id = %(replacement_id)s
+    WHERE id = %(replacement_task)s AND tenant_id = %(tenant_id)s
+    RETURNING id
+)
+UPDATE desktop_tasks
+SET control_flags = control_flags || jsonb_build_object('replacement_task_id', %(replacement_id)s::text)
+WHERE id = ANY(%(interrupted_ids)s::uuid[]) AND tenant_id = %(tenant_id)s AND EXISTS (SELECT 1 FROM named)
 """
 
 # Tasks the scanner has not created yet: one row per business key, never a second one.

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -41,6 +43,44 @@ log = logging.getLogger("collect_now")
 
 PREEMPT_REASON = "collect_now_preempt"
 DEADLOCK_RETRIES = 3
+# One tenant's clicks on a database connection in this process at most; more wait here (holding no connection)
+# for up to TENANT_WAIT_S and are then answered 429, so a burst from one tenant cannot take the pool from the
+# others, while a double-click still gets its idempotent replay.
+TENANT_IN_FLIGHT_LIMIT = 2
+TENANT_WAIT_S = 1.0
+TENANT_LOCK_WAIT_MS = 1000
+
+
+class TenantGate:
+    """At most `limit` requests of a tenant at once; a request waits `wait_s` for a turn, then 429 `tenant_busy`."""
+
+    def __init__(self, limit: int, wait_s: float) -> None:
+        self.limit = limit
+        self.wait_s = wait_s
+        self._slots: dict[int, tuple[asyncio.Semaphore, list[int]]] = {}  # tenant -> (slots, [users])
+
+    @contextlib.asynccontextmanager
+    async def slot(self, tenant_id: int) -> AsyncIterator[None]:
+        slots, users = self._slots.setdefault(tenant_id, (asyncio.Semaphore(self.limit), [0]))
+        users[0] += 1
+        try:
+            try:
+                await asyncio.wait_for(slots.acquire(), self.wait_s)
+            except TimeoutError:
+                metrics.edge_rejected_total.inc(service="collect-now-api", reason="tenant_busy")
+                raise ApiError(429, "tenant_busy", "other collect-now requests of this tenant are still being "
+                               "processed; retry in a moment", retry_after_s=1) from None
+            try:
+                yield
+            finally:
+                slots.release()
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._slots[tenant_id]
+
+
+TENANT_GATE = TenantGate(TENANT_IN_FLIGHT_LIMIT, TENANT_WAIT_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,18 +141,23 @@ _scope = msgspec.json.Decoder(list[_ScopeRow])
 
 async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
                       body: CollectNowRequest, settings: DispatchSettings, *,
-                      first_dispatch_wait_s: float = 5.0) -> Accepted:
+                      first_dispatch_wait_s: float = 5.0, gate: TenantGate | None = None) -> Accepted:
     """Accept (or replay) a collect-now request; optionally wait for its first dispatch."""
-    for attempt in range(DEADLOCK_RETRIES):
-        try:
-            async with pool.connection() as conn:
-                accepted = await _collect_now_tx(conn, principal, brand_id, body, settings)
-            break
-        except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure):
-            if attempt == DEADLOCK_RETRIES - 1:
-                raise
-            log.warning("collect-now transaction conflicted; retrying",
-                        extra={"tenant_id": principal.tenant_id, "brand_id": brand_id, "attempt": attempt + 1})
+    async with (gate or TENANT_GATE).slot(principal.tenant_id):
+        for attempt in range(DEADLOCK_RETRIES):
+            try:
+                async with pool.connection() as conn:
+                    accepted = await _collect_now_tx(conn, principal, brand_id, body, settings)
+                break
+            except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure):
+                if attempt == DEADLOCK_RETRIES - 1:
+                    raise
+                log.warning("collect-now transaction conflicted; retrying",
+                            extra={"tenant_id": principal.tenant_id, "brand_id": brand_id, "attempt": attempt + 1})
+            except pg_errors.LockNotAvailable:
+                metrics.edge_rejected_total.inc(service="collect-now-api", reason="tenant_busy")
+                raise ApiError(429, "tenant_busy", "another collect-now of this tenant holds its lock; retry in a "
+                               "moment", retry_after_s=1) from None
     if body.wait_for_first_dispatch and not accepted.replay and accepted.response.status == "accepted":
         accepted = await _wait_for_first_dispatch(pool, principal, accepted, first_dispatch_wait_s)
     return accepted
@@ -127,6 +172,7 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
         # Round trip 1: the tenant's collect-now lock, then (under it, so on committed data) everything the
         # decision reads, in one statement: the brand and keyword in the caller's tenant, the user's recent
         # requests (replay?), clients, limits, scope.
+        await conn.execute(q.LOCK_WAIT, {"lock_wait": f"{TENANT_LOCK_WAIT_MS}ms"})
         await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
         hashes = _scope_hashes(brand_id, body)
         recent_params = {"brand_id": brand_id, "tenant_id": tenant_id, "user_id": principal.user_id,
@@ -225,8 +271,14 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
         if old_ids:
             superseded_cur = await conn.execute(q.SUPERSEDE_REQUESTS, {
                 "request_id": request_id, "tenant_id": tenant_id, "old_ids": old_ids})
+        replacement = uuid.uuid4() if interrupted and promoted_ids else None
+        if replacement is not None:
+            await conn.execute(q.NAME_REPLACEMENT, {
+                "replacement_id": replacement, "replacement_task": min(promoted_ids), "tenant_id": tenant_id,
+                "interrupted_ids": [e.task_id for e in interrupted]})
         await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=request_id,
-                            generation=generation, cancelled=cancelled, interrupted=interrupted)
+                            generation=generation, cancelled=cancelled, interrupted=interrupted,
+                            replacement=replacement)
         await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL,
                                       "outbox_payload": PRIORITY_WAKE, "controls": bool(cancelled or interrupted)})
         # No sync here: the COMMIT is queued behind these statements when the transaction block ends, and
@@ -256,7 +308,8 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
 
 
 async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | None, request_id: uuid.UUID,
-                        generation: int, cancelled: list[_Execution], interrupted: list[_Execution]) -> None:
+                        generation: int, cancelled: list[_Execution], interrupted: list[_Execution],
+                        replacement: uuid.UUID | None = None) -> None:
     """TaskControl per cancelled / interrupted execution and the lifecycle event (in the caller's pipeline)."""
     now = datetime.now(UTC)
     if client_id is not None:
@@ -266,7 +319,8 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
             for execution in executions:
                 message = TaskControl(kind="monitor", task_id=execution.task_id, target_client_id=client_id,
                                       control=control, reason=PREEMPT_REASON, interrupt_generation=generation,
-                                      updated_at=now, collect_request_id=request_id)
+                                      updated_at=now, collect_request_id=request_id,
+                                      replacement_task_id=replacement if control == "interrupt_requested" else None)
                 await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}",
                               message=message, ordering_key=f"client:{client_id}", tenant_id=tenant_id,
                               priority=1)  # claimed before older normal outbox events

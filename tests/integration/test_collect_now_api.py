@@ -112,8 +112,11 @@ async def test_collect_now_preempts_the_target_clients_scheduled_work(settings: 
         running = await fetch_one(conn, "SELECT status, control_flags, interrupt_generation, interrupted_at, "
                                         "interrupt_reason FROM desktop_tasks WHERE id = %s", work["running"])
         assert running["status"] == "in_progress" and running["interrupt_generation"] == 1
+        replacement = running["control_flags"].pop("replacement_task_id")  # the high execution to come
         assert running["control_flags"] == {"interrupt_requested": True, "interrupt_generation": 1,
                                             "collect_request_id": str(request_id)}
+        assert await fetch_one(conn, "SELECT count(*) AS n FROM monitoring_collect_tasks WHERE brand_id = %s "
+                                     "AND next_execution_id = %s", world.brand_id, replacement) == {"n": 1}
         assert running["interrupted_at"] is not None and running["interrupt_reason"] == "collect_now_preempt"
         # Untouched: retry work on the client, and scheduled work on the other client.
         for untouched in (work["retry_queued"], work["other_client"]):
@@ -495,3 +498,34 @@ async def test_wait_for_first_dispatch_returns_once_the_coordinator_dispatched(s
         resp = await asyncio.wait_for(click, 10)
         body = await resp.json()
     assert resp.status == 202 and body["status"] == "dispatching"
+
+
+async def test_a_burst_from_one_tenant_answers_429_and_never_blocks_another_tenant(settings: Settings, pool) -> None:
+    """The tenant's lock is waited for a second at most, and a tenant has at most two clicks in flight per
+    process (more wait for a turn without a connection): a burst answers 429 `tenant_busy` while another
+    tenant's click goes through at once."""
+    async with pool.connection() as conn:
+        world = await make_world(conn, tenants=2, brands=2, questions=1)
+    holder = await connect(settings.database_url)
+    try:
+        # Another replica's click of tenant 0, stuck inside its transaction, holds the tenant's lock.
+        await holder.execute("BEGIN")
+        await holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('collect_now.tenant:' || %s::text, 0))",
+                             (str(world.tenant_id),))
+        async with api_client(settings) as http:
+            brands = [b["brand_id"] for b in world.tenant["brands"]]
+            burst = [http.post(collect_path(brands[i % 2]), json={"keyword_id": None}, headers=world.auth())
+                     for i in range(4)]
+            other = world.seed["tenants"][1]
+            other_click = http.post(collect_path(other["brands"][0]["brand_id"]), json={}, headers=world.auth(1))
+            answers = await asyncio.gather(*burst, other_click)
+            codes = [(r.status, (await r.json()).get("error")) for r in answers]
+        # two waited a second for the lock, the other two a second for their turn (without a connection), then the lock
+        assert sorted(codes[:4]) == [(429, "tenant_busy")] * 4, codes
+        assert codes[4] == (202, None), codes
+    finally:
+        await holder.close()
+    async with pool.connection() as conn:
+        rows = await fetch_all(conn, "SELECT count(*) AS n FROM monitoring_collect_requests WHERE tenant_id = %s",
+                               world.tenant_id)
+    assert rows[0]["n"] == 0
