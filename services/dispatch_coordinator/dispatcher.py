@@ -655,7 +655,8 @@ def _still_dispatchable(decision: Decision, task: dict[str, Any] | None,
     if lane != "high" and decision.client_id in clients_with_high:
         return None
     return {
-        "id": uuid.uuid4(), "monitor_task_id": task["id"], "tenant_id": task["tenant_id"],
+        # an id decided ahead (a collect-now named it as the replacement of an interrupted execution) or a new one
+        "id": task["next_execution_id"] or uuid.uuid4(), "monitor_task_id": task["id"], "tenant_id": task["tenant_id"],
         "workspace_id": task["workspace_id"], "target_client_id": decision.client_id,
         "priority": task["dispatch_priority"], "lane": lane, "lane_weight": lane_weight("monitor", lane),
         "source": execution_source(lane, task["trigger_source"], task["collect_request_id"]),

@@ -203,7 +203,8 @@ FOR SHARE OF c
 
 HIGH_CANDIDATES_LOCKED = f"""
 SELECT {_CANDIDATE_COLUMNS}, t.ctid AS row_ref, t.dispatch_priority, t.dispatch_lane, t.trigger_source,
-       t.collect_request_id, t.question_id, t.enqueued_at AS enqueued_ts, t.brand_id, t.business_date
+       t.collect_request_id, t.question_id, t.enqueued_at AS enqueued_ts, t.brand_id, t.business_date,
+       t.next_execution_id
 FROM monitoring_collect_tasks t {ACTIVE_PROBE}
 WHERE t.dispatch_lane = 'high' AND {READY_PROBED}
 ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
@@ -245,7 +246,7 @@ FROM unnest(%(task_ids)s::bigint[]) WITH ORDINALITY AS u(id, n)
 CROSS JOIN LATERAL (
     SELECT t.ctid AS row_ref, t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane,
            t.trigger_source, t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id,
-           t.business_date, t.target_client_id
+           t.business_date, t.target_client_id, t.next_execution_id
     FROM monitoring_collect_tasks t {ACTIVE_PROBE}
     WHERE t.id = u.id AND {READY_PROBED}
     OFFSET 0
@@ -267,7 +268,8 @@ WHERE h.target_client_id = ANY(%(clients)s::uuid[]) AND h.status = 'pending' AND
 
 COUNT_ATTEMPTS = """
 UPDATE monitoring_collect_tasks t
-SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), updated_at = now()
+SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), next_execution_id = NULL,
+    updated_at = now()
 WHERE t.ctid = ANY(%(row_refs)s::tid[])
 """
 
@@ -388,9 +390,13 @@ WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'no
 
 # ---- observation ---------------------------------------------------------------------------------
 
+# A high task waits from when it became high work (collect-now sets dispatch_after to the click), not from when
+# the scanner first created it hours earlier: the high-lane alert must measure the click's wait.
 BACKLOG = f"""
 SELECT t.tenant_id, t.dispatch_lane AS lane, count(*) AS n,
-       extract(epoch FROM (now() - min(t.enqueued_at))) * 1000 AS oldest_ms
+       extract(epoch FROM (now() - min(CASE WHEN t.dispatch_lane = 'high'
+                                            THEN greatest(t.enqueued_at, t.dispatch_after)
+                                            ELSE t.enqueued_at END))) * 1000 AS oldest_ms
 FROM monitoring_collect_tasks t
 WHERE {READY_BACKLOG}
 GROUP BY 1, 2
@@ -417,7 +423,7 @@ GROUP BY c.id
 
 INGEST_LAG = """
 SELECT coalesce(extract(epoch FROM (now() - min(result_received_at))) * 1000, 0) AS lag_ms
-FROM desktop_tasks WHERE status = 'in_progress' AND result_received_at IS NOT NULL
+FROM desktop_tasks WHERE status IN ('in_progress', 'unknown') AND result_received_at IS NOT NULL
 """
 
 PROJECTION_LAG = """

@@ -59,6 +59,7 @@ from services.dispatch_hub.logic import (
     lease_token_epoch,
     new_lease_token,
     preempt_cancel_allowed,
+    preempt_wasted_work,
     result_digest,
     result_id_for,
 )
@@ -236,10 +237,12 @@ def current_interrupt(row: dict[str, Any], *, now: datetime) -> TaskControl:
     flags = row["control_flags"] or {}
     generation = max(int(row["interrupt_generation"]), int(flags.get("interrupt_generation", 0)))
     request = flags.get("collect_request_id")
+    replacement = flags.get("replacement_task_id")
     return TaskControl(kind=row["kind"], task_id=row["id"], target_client_id=row["target_client_id"],
                        control="interrupt_requested", reason=row["interrupt_reason"] or PREEMPT_REASON,
                        interrupt_generation=generation, updated_at=now,
-                       collect_request_id=uuid.UUID(str(request)) if request else None)
+                       collect_request_id=uuid.UUID(str(request)) if request else None,
+                       replacement_task_id=uuid.UUID(str(replacement)) if replacement else None)
 
 
 async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest) -> (
@@ -248,6 +251,7 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
         preempt_age_ms: float | None = None
+        induced_retry = False
         async with conn.transaction():
             cur = await conn.execute(q.LEASE_STATE_FOR_UPDATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
             row = _fence(await cur.fetchone(), principal, body.lease_token)
@@ -276,6 +280,8 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                                                 phase=body.execution_phase)
                     if ended is not None:
                         await yield_business_task(conn, ended.monitor_task_id)
+                        if preempt_wasted_work(body.execution_phase or row["execution_phase"]):
+                            induced_retry = True
                         request = (row["control_flags"] or {}).get("collect_request_id")
                         if request:
                             cur = await conn.execute(q.PREEMPT_REQUEST_AGE_MS, {"request_id": request,
@@ -303,6 +309,8 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, row["ai_platform_id"])
             ctx.safe_points.observe(platform, float(body.safe_point_interval_ms))
+    if induced_retry:
+        metrics.collect_now_preempt_induced_retry_count.inc()
     if body.reason == PREEMPT_REASON:
         metrics.monitor_preempt_success_count.inc()
         if preempt_age_ms is not None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from libs.auth import hash_token
+from libs.contracts.common import NOT_STARTED_PHASES
 
 LEASE_TOKEN_PREFIX = "lt1"
 PREEMPT_REASON = "collect_now_preempt"
@@ -152,6 +153,12 @@ def preempt_cancel_allowed(control_flags: dict[str, object] | None) -> bool:
     """A cancel that says `collect_now_preempt` yields the business task without counting an attempt, so it is
     honoured only for an interrupt the server requested (otherwise a client could skip retry accounting)."""
     return bool((control_flags or {}).get("interrupt_requested"))
+
+
+def preempt_wasted_work(phase: str | None) -> bool:
+    """A yield at a safe point past NAVIGATING threw away started work: the scheduled task runs again because of
+    the preemption (collect_now_preempt_induced_retry_count). Before that nothing had really started."""
+    return phase is not None and phase not in NOT_STARTED_PHASES
 
 
 # ---- rate limits ----------------------------------------------------------------------------------

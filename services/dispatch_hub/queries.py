@@ -87,7 +87,7 @@ LEASE_STATE = """
 SELECT d.id, d.target_client_id, d.status, d.lease_epoch, d.lease_token_hash, d.interrupt_generation,
        d.control_flags, d.monitor_task_id, d.tenant_id, d.workspace_id, d.ai_platform_id, d.lane, d.kind,
        d.collect_request_id, d.brand_id, d.question_id, d.business_date, d.interrupt_reason,
-       d.result_digest, d.result_received_at
+       d.result_digest, d.result_received_at, d.execution_phase
 FROM desktop_tasks d
 WHERE d.id = %(task_id)s AND d.tenant_id = %(tenant_id)s
 """

@@ -43,7 +43,7 @@ async def test_backlog_counts_ready_tasks_only(pool: AsyncConnectionPool[Conn]) 
         client = first["clients"][0]["client_id"]
         await _pending(conn, first, platform, 0, age_s=600)
         await _pending(conn, first, platform, 1, lane="normal_boosted")
-        await _pending(conn, first, platform, 2, lane="high", age_s=30)
+        await _pending(conn, first, platform, 2, lane="high", age_s=30, due_in_s=-30)  # promoted 30 s ago
         await _pending(conn, first, platform, 3, owner="legacy")  # another execution path
         await _pending(conn, first, platform, 4, due_in_s=3600)  # not due yet
         await dispatch_execution(conn, tenant=first, platform_id=platform, client_id=client, question_index=5)
@@ -53,6 +53,17 @@ async def test_backlog_counts_ready_tasks_only(pool: AsyncConnectionPool[Conn]) 
     assert (backlog.normal, backlog.high, backlog.retry) == (3, 1, 0)
     assert backlog.tenant_normal == {first["tenant_id"]: 2, second["tenant_id"]: 1}
     assert 25_000 < backlog.high_oldest_ms < 60_000
+
+
+async def test_a_promoted_task_ages_in_the_high_lane_from_its_promotion(pool: AsyncConnectionPool[Conn]) -> None:
+    """A scheduled task created two hours ago and promoted by a click 10 s ago has waited 10 s as high work."""
+    async with pool.connection() as conn:
+        seed = await seed_demo(conn, tenants=1, questions=1, clients=1, platforms=("openai",), due=False)
+        platform = seed["platforms"][0]["ai_platform_id"]
+        await _pending(conn, seed["tenants"][0], platform, 0, lane="high", age_s=7200, due_in_s=-10)
+        backlog = await observe_backlog(conn)
+    assert backlog.high == 1
+    assert 9_000 < backlog.high_oldest_ms < 30_000
 
 
 async def test_whole_backlog_statements_hash_the_active_executions(pool: AsyncConnectionPool[Conn]) -> None:

@@ -186,12 +186,15 @@ async def test_preempt_cancel_generation_rules(hub: TestServer, http: aiohttp.Cl
     assert resent.task_id == ex["task_id"] and resent.collect_request_id == request_id
 
     successes = metrics.monitor_preempt_success_count.value()
+    induced = metrics.collect_now_preempt_induced_retry_count.value()
     latency_count = _hist_count("monitor_preempt_latency_ms")
     status, body = await post(http, hub, f"{path}/cancel", token, {
         "lease_token": task["lease_token"], "reason": "collect_now_preempt", "interrupt_generation": 3,
         "execution_phase": "INPUTTING", "safe_point_interval_ms": 380})
     assert (status, body) == (200, {"status": "aborted"})
     assert metrics.monitor_preempt_success_count.value() == successes + 1
+    # INPUTTING: started work was thrown away, so the scheduled task runs again because of the preemption.
+    assert metrics.collect_now_preempt_induced_retry_count.value() == induced + 1
     assert _hist_count("monitor_preempt_latency_ms") == latency_count + 1
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT status, interrupt_reason FROM desktop_tasks WHERE id = %s", (ex["task_id"],))

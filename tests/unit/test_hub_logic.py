@@ -125,3 +125,11 @@ def test_a_preempt_cancel_needs_a_requested_interrupt() -> None:
     assert not preempt_cancel_allowed(None) and not preempt_cancel_allowed({})
     assert not preempt_cancel_allowed({"interrupt_requested": False})
     assert preempt_cancel_allowed({"interrupt_requested": True, "interrupt_generation": 2})
+
+
+def test_a_yield_wastes_work_only_past_navigating() -> None:
+    from services.dispatch_hub.logic import preempt_wasted_work
+
+    assert not preempt_wasted_work(None)
+    assert not preempt_wasted_work("PREPARING") and not preempt_wasted_work("NAVIGATING")
+    assert preempt_wasted_work("AUTHENTICATING") and preempt_wasted_work("WAITING")
