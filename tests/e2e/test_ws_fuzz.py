@@ -304,7 +304,6 @@ async def _newer(pool: AsyncConnectionPool[Conn], client_id: str, than: datetime
     return await _heartbeat_at(pool, client_id) > than
 
 
-
 def test_the_cases_are_distinct_and_fit_the_limit() -> None:
     whats = [c[0] for c in TEXT_CASES] + [c[0] for c in BINARY_CASES] + [c[0] for c in OVER_LIMIT_CASES]
     assert len(whats) == len(set(whats))
