@@ -54,7 +54,7 @@ NORMAL_LANES: frozenset[str] = frozenset({"normal", "normal_boosted"})
 RejectReason = Literal[
     "cluster_budget", "tenant_budget", "client_concurrency", "client_queue_depth", "platform_concurrency",
     "no_eligible_client", "client_has_high", "client_interrupt_overdue", "lane_paused", "auto_slowdown",
-    "platform_paused", "retry_waits_for_low_water",
+    "platform_paused", "retry_waits_for_low_water", "platform_unhealthy", "tenant_platform_paused",
 ]
 # Reasons in decision-tree order (the seed's five), then the lane rules.
 TREE_REASONS: tuple[RejectReason, ...] = (
@@ -73,6 +73,9 @@ REMEDY: dict[str, str] = {
     "auto_slowdown": "waits until ingest/projection lag and database write health recover",
     "platform_paused": "waits until an operator resumes the platform",
     "retry_waits_for_low_water": "retry lane waits until high and normal backlogs are low",
+    "platform_unhealthy": "waits until the client reports its login on the platform working (or another client)",
+    "tenant_platform_paused": "waits until a client of the tenant reports the platform's login working, or an "
+                              "operator lifts the pause",
 }
 
 
@@ -106,6 +109,8 @@ class ClientState:
     # An interrupt on this client passed its platform's soft timeout (no new normal to it).
     interrupt_overdue: bool = False
     interrupt_generation: int = 0
+    # Platforms whose login the client reports broken (libs/domain/platform_health.py): no scheduled work of them.
+    blocked_platforms: frozenset[int] = frozenset()
 
     @property
     def load(self) -> int:
@@ -146,6 +151,8 @@ class Ledger:
     # Per-platform limits (platform_settings.max_concurrent); missing -> default_platform_limit.
     platform_limit: dict[int, int] = field(default_factory=dict)
     paused_platforms: frozenset[int] = frozenset()
+    # (tenant, platform) pairs whose scheduled work is held (platform-health pause; high still goes).
+    paused_pairs: frozenset[tuple[int, int]] = frozenset()
     default_platform_limit: int = 1
 
     def platform_room(self, tenant_id: int, platform_id: int) -> int:
@@ -210,6 +217,8 @@ def client_reject_reason(task: Candidate, client: ClientState) -> RejectReason |
             return "client_has_high"
         if client.interrupt_overdue:
             return "client_interrupt_overdue"
+        if task.ai_platform_id in client.blocked_platforms:
+            return "platform_unhealthy"
     return None
 
 
@@ -217,6 +226,8 @@ def platform_reject_reason(task: Candidate, ledger: Ledger) -> RejectReason | No
     """Tree step 5: active executions of the tenant's platform account across all its clients."""
     if task.ai_platform_id in ledger.paused_platforms:
         return "platform_paused"
+    if task.lane != "high" and (task.tenant_id, task.ai_platform_id) in ledger.paused_pairs:
+        return "tenant_platform_paused"
     if ledger.platform_room(task.tenant_id, task.ai_platform_id) <= 0:
         return "platform_concurrency"
     return None

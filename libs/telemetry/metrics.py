@@ -37,6 +37,7 @@ LEADER_OWNED: dict[str, str] = {
     "tenant_monitor_normal_backlog": "dispatch-coordinator",
     "dispatch_auto_slowdown_signal": "dispatch-coordinator",
     "dispatch_auto_slowdown_active": "dispatch-coordinator",
+    "monitor_tenant_platform_paused": "dispatch-coordinator",
     "reconciler_migration_stalled_ready_tasks": "reconciler",
     "reconciler_migration_orphan_tasks": "reconciler",
 }
@@ -199,6 +200,10 @@ outbox_depth = Gauge("outbox_depth", "Outbox rows by status.", ["status"])
 outbox_oldest_pending_age_ms = Gauge("outbox_oldest_pending_age_ms", "Age of the oldest unpublished row (ms).")
 
 # ---- WebSocket / hub --------------------------------------------------------------------------
+monitor_tenant_platform_paused = Gauge(
+    "monitor_tenant_platform_paused",
+    "1 while a tenant's scheduled work of a platform is held: every eligible client reports its login broken "
+    "(source=health) or an operator paused it (source=operator).", ["tenant_id", "platform", "source"])
 desktop_websocket_connections = Gauge(
     "desktop_websocket_connections", "Open desktop WebSocket connections on this hub instance.")
 # RED metrics of every HTTP API (and WebSocket upgrades), by route template: libs/http.py's middleware.

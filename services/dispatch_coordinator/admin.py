@@ -12,6 +12,7 @@ from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
 from libs.dispatch_settings import (
     CEILINGS,
+    DispatchSettings,
     SettingError,
     as_dict,
     check_ceiling,
@@ -21,6 +22,7 @@ from libs.dispatch_settings import (
     set_setting,
 )
 from libs.domain.dispatch import window_start
+from libs.domain.platform_health import OverrideMode
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
@@ -37,6 +39,15 @@ SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) 
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE %(code)s::text IS NULL OR p.code = %(code)s
 ORDER BY p.id
+"""
+_HEALTH_OVERRIDES = "SELECT tenant_id, ai_platform_id, mode, reason, set_at FROM platform_health_overrides"
+_SET_HEALTH_OVERRIDE = """
+INSERT INTO platform_health_overrides (tenant_id, ai_platform_id, mode, reason)
+VALUES (%(tenant_id)s, %(platform_id)s, %(mode)s, %(reason)s)
+ON CONFLICT (tenant_id, ai_platform_id) DO UPDATE SET mode = EXCLUDED.mode, reason = EXCLUDED.reason, set_at = now()
+"""
+_CLEAR_HEALTH_OVERRIDE = """
+DELETE FROM platform_health_overrides WHERE tenant_id = %(tenant_id)s AND ai_platform_id = %(platform_id)s
 """
 _SET_CLIENT_LIMITS = """
 UPDATE desktop_clients
@@ -209,6 +220,45 @@ async def emergency_rollback(conn: Conn, *, force_in_flight: bool) -> dict[str, 
             "forced": force_in_flight}
 
 
+async def platform_health(conn: Conn, settings: DispatchSettings) -> list[dict[str, Any]]:
+    """Per tenant and platform with a blocked client or an override: who blocks it, and whether (and why) the
+    tenant's scheduled work of it is held (libs/domain/platform_health.py)."""
+    from services.dispatch_coordinator.dispatcher import read_snapshot
+
+    snap = await read_snapshot(conn, settings)
+    cur = await conn.execute(_HEALTH_OVERRIDES)
+    overrides = {(r["tenant_id"], r["ai_platform_id"]): dict(r) for r in await cur.fetchall()}
+    blocked: dict[tuple[int, int], int] = {}
+    online: dict[int, int] = {}
+    for client in snap.clients:
+        online[client.tenant_id] = online.get(client.tenant_id, 0) + 1
+        for platform_id in client.blocked_platforms:
+            blocked[(client.tenant_id, platform_id)] = blocked.get((client.tenant_id, platform_id), 0) + 1
+    pairs = sorted(set(blocked) | set(overrides) | set(snap.platform_pauses))
+    return [{"tenant_id": tenant, "platform": snap.platform_codes.get(platform, str(platform)),
+             "clients_blocking": blocked.get((tenant, platform), 0), "clients_eligible": online.get(tenant, 0),
+             "paused": snap.platform_pauses.get((tenant, platform)),
+             "override": overrides.get((tenant, platform), {}).get("mode"),
+             "override_reason": overrides.get((tenant, platform), {}).get("reason")}
+            for tenant, platform in pairs]
+
+
+async def set_health_override(conn: Conn, code: str, tenant_id: int, mode: OverrideMode | None,
+                              reason: str = "") -> dict[str, Any]:
+    """`monitorctl platform health-override`: pause, ignore reported health, or clear (mode None)."""
+    async with conn.transaction():
+        cur = await conn.execute("SELECT id FROM ai_platforms WHERE code = %(code)s", {"code": code})
+        platform = await cur.fetchone()
+        if platform is None:
+            raise AdminError(f"no platform with code {code!r}")
+        cur = await conn.execute("SELECT 1 FROM tenants WHERE id = %(id)s", {"id": tenant_id})
+        if await cur.fetchone() is None:
+            raise AdminError(f"no tenant {tenant_id}")
+        params = {"tenant_id": tenant_id, "platform_id": platform["id"], "mode": mode, "reason": reason}
+        await conn.execute(_SET_HEALTH_OVERRIDE if mode else _CLEAR_HEALTH_OVERRIDE, params)
+    return {"tenant_id": tenant_id, "platform": code, "override": mode, "reason": reason}
+
+
 async def status(conn: Conn) -> dict[str, Any]:
     """Lane backlogs, active executions, clients online, outbox depth and dead letters, coordinator state."""
     settings = await load_settings(conn)
@@ -228,6 +278,7 @@ async def status(conn: Conn) -> dict[str, Any]:
     used = [dict(r) for r in await cur.fetchall()]
     state = await read_coordinator_state(conn)
     return {
+        "platform_health": await platform_health(conn, settings),
         "lanes": lanes,
         "executions": executions,
         "clients": clients,

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 import psycopg
+from opentelemetry.trace import Span
 from psycopg import AsyncCursor
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
@@ -44,12 +45,13 @@ from libs.domain.dispatch import (
     window_start,
 )
 from libs.domain.lanes import lane_weight
+from libs.domain.platform_health import ClientHealth, OverrideMode, PauseSource, blocked_platforms, paused_pairs
 from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
-from libs.telemetry import metrics
+from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
 
 log = logging.getLogger("dispatch.pass")
@@ -102,6 +104,8 @@ class Snapshot:
     ledger: Ledger
     clients: list[ClientState]
     platform_codes: dict[int, str] = field(default_factory=dict)
+    # (tenant, platform) -> why its scheduled work is held (platform-health pause).
+    platform_pauses: dict[tuple[int, int], PauseSource] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -143,23 +147,34 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
     window = max(1, settings.budget_window_seconds)
     start = window_start(now, window)
     ledger = Ledger()
-    async with conn.pipeline():  # one round trip for the four reads
+    async with conn.pipeline():  # one round trip for the five reads
         budget = await conn.execute(q.BUDGET_USED, {"window_start": start, "window_end": start + window})
         platforms = await conn.execute(q.PLATFORM_SETTINGS)
         active = await conn.execute(q.PLATFORM_ACTIVE)
         loads = await conn.execute(CLIENTS_SQL, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+        overrides_cur = await conn.execute(q.PLATFORM_HEALTH_OVERRIDES)
         _fold_budget(ledger, await budget.fetchall())
         codes = _fold_platforms(ledger, await platforms.fetchall())
         ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"] for r in await active.fetchall()}
-        clients = [
-            ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
-                        max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
-                        in_progress=r["in_progress"], queued=r["queued"], pending_high=r["pending_high"],
-                        interrupt_overdue=r["interrupt_overdue"], interrupt_generation=r["interrupt_generation"])
-            for r in await loads.fetchall()
-        ]
+        overrides: dict[tuple[int, int], OverrideMode] = {
+            (r["tenant_id"], r["ai_platform_id"]): r["mode"] for r in await overrides_cur.fetchall()}
+        ids_by_code = {code: pid for pid, code in codes.items()}
+        clients = [_client_state(r, ids_by_code, overrides) for r in await loads.fetchall()]
+    pauses = paused_pairs((ClientHealth(c.id, c.tenant_id, c.blocked_platforms) for c in clients), overrides,
+                          codes)
+    ledger.paused_pairs = frozenset(pauses)
     return Snapshot(now=now, window_start=start, window_seconds=window, ledger=ledger, clients=clients,
-                    platform_codes=codes)
+                    platform_codes=codes, platform_pauses=pauses)
+
+
+def _client_state(r: dict[str, Any], ids_by_code: dict[str, int],
+                  overrides: dict[tuple[int, int], OverrideMode]) -> ClientState:
+    ignored = [pid for (tenant, pid), mode in overrides.items() if tenant == r["tenant_id"] and mode == "ignore_health"]
+    return ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
+                       max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
+                       in_progress=r["in_progress"], queued=r["queued"], pending_high=r["pending_high"],
+                       interrupt_overdue=r["interrupt_overdue"], interrupt_generation=r["interrupt_generation"],
+                       blocked_platforms=blocked_platforms(r["platform_health"], ids_by_code, ignored=ignored))
 
 
 def _fold_budget(ledger: Ledger, rows: list[dict[str, Any]]) -> None:
@@ -244,6 +259,7 @@ class Dispatcher:
         # written yet then yields to it (collect-now latency must not wait for a batch of normal writes).
         self.high_waiting: Callable[[], bool] | None = None
         self._preempted_in_a_row = 0
+        self._pause_labels: set[tuple[str, str, str]] = set()  # monitor_tenant_platform_paused series
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
@@ -297,6 +313,10 @@ class Dispatcher:
             tenant_room = limits.tenant_per_window - snap.ledger.tenant_used.get(tenant_id, 0)
             if platform_id in snap.ledger.paused_platforms:
                 continue
+            if (tenant_id, platform_id) in snap.ledger.paused_pairs:
+                if blocked is not None:
+                    blocked["tenant_platform_paused"] += 1
+                continue
             if client_room.get(tenant_id, 0) <= 0:
                 if blocked is not None and tenant_room > 0 and room > 0:
                     blocked[refused.get(tenant_id, "no_eligible_client")] += 1
@@ -331,6 +351,22 @@ class Dispatcher:
             start = end
         return found
 
+    def _report_pauses(self, snap: Snapshot) -> None:
+        """`monitor_tenant_platform_paused`, and one log line when a pause starts or ends."""
+        current = {(str(t), snap.platform_codes.get(p, str(p)), source): (t, p)
+                   for (t, p), source in snap.platform_pauses.items()}
+        for labels in self._pause_labels - set(current):
+            metrics.monitor_tenant_platform_paused.remove(*labels)
+            log.info("platform-health pause ended", extra={"tenant_id": labels[0], "platform": labels[1],
+                                                           "source": labels[2]})
+        for labels in set(current) - self._pause_labels:
+            log.warning("platform-health pause: the tenant's scheduled work of this platform is held",
+                        extra={"tenant_id": labels[0], "platform": labels[1], "source": labels[2]})
+        for labels in current:
+            metrics.monitor_tenant_platform_paused.labels(*labels).set(1)
+        self._pause_labels = set(current)
+
+    @tracing.traced("dispatch.high_pass", root=True)
     async def run_high_pass(self, settings: DispatchSettings) -> PassOutcome:
         """Dispatch ready HIGH work only, in its own short transaction (collect-now latency).
 
@@ -370,6 +406,7 @@ class Dispatcher:
                         return outcome
                     snapshot = _high_snapshot(stamp, window)
                     outcome.considered = len(candidates)
+                    tracing.set_attributes(considered=outcome.considered)
                     plan = plan_pass({"high": candidates}, snapshot.clients, snapshot.ledger, limits,
                                      last_served=self.last_served, max_dispatches=batch,
                                      normal_has_work=bool(self.pairs))
@@ -388,6 +425,7 @@ class Dispatcher:
                 if written is not None:
                     await self._after_commit(written)
                     outcome.dispatched = outcome.high_dispatched = len(written.rows)
+                    tracing.set_attributes(dispatched=outcome.dispatched)
             except CONFLICT_ERRORS as exc:
                 self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
                                         if write_started else 0.0, True)
@@ -400,6 +438,7 @@ class Dispatcher:
         self.last_served.update(plan.last_served)
         return outcome
 
+    @tracing.traced("dispatch.full_pass", root=True)
     async def run_pass(self, settings: DispatchSettings) -> PassOutcome:
         for _ in range(3):
             try:
@@ -420,6 +459,7 @@ class Dispatcher:
                 async with pipelined_transaction(conn):
                     await conn.execute(q.PASS_LOCK)
                     snap = await read_snapshot(conn, settings)
+                    self._report_pauses(snap)
                     self._yield_to_high()
                     blocked: Counter[str] = Counter()
                     candidates = await self._candidates(conn, snap, limits, settings, blocked)
@@ -444,6 +484,7 @@ class Dispatcher:
                 if written is not None:
                     await self._after_commit(written)
                     outcome.dispatched = len(written.rows)
+                    tracing.set_attributes(considered=outcome.considered, dispatched=outcome.dispatched)
                     outcome.high_dispatched = sum(1 for r in written.rows if r["lane"] == "high")
             except Preempted:
                 outcome.preempted = True
@@ -531,6 +572,7 @@ class Dispatcher:
         """Queue the writes of claimed rows in the caller's pipeline: executions, attempts, outbox events
         (NOTIFY when high work is among them), collect-request counters. Nothing is read back here: the
         caller commits and then calls `_after_commit`."""
+        clicks = _click_spans(rows)
         events = [
             OutboxEvent(
                 exchange=DISPATCH, routing_key=routing_key(r["lane"], r["target_client_id"]),
@@ -542,7 +584,8 @@ class Dispatcher:
                                       monitor_task_id=r["monitor_task_id"],
                                       collect_request_id=r["collect_request_id"]),
                 ordering_key=f"client:{r['target_client_id']}", tenant_id=r["tenant_id"],
-                priority=1 if r["lane"] == "high" else 0)  # high: claimed before older normal events
+                priority=1 if r["lane"] == "high" else 0,  # high: claimed before older normal events
+                traceparent=tracing.traceparent_of(clicks.get(r["collect_traceparent"] or "")))
             for r in rows
         ]
         requests: dict[uuid.UUID, int] = defaultdict(int)
@@ -568,7 +611,7 @@ class Dispatcher:
         if requests:
             cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests),
                                                              "counts": list(requests.values())})
-        return _Written(rows, cur, own)
+        return _Written(rows, cur, own, list(clicks.values()))
 
     async def _relay_committed(self, written: _Written) -> None:
         """After the commit: publish the events this pass claimed for itself. The pass gives the relay a head
@@ -599,6 +642,8 @@ class Dispatcher:
     async def _after_commit(self, written: _Written) -> None:
         """Once the writes committed: start publishing what this pass claimed for itself, then first-dispatch
         latencies, metrics, logs."""
+        for span in written.click_spans:
+            span.end()
         await self._relay_committed(written)
         if written.requests is not None:
             for r in await written.requests.fetchall():
@@ -619,6 +664,36 @@ class _Written:
     rows: list[dict[str, Any]]
     requests: AsyncCursor[dict[str, Any]] | None
     own: OwnClaim | None = None
+    click_spans: list[Span] = field(default_factory=list)
+
+
+def _click_spans(rows: list[dict[str, Any]]) -> dict[str, Span]:
+    """Tracing: a span per collect-now these rows serve, keyed by the click's traceparent (stored in its request
+    row: a NOTIFY, which woke the pass, carries no context). Each is a child of the click's span and links to
+    the pass's (which links back): one pass may serve several clicks, each click's trace goes on through its
+    own span, whose context the click's TaskAvailable events carry. Ended once the pass committed (a pass that
+    rolls back exports none). Empty while tracing is off."""
+    if not tracing.enabled():
+        return {}
+    served: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r["collect_traceparent"]:
+            served[r["collect_traceparent"]].append(r)
+    spans: dict[str, Span] = {}
+    for traceparent, click_rows in served.items():
+        first = click_rows[0]
+        click = tracing.context_from_traceparent(traceparent)
+        span = tracing.start_span("dispatch.collect_request", parent=click, links=[tracing.current_link()],
+                                  attributes={
+                                      tracing.COLLECT_REQUEST_ID: first["collect_request_id"],
+                                      tracing.TENANT_ID: first["tenant_id"],
+                                      tracing.CLIENT_ID: first["target_client_id"],
+                                      tracing.TASK_ID: first["id"] if len(click_rows) == 1 else None,
+                                      "monitoring.tasks": len(click_rows)})
+        if span is not None:
+            spans[traceparent] = span
+            tracing.add_link(click)
+    return spans
 
 
 def execution_source(lane: str, trigger_source: str, collect_request_id: uuid.UUID | None) -> str:
@@ -665,6 +740,7 @@ def _still_dispatchable(decision: Decision, task: dict[str, Any] | None,
         "enqueued_at": task["enqueued_at"], "brand_id": task["brand_id"], "question_id": task["question_id"],
         "ai_platform_id": task["ai_platform_id"], "business_date": task["business_date"],
         "collect_request_id": task["collect_request_id"],
+        "collect_traceparent": task.get("collect_traceparent"),
     }
 
 

@@ -78,7 +78,7 @@ WITH load AS MATERIALIZED (
       AND t.execution_owner = 'desktop_tasks' AND act.busy IS NULL
 )
 SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-       coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued,
+       c.platform_health, coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued,
        coalesce(a.queued_high, 0) > 0 OR h.client_id IS NOT NULL AS pending_high,
        coalesce(a.interrupt_overdue, false) AS interrupt_overdue
 FROM desktop_clients c
@@ -86,6 +86,9 @@ LEFT JOIN load a ON a.client_id = c.id
 LEFT JOIN high h ON h.client_id = c.id
 WHERE {eligible}
 """
+
+# An operator's per-(tenant, platform) override of the platform-health pause: 'pause' or 'ignore_health'.
+PLATFORM_HEALTH_OVERRIDES = "SELECT tenant_id, ai_platform_id, mode FROM platform_health_overrides"
 
 PLATFORM_ACTIVE = """
 SELECT tenant_id, ai_platform_id, count(*) AS n
@@ -180,6 +183,12 @@ _CANDIDATE_COLUMNS = (
     "extract(epoch FROM t.enqueued_at)::float8 AS enqueued_at, t.target_client_id"
 )
 
+# The trace context of the collect-now a task was promoted by (tracing: the dispatch joins the click's trace).
+# One primary-key probe, and only for tasks of a request.
+_CLICK_TRACEPARENT = """CASE WHEN t.collect_request_id IS NOT NULL THEN (
+    SELECT r.traceparent FROM monitoring_collect_requests r WHERE r.id = t.collect_request_id) END
+       AS collect_traceparent"""
+
 HIGH_CANDIDATES = f"""
 SELECT {_CANDIDATE_COLUMNS}
 FROM monitoring_collect_tasks t {ACTIVE_PROBE}
@@ -204,7 +213,7 @@ FOR SHARE OF c
 HIGH_CANDIDATES_LOCKED = f"""
 SELECT {_CANDIDATE_COLUMNS}, t.ctid AS row_ref, t.dispatch_priority, t.dispatch_lane, t.trigger_source,
        t.collect_request_id, t.question_id, t.enqueued_at AS enqueued_ts, t.brand_id, t.business_date,
-       t.next_execution_id
+       t.next_execution_id, {_CLICK_TRACEPARENT}
 FROM monitoring_collect_tasks t {ACTIVE_PROBE}
 WHERE t.dispatch_lane = 'high' AND {READY_PROBED}
 ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
@@ -246,7 +255,7 @@ FROM unnest(%(task_ids)s::bigint[]) WITH ORDINALITY AS u(id, n)
 CROSS JOIN LATERAL (
     SELECT t.ctid AS row_ref, t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane,
            t.trigger_source, t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id,
-           t.business_date, t.target_client_id, t.next_execution_id
+           t.business_date, t.target_client_id, t.next_execution_id, {_CLICK_TRACEPARENT}
     FROM monitoring_collect_tasks t {ACTIVE_PROBE}
     WHERE t.id = u.id AND {READY_PROBED}
     OFFSET 0

@@ -47,6 +47,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group.add_argument("--pause", dest="paused", action="store_const", const=True, help="stop dispatching to it")
     group.add_argument("--resume", dest="paused", action="store_const", const=False, help="dispatch to it again")
     pset.set_defaults(func=platform_set)
+    pho = plat_inner.add_parser("health-override", help="override the platform-health pause of one tenant's "
+                                                        "platform (its clients' reported login state)")
+    pho.add_argument("code")
+    pho.add_argument("--tenant", type=int, required=True)
+    mode = pho.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--pause", dest="mode", action="store_const", const="pause",
+                      help="hold the tenant's scheduled work of this platform, whatever its clients report")
+    mode.add_argument("--ignore-health", dest="mode", action="store_const", const="ignore_health",
+                      help="dispatch it whatever its clients report (a stale report)")
+    mode.add_argument("--clear", dest="mode", action="store_const", const="clear",
+                      help="let the clients' reports decide again")
+    pho.add_argument("--reason", default="", help="why (shown by `monitorctl status`)")
+    pho.set_defaults(func=platform_health_override)
 
     rollout = sub.add_parser("rollout", help="Phase 2 rollout percentage (seed §16.2.2)")
     roll_inner = rollout.add_subparsers(dest="rollout_cmd", required=True)
@@ -125,6 +138,16 @@ async def platform_set(args: argparse.Namespace, ctx: Context) -> int:
         if type(exc).__name__ == "CheckViolation":
             return fail(f"rejected by the database: {str(exc).splitlines()[0]}")
         raise
+    ctx.emit(row)
+    return 0
+
+
+async def platform_health_override(args: argparse.Namespace, ctx: Context) -> int:
+    mode = None if args.mode == "clear" else args.mode
+    try:
+        row = await admin.set_health_override(await ctx.conn(), args.code, args.tenant, mode, args.reason)
+    except admin.AdminError as exc:
+        return fail(str(exc))
     ctx.emit(row)
     return 0
 
