@@ -20,6 +20,7 @@ from libs.db.pool import Conn
 from libs.http import add_readiness_check
 from libs.telemetry import metrics
 from libs.telemetry.logging import configure_logging
+from libs.telemetry.tracing import configure_tracing
 
 log = logging.getLogger("runtime")
 
@@ -120,6 +121,7 @@ def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
     loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
+        configure_tracing(service, instance_id=settings.instance_id)  # before build: its apps get server spans
         app = build(settings)
     except ConfigError as exc:
         # Fail closed (a missing or placeholder secret): one clear line, a non-zero exit, no traceback.

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from opentelemetry import trace
+
 # Attributes a LogRecord always has; anything else passed through `extra=` becomes a field.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
 _REDACT = {"token", "lease_token", "authorization", "answer_text", "password", "secret"}
@@ -31,6 +33,10 @@ class JsonFormatter(logging.Formatter):
             if key in _STANDARD or key.startswith("_"):
                 continue
             event[key] = "[redacted]" if key in _REDACT else value
+        span_context = trace.get_current_span().get_span_context()
+        if span_context.is_valid:  # the log line of a traced step names its trace and span
+            event.setdefault("trace_id", format(span_context.trace_id, "032x"))
+            event.setdefault("span_id", format(span_context.span_id, "016x"))
         if record.exc_info:
             event["exc"] = self.formatException(record.exc_info)
         return json.dumps(event, default=str, ensure_ascii=False)

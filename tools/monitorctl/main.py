@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "cmd_seed",
     "cmd_reconcile",
     "cmd_dispatch",
+    "cmd_trace",
 )
 
 
