@@ -37,7 +37,7 @@ from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
 from libs.outbox import queries as q
 from libs.outbox.state import FailureKind, after_failure
 from libs.outbox.writer import NOTIFY_CHANNEL, PRIORITY_WAKE
-from libs.telemetry import metrics
+from libs.telemetry import metrics, tracing
 
 log = logging.getLogger("outbox.relay")
 
@@ -130,13 +130,27 @@ class AmqpPublisher:
         return self.ready()
 
     async def publish(self, event: ClaimedEvent) -> None:
+        if not tracing.enabled():
+            return await self._publish(event, event.traceparent)
+        # A producer span per event, a child of the context its writer stored in the row; its own traceparent
+        # goes in the AMQP headers, so the consumer's spans are its children.
+        with tracing.span("outbox.publish", kind=tracing.SpanKind.PRODUCER,
+                          parent=tracing.context_from_traceparent(event.traceparent), attributes={
+                              "messaging.system": "rabbitmq", "messaging.destination.name": event.exchange,
+                              "messaging.rabbitmq.destination.routing_key": event.routing_key,
+                              "messaging.message.id": str(event.event_id), "monitoring.message_type":
+                              event.message_type, "monitoring.outbox_id": event.id,
+                              "monitoring.attempt": event.attempts, tracing.TENANT_ID: event.tenant_id}) as span:
+            return await self._publish(event, tracing.traceparent_of(span) or event.traceparent)
+
+    async def _publish(self, event: ClaimedEvent, traceparent: str | None) -> None:
         validate_payload(event)
         exchange = self._exchanges.get(event.exchange)
         if exchange is None or not self.ready():
             raise PublishError("transient", "broker connection is not ready")
         headers: dict[str, Any] = {k: v for k, v in event.headers.items() if isinstance(v, str | int | bool)}
-        if event.traceparent:
-            headers["traceparent"] = event.traceparent
+        if traceparent:
+            headers["traceparent"] = traceparent
         headers["x-outbox-id"] = event.id
         # The AMQP properties are built directly (not through aio_pika.Message): the pump is CPU-bound in
         # Python at a few thousand events/s, and this is its per-event hot path.

@@ -92,17 +92,20 @@ class OutboxEvent(msgspec.Struct, frozen=True, kw_only=True):
     ordering_key: str | None = None
     tenant_id: int | None = None
     priority: int = 0
+    # This event's own trace context (one writer's batch may serve several traces); default: the current span's.
+    traceparent: str | None = None
 
 
 _INSERT_MANY = """
 INSERT INTO outbox (event_id, exchange, routing_key, message_type, payload, ordering_key, tenant_id, traceparent,
                     max_attempts, priority)
 SELECT e.event_id, e.exchange, e.routing_key, e.message_type, e.payload, e.ordering_key, e.tenant_id,
-       %(traceparent)s, %(max_attempts)s, e.priority
+       coalesce(e.traceparent, %(traceparent)s), %(max_attempts)s, e.priority
 FROM unnest(%(event_ids)s::uuid[], %(exchanges)s::text[], %(routing_keys)s::text[], %(message_types)s::text[],
-            %(payloads)s::bytea[], %(ordering_keys)s::text[], %(tenant_ids)s::bigint[], %(priorities)s::smallint[])
+            %(payloads)s::bytea[], %(ordering_keys)s::text[], %(tenant_ids)s::bigint[], %(priorities)s::smallint[],
+            %(traceparents)s::text[])
      WITH ORDINALITY AS e(event_id, exchange, routing_key, message_type, payload, ordering_key, tenant_id, priority,
-                          n)
+                          traceparent, n)
 ORDER BY e.n
 """
 # Keys locked in one statement, in a fixed order, so two bulk writers can never deadlock on them.
@@ -146,6 +149,8 @@ async def enqueue_many(conn: Conn, events: list[OutboxEvent], *, notify: bool = 
         "ordering_keys": [e.ordering_key for e in events],
         "tenant_ids": [e.tenant_id for e in events],
         "priorities": [e.priority if priority is None else priority for e in events],
+        # NULL (no array) unless an event has its own: unnest pads it with NULLs, the default applies.
+        "traceparents": [e.traceparent for e in events] if any(e.traceparent for e in events) else None,
         "traceparent": current_traceparent(),
         "max_attempts": max_attempts,
     })

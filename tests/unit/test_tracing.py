@@ -10,15 +10,14 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from libs.config import ConfigError
 from libs.telemetry import tracing
 from libs.telemetry.logging import JsonFormatter
+from tests.support.tracing import memory_tracing
 from tools.monitorctl.cmd_trace import traces_of_request, tree_lines
 from tools.trace_sink import records_from_request
 
@@ -76,14 +75,8 @@ def test_traceparents_are_parsed_strictly() -> None:
 
 @pytest.fixture
 def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
-    """Tracing on, into memory, without touching the process's global tracer provider."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "unit"}))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(tracing._state, "enabled", True)
-    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("unit"))
-    yield exporter
-    provider.shutdown()
+    with memory_tracing(monkeypatch, "unit") as exporter:
+        yield exporter
 
 
 def _by_name(exporter: InMemorySpanExporter) -> dict[str, ReadableSpan]:
