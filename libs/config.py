@@ -125,6 +125,8 @@ class Settings:
     # unknown ones longer (a flood of made-up tokens costs no queries).
     hub_auth_cache_s: float = 5.0
     hub_auth_negative_cache_s: float = 30.0
+    # How often a hub writes the safe-point intervals it received into the shared histogram.
+    hub_safe_point_flush_s: float = 10.0
     # ingest-shard-workers
     # Results per ingest transaction (at most) and unacked deliveries per shard channel. Measured: 200/400
     # -> ~3,700-4,200 results/s with 2 workers, 500/1000 -> ~4,200-5,000 (fewer commits and round trips).
@@ -174,7 +176,7 @@ class Settings:
             raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
                      "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
-                     "hub_auth_cache_s", "hub_auth_negative_cache_s"):
+                     "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s"):
             value = getattr(settings, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name.upper()}={value!r} must be a positive number of seconds")

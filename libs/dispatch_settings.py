@@ -69,6 +69,11 @@ class DispatchSettings:
     # Phase 2 rollout (seed §16.2.2): tenant_id % 100 < rollout_percentage -> desktop_tasks
     rollout_percentage: int = 100
     reconcile_interval_seconds: int = 300
+    # Interrupt timeouts from measured safe points (libs/domain/safe_points.py): the P95's window, how often a
+    # dynamic platform's timeouts may change (weekly), and the fewest samples that may change them.
+    safe_point_window_days: int = 7
+    interrupt_tuning_interval_seconds: int = 604_800
+    safe_point_min_samples: int = 100
     # Ceilings (seed §9.2, the circuit-breaker column): no budget or limit can be set above its ceiling, and a
     # ceiling changes only through its own command (`monitorctl budgets set-ceiling`), never by `budgets set`.
     cluster_dispatch_per_minute_ceiling: int = 500

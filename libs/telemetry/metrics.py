@@ -38,6 +38,7 @@ LEADER_OWNED: dict[str, str] = {
     "dispatch_auto_slowdown_signal": "dispatch-coordinator",
     "dispatch_auto_slowdown_active": "dispatch-coordinator",
     "monitor_tenant_platform_paused": "dispatch-coordinator",
+    "safe_point_interval_ms_p95": "reconciler",
     "reconciler_migration_stalled_ready_tasks": "reconciler",
     "reconciler_migration_orphan_tasks": "reconciler",
 }
@@ -171,7 +172,9 @@ monitor_normal_starvation_age_p99 = Gauge(
 safe_point_interval_ms = _hist(
     "safe_point_interval_ms", "Interval between desktop safe points (ms).", ["platform"])
 safe_point_interval_ms_p95 = Gauge(
-    "safe_point_interval_ms_p95", "p95 of recent safe-point intervals per platform (ms).", ["platform"])
+    "safe_point_interval_ms_p95",
+    "P95 of the safe-point intervals every hub measured per platform over safe_point_window_days (ms); "
+    "computed by the reconciler's safe_point_tuning job from the shared histogram.", ["platform"])
 monitor_dispatch_reject_by_reason_count = ExactCounter(
     "monitor_dispatch_reject_by_reason_count", "Dispatch rejections by reason.", ["reason"])
 interrupt_generation_mismatch_count = ExactCounter(

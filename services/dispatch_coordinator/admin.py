@@ -35,7 +35,9 @@ _PLATFORMS = """
 SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
        coalesce(s.interrupt_soft_timeout_ms, 15000) AS interrupt_soft_timeout_ms,
        coalesce(s.interrupt_hard_timeout_ms, 45000) AS interrupt_hard_timeout_ms, coalesce(s.paused, false) AS paused,
-       s.updated_at
+       coalesce(s.timeouts_dynamic, false) AS timeouts_dynamic, s.timeouts_tuned_at,
+       s.safe_point_p95_ms AS measured_safe_point_p95_ms, s.safe_point_samples AS measured_samples,
+       s.safe_point_measured_at AS measured_at, s.updated_at
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE %(code)s::text IS NULL OR p.code = %(code)s
 ORDER BY p.id
@@ -58,15 +60,16 @@ RETURNING id AS client_id, tenant_id, max_concurrent_monitor AS max_concurrent, 
 """
 _UPSERT_PLATFORM = """
 INSERT INTO platform_settings (ai_platform_id, max_concurrent, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms,
-                               paused, updated_at)
+                               paused, timeouts_dynamic, updated_at)
 SELECT p.id, coalesce(%(max_concurrent)s, s.max_concurrent, 1),
        coalesce(%(soft)s, s.interrupt_soft_timeout_ms, 15000), coalesce(%(hard)s, s.interrupt_hard_timeout_ms, 45000),
-       coalesce(%(paused)s, s.paused, false), now()
+       coalesce(%(paused)s, s.paused, false), coalesce(%(dynamic)s, s.timeouts_dynamic, false), now()
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE p.code = %(code)s
 ON CONFLICT (ai_platform_id) DO UPDATE
 SET max_concurrent = EXCLUDED.max_concurrent, interrupt_soft_timeout_ms = EXCLUDED.interrupt_soft_timeout_ms,
-    interrupt_hard_timeout_ms = EXCLUDED.interrupt_hard_timeout_ms, paused = EXCLUDED.paused, updated_at = now()
+    interrupt_hard_timeout_ms = EXCLUDED.interrupt_hard_timeout_ms, paused = EXCLUDED.paused,
+    timeouts_dynamic = EXCLUDED.timeouts_dynamic, updated_at = now()
 RETURNING ai_platform_id
 """
 _LANE_BACKLOG = f"""
@@ -162,7 +165,8 @@ async def get_platforms(conn: Conn, code: str | None = None) -> list[dict[str, A
 
 
 async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = None, soft_timeout_ms: int | None = None,
-                       hard_timeout_ms: int | None = None, paused: bool | None = None) -> dict[str, Any]:
+                       hard_timeout_ms: int | None = None, paused: bool | None = None,
+                       dynamic: bool | None = None) -> dict[str, Any]:
     if max_concurrent is not None and max_concurrent < 0:
         raise AdminError("--max-concurrent must be >= 0")
     if max_concurrent is not None:
@@ -176,7 +180,7 @@ async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = No
     async with conn.transaction():
         cur = await conn.execute(_UPSERT_PLATFORM, {"code": code, "max_concurrent": max_concurrent,
                                                     "soft": soft_timeout_ms, "hard": hard_timeout_ms,
-                                                    "paused": paused})
+                                                    "paused": paused, "dynamic": dynamic})
         if await cur.fetchone() is None:
             raise AdminError(f"no platform with code {code!r}")
     rows = await get_platforms(conn, code)

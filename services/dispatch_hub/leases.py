@@ -6,6 +6,8 @@ response or raises ApiError; the HTTP layer only decodes and encodes.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -39,12 +41,13 @@ from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import SettingsCache
+from libs.domain.safe_points import bucket_of
 from libs.domain.shard import shard_for
 from libs.http import ApiError
 from libs.mq.topology import DISPATCH
 from libs.outbox import enqueue
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
-from libs.telemetry import metrics
+from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
 from services.dispatch_hub.auth import ClientPrincipal
 from services.dispatch_hub.logic import (
@@ -52,7 +55,6 @@ from services.dispatch_hub.logic import (
     LeaseCheck,
     LeaseState,
     ResultPost,
-    RollingWindow,
     check_lease,
     classify_result_post,
     is_stale_generation,
@@ -102,18 +104,43 @@ class PlatformCodes:
 
 
 class SafePointStats:
-    """safe_point_interval_ms histogram plus the rolling p95 gauge per platform (seed §10.4, §10.5)."""
+    """Safe-point intervals clients report: the replica's `safe_point_interval_ms` histogram, and hourly
+    histogram rows in the database (`safe_point_histogram`), written every flush interval, from which the
+    reconciler computes each platform's P95 across every replica (libs/domain/safe_points.py)."""
 
     def __init__(self) -> None:
-        self._windows: dict[str, RollingWindow] = {}
+        self._pending: dict[tuple[int, int], int] = {}  # (ai_platform_id, bucket upper bound) -> count
+        self.flushed = 0
 
-    def observe(self, platform: str, interval_ms: float) -> None:
+    def observe(self, platform_id: int | None, platform: str, interval_ms: float) -> None:
         metrics.safe_point_interval_ms.labels(platform=platform).observe(interval_ms)
-        window = self._windows.setdefault(platform, RollingWindow())
-        window.add(interval_ms)
-        p95 = window.p95()
-        if p95 is not None:
-            metrics.safe_point_interval_ms_p95.labels(platform=platform).set(p95)
+        if platform_id is not None:
+            key = (platform_id, bucket_of(interval_ms))
+            self._pending[key] = self._pending.get(key, 0) + 1
+
+    async def flush(self, pool: AsyncConnectionPool[Conn]) -> int:
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return 0
+        rows = [{"platform_id": p, "le_ms": le, "n": n} for (p, le), n in sorted(pending.items())]
+        try:
+            async with pool.connection() as conn, conn.transaction():
+                await conn.execute(q.RECORD_SAFE_POINTS, {"rows": msgspec.json.encode(rows).decode()})
+        except Exception:
+            for key, n in pending.items():  # kept for the next flush
+                self._pending[key] = self._pending.get(key, 0) + n
+            raise
+        self.flushed += sum(pending.values())
+        return len(rows)
+
+    async def run(self, pool: AsyncConnectionPool[Conn], stop: asyncio.Event, interval_s: float) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+            try:
+                await self.flush(pool)
+            except Exception:
+                log.exception("writing safe-point intervals failed; kept for the next flush")
 
 
 @dataclass(slots=True)
@@ -146,9 +173,11 @@ def _fence(row: dict[str, Any] | None, principal: ClientPrincipal, token: str) -
 # ---- lease ------------------------------------------------------------------------------------
 
 
+@tracing.traced("hub.lease")
 async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest) -> LeaseResponse:
     """Two round trips whatever the number of tasks: the client's lease lock + its capacity + the picked rows
     (locked); then every lease, attempt, request mark and lifecycle event with the COMMIT."""
+    tracing.set_attributes(tenant_id=principal.tenant_id, client_id=principal.client_id, max_tasks=body.max_tasks)
     picked: list[tuple[dict[str, Any], int, str, AsyncCursor[dict[str, Any]]]] = []  # row, epoch, token, lease
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
@@ -190,6 +219,7 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
             platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
             lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False))))
+    tracing.set_attributes(leased=len(tasks), task_id=tasks[0].task_id if len(tasks) == 1 else None)
     for task in tasks:
         log.info("task leased", extra={"task_id": str(task.task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "lane": task.lane,
@@ -200,9 +230,12 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
 # ---- extend -----------------------------------------------------------------------------------
 
 
+@tracing.traced("hub.extend")
 async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: ExtendRequest) -> (
     ExtendResponse
 ):
+    tracing.set_attributes(tenant_id=principal.tenant_id, client_id=principal.client_id, task_id=task_id,
+                           execution_phase=body.execution_phase)
     epoch = lease_token_epoch(body.lease_token)
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
@@ -219,7 +252,7 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, row["ai_platform_id"])
-            ctx.safe_points.observe(platform, float(body.safe_point_interval_ms))
+            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms))
     flags = row["control_flags"] or {}
     interrupt = bool(flags.get("interrupt_requested", False))
     generation = int(row["interrupt_generation"])
@@ -245,9 +278,12 @@ def current_interrupt(row: dict[str, Any], *, now: datetime) -> TaskControl:
                        replacement_task_id=uuid.UUID(str(replacement)) if replacement else None)
 
 
+@tracing.traced("hub.cancel")
 async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest) -> (
     CancelResponse
 ):
+    tracing.set_attributes(tenant_id=principal.tenant_id, client_id=principal.client_id, task_id=task_id,
+                           reason=body.reason[:64], interrupt_generation=body.interrupt_generation)
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
         preempt_age_ms: float | None = None
@@ -308,7 +344,7 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             raise stale
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, row["ai_platform_id"])
-            ctx.safe_points.observe(platform, float(body.safe_point_interval_ms))
+            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms))
     if induced_retry:
         metrics.collect_now_preempt_induced_retry_count.inc()
     if body.reason == PREEMPT_REASON:
@@ -324,11 +360,14 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
 # ---- result -----------------------------------------------------------------------------------
 
 
+@tracing.traced("hub.result")
 async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: ResultRequest) -> (
     ResultResponse
 ):
     """Publish the result of a lease to its ingest shard (confirmed), once per lease: the same body posted
     again answers the same 202 and publishes nothing new; a different body on the same lease is a 409."""
+    tracing.set_attributes(tenant_id=principal.tenant_id, client_id=principal.client_id, task_id=task_id,
+                           status=body.status)
     digest = result_digest(msgspec.json.encode(body))
     async with ctx.pool.connection() as conn:
         cur = await conn.execute(q.LEASE_STATE, {"task_id": task_id, "tenant_id": principal.tenant_id})

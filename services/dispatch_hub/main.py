@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -72,6 +73,8 @@ def build(settings: Settings) -> web.Application:
         yield
         await gateway.drain()
         await gateway.heartbeats.flush()
+        with contextlib.suppress(Exception):
+            await app[CONTEXT].safe_points.flush(pool)
         await gateway.close()
         await publisher.close()
         await amqp.close()
@@ -85,6 +88,8 @@ def build(settings: Settings) -> web.Application:
     background(app, "heartbeat-writer", lambda stop: app[GATEWAY].heartbeats.run(stop))
     background(app, "websocket-pinger", lambda stop: app[GATEWAY].run_pinger(stop))
     background(app, "revocation-sweep", lambda stop: app[GATEWAY].run_revocation_sweep(stop))
+    background(app, "safe-point-flush", lambda stop: app[CONTEXT].safe_points.run(
+        app[CONTEXT].pool, stop, app[SETTINGS].hub_safe_point_flush_s))
     return app
 
 

@@ -17,6 +17,7 @@ DEFAULT_INTERVALS: dict[str, float] = {
     "interrupt_timeouts": 2.0,
     "unknown_executions": 10.0,
     "business_day_expiry": 60.0,
+    "safe_point_tuning": 60.0,
 }
 
 

@@ -25,6 +25,7 @@ from libs.demo import seed_demo
 from libs.domain.shard import shard_for
 from libs.mq.topology import Topology
 from libs.telemetry import metrics
+from services.dispatch_hub.http_api import CONTEXT
 from tests.support.desktop import dispatch_execution, insert_collect_request, request_interrupt, running_hub
 from tests.support.tcpproxy import TcpProxy
 from tests.support.wait import eventually
@@ -218,6 +219,12 @@ async def test_preempt_cancel_generation_rules(hub: TestServer, http: aiohttp.Cl
     assert (status, body["error"]) == (409, "stale_lease")
     safe_points = _hist_count("safe_point_interval_ms", platform=seed["platforms"][0]["code"])
     assert safe_points >= 2
+    # ... and into the histogram every replica shares (what the reconciler tunes timeouts from)
+    await hub.app[CONTEXT].safe_points.flush(pool)
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT le_ms, sum(n)::int AS n FROM safe_point_histogram WHERE ai_platform_id = %s "
+                                 "GROUP BY 1 ORDER BY 1", (platform,))
+        assert await cur.fetchall() == [{"le_ms": 500, "n": 2}]  # 420 and 380 ms
 
 
 async def test_cancel_for_other_reason_consumes_the_attempt(hub: TestServer, http: aiohttp.ClientSession,

@@ -55,7 +55,7 @@ def test_config_from_env_overrides_only_named_jobs() -> None:
 
 def test_registry_has_every_job_with_its_interval() -> None:
     assert list(JOBS) == ["expired_leases", "request_ttl", "offline_clients", "interrupt_timeouts",
-                          "unknown_executions", "business_day_expiry", "migration_reconcile"]
+                          "unknown_executions", "business_day_expiry", "migration_reconcile", "safe_point_tuning"]
     config = ReconcilerConfig()
     settings = DispatchSettings(reconcile_interval_seconds=300)
     for name, job in JOBS.items():

@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("lane", choices=LANES)
         p.set_defaults(func=lane_set, paused=paused)
 
-    platform = sub.add_parser("platform", help="per-platform concurrency and interrupt timeouts (seed §10.5)")
+    platform = sub.add_parser("platform", help="per-platform concurrency, interrupt timeouts (configured and "
+                                               "measured) and health overrides")
     plat_inner = platform.add_subparsers(dest="platform_cmd", required=True)
     pget = plat_inner.add_parser("get", help="settings of one platform (or all)")
     pget.add_argument("code", nargs="?", help="platform code, e.g. openai")
@@ -46,6 +47,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     group = pset.add_mutually_exclusive_group()
     group.add_argument("--pause", dest="paused", action="store_const", const=True, help="stop dispatching to it")
     group.add_argument("--resume", dest="paused", action="store_const", const=False, help="dispatch to it again")
+    tuning = pset.add_mutually_exclusive_group()
+    tuning.add_argument("--dynamic", dest="dynamic", action="store_const", const=True,
+                        help="let the reconciler set the interrupt timeouts from the measured safe-point P95")
+    tuning.add_argument("--static", dest="dynamic", action="store_const", const=False,
+                        help="keep the interrupt timeouts as configured")
     pset.set_defaults(func=platform_set)
     pho = plat_inner.add_parser("health-override", help="override the platform-health pause of one tenant's "
                                                         "platform (its clients' reported login state)")
@@ -131,7 +137,7 @@ async def platform_set(args: argparse.Namespace, ctx: Context) -> int:
     try:
         row = await admin.set_platform(await ctx.conn(), args.code, max_concurrent=args.max_concurrent,
                                        soft_timeout_ms=args.soft_timeout_ms, hard_timeout_ms=args.hard_timeout_ms,
-                                       paused=args.paused)
+                                       paused=args.paused, dynamic=args.dynamic)
     except admin.AdminError as exc:
         return fail(str(exc))
     except Exception as exc:  # the CHECK constraints (hard >= soft) speak for themselves

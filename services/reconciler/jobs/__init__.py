@@ -10,6 +10,7 @@ from services.reconciler.jobs import (
     migration,
     offline_clients,
     request_ttl,
+    safe_point_tuning,
     unknown_executions,
 )
 from services.reconciler.jobs.base import Job, JobContext, JobResult
@@ -22,6 +23,7 @@ JOBS: dict[str, Job] = {job.name: job for job in (
     unknown_executions.JOB,
     business_day.JOB,
     migration.JOB,
+    safe_point_tuning.JOB,
 )}
 
 __all__ = ["JOBS", "Job", "JobContext", "JobResult"]

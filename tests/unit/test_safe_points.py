@@ -1,0 +1,27 @@
+"""The adaptive interrupt timeouts' arithmetic: buckets, the P95 of a histogram, soft/hard from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from libs.domain.safe_points import BUCKETS_MS, bucket_of, p95_from_histogram, tuned_timeouts
+
+
+def test_intervals_fall_in_the_bucket_of_their_upper_bound() -> None:
+    assert bucket_of(0) == 250 and bucket_of(250) == 250 and bucket_of(251) == 500
+    assert bucket_of(10_000_000) == BUCKETS_MS[-1]
+
+
+def test_p95_interpolates_inside_its_bucket() -> None:
+    assert p95_from_histogram([]) is None and p95_from_histogram([(1000, 0)]) is None
+    # 100 samples: 90 in (5000, 8000], 10 in (8000, 10000]: the 95th falls half way into the second bucket.
+    assert p95_from_histogram([(8000, 90), (10_000, 10)]) == pytest.approx(9000)
+    assert p95_from_histogram([(8000, 100)]) == pytest.approx(5000 + 3000 * 0.95)
+    # the open last bucket counts as its lower bound (no made-up length)
+    assert p95_from_histogram([(1000, 1), (BUCKETS_MS[-1], 99)]) == 300_000
+
+
+def test_soft_is_one_and_a_half_p95_at_least_15_s_and_hard_three_times_soft() -> None:
+    assert tuned_timeouts(8_000) == (15_000, 45_000)
+    assert tuned_timeouts(40_000) == (60_000, 180_000)
+    assert tuned_timeouts(20_001) == (30_002, 90_006)
