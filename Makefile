@@ -31,6 +31,7 @@ lint: install
 	$(BIN)/mypy
 
 test: install backends lint
+	bash scripts/ensure-promtool.sh
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest
 
 test-unit: install

