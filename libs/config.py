@@ -79,6 +79,11 @@ class Settings:
     db_statement_timeout_ms: int = 30_000
     db_lock_timeout_ms: int = 10_000
     db_idle_in_transaction_timeout_ms: int = 60_000
+    # Each database writer's write health for the coordinator's auto slow-down (libs/db/write_health.py): the
+    # window its p95 and conflict rate cover, the fewest writes that make them count, how often it publishes.
+    write_health_window_s: float = 60.0
+    write_health_min_samples: int = 20
+    write_health_publish_s: float = 5.0
     log_level: str = "INFO"
     instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     shutdown_grace_seconds: float = 20.0
@@ -176,7 +181,8 @@ class Settings:
             raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
                      "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
-                     "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s"):
+                     "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s",
+                     "write_health_window_s", "write_health_publish_s"):
             value = getattr(settings, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name.upper()}={value!r} must be a positive number of seconds")

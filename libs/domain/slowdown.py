@@ -69,6 +69,11 @@ class WriteStats:
         recent.sort()
         return recent[max(0, math.ceil(0.95 * len(recent)) - 1)]
 
+    def counts(self, now: float) -> tuple[int, int]:
+        """(transactions, conflicted ones) in the window, reported whatever their number."""
+        recent = self._recent(now)
+        return len(recent), sum(1 for _, _, c in recent if c)
+
     def conflict_rate(self, now: float) -> float:
         recent = self._recent(now)
         if len(recent) < self._min:

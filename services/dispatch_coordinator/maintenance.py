@@ -11,6 +11,7 @@ from prometheus_client import Gauge
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
+from libs.db.write_health import FRESH_S, FRESH_TOTALS
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.aging import age_task, oldest_share
 from libs.domain.slowdown import Signals, Thresholds, WriteStats, slowdown_reasons
@@ -118,15 +119,24 @@ class SlowdownState:
     since: float | None = None
 
 
-async def measure_signals(conn: Conn, stats: WriteStats) -> Signals:
+async def measure_signals(conn: Conn, stats: WriteStats, *, min_writes: int = 20) -> Signals:
+    """Lags from the tables; write latency and conflicts from every writer of the monitoring database (ingest,
+    projection and hub replicas publish theirs: libs/db/write_health.py) and from this coordinator's own
+    dispatch transactions: the worst p95, and the conflict share of all their writes."""
     cur = await conn.execute(q.INGEST_LAG)
     ingest = await cur.fetchone()
     cur = await conn.execute(q.PROJECTION_LAG)
     projection = await cur.fetchone()
+    cur = await conn.execute(FRESH_TOTALS, {"fresh_s": FRESH_S})
+    writers = await cur.fetchone()
     now = time.monotonic()
+    own_writes, own_conflicts = stats.counts(now)
+    writes = own_writes + (int(writers["writes"]) if writers else 0)
+    conflicts = own_conflicts + (int(writers["conflicts"]) if writers else 0)
     return Signals(ingest_lag_ms=float(ingest["lag_ms"]) if ingest else 0.0,
                    projection_lag_ms=float(projection["lag_ms"]) if projection else 0.0,
-                   write_p95_ms=stats.p95_ms(now), conflict_rate=stats.conflict_rate(now))
+                   write_p95_ms=max(stats.p95_ms(now), float(writers["p95_ms"]) if writers else 0.0),
+                   conflict_rate=conflicts / writes if writes >= min_writes else 0.0)
 
 
 def update_slowdown(state: SlowdownState, signals: Signals, settings: DispatchSettings) -> bool:

@@ -16,11 +16,12 @@ import msgspec
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
 from psycopg_pool import AsyncConnectionPool
 
-from libs.contracts.wire import Hello, TaskAvailable
+from libs.contracts.wire import Hello, TaskAvailable, dispatch_decoder
 from libs.db.pool import Conn
+from libs.db.write_health import WriterHealth
 from libs.mq.topology import Topology, declare_hub_queue
 from libs.tasks.transitions import emit_lifecycle
-from libs.telemetry import metrics
+from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
 from services.dispatch_hub.auth import ClientPrincipal
 from services.dispatch_hub.connections import Connection
@@ -59,7 +60,8 @@ class Gateway:
     def __init__(self, pool: AsyncConnectionPool[Conn], amqp: AbstractRobustConnection, topology: Topology, *,
                  hub_id: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
                  heartbeat_flush_s: float, max_sockets_per_client: int = 2, revocation_check_s: float = 2.0,
-                 on_revoked: Callable[[uuid.UUID], None] | None = None) -> None:
+                 on_revoked: Callable[[uuid.UUID], None] | None = None,
+                 write_health: WriterHealth | None = None) -> None:
         self._pool = pool
         self._amqp = amqp
         self._topology = topology
@@ -71,7 +73,7 @@ class Gateway:
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
         self.heartbeats = HeartbeatWriter(pool, hub=hub_id, interval_s=heartbeat_flush_s,
-                                          is_connected=lambda c: c in self._sockets)
+                                          is_connected=lambda c: c in self._sockets, write_health=write_health)
         self.max_sockets_per_client = max_sockets_per_client
         self.revocation_check_s = revocation_check_s
         self._on_revoked = on_revoked
@@ -116,10 +118,33 @@ class Gateway:
         if client_id is None:
             log.warning("dispatch event with an unexpected routing key", extra={"routing_key": message.routing_key})
             return
+        conns = tuple(self._sockets.get(client_id, ()))
+        if tracing.enabled():
+            self._deliver_traced(message, client_id, conns)
+            return
         text = message.body.decode()
-        for conn in tuple(self._sockets.get(client_id, ())):
+        for conn in conns:
             conn.deliver(text)
             self.forwarded += 1
+
+    def _deliver_traced(self, message: AbstractIncomingMessage, client_id: uuid.UUID,
+                        conns: tuple[Connection, ...]) -> None:
+        """Deliver in a span that is a child of the publisher's (AMQP headers); the event goes out with that
+        span's `traceparent`, which the client sends back on its calls for the task."""
+        with tracing.span("hub.deliver", kind=tracing.SpanKind.CONSUMER,
+                          parent=tracing.context_from_headers(message.headers), attributes={
+                              "messaging.system": "rabbitmq", "messaging.message.id": message.message_id,
+                              "monitoring.message_type": message.type, tracing.CLIENT_ID: str(client_id),
+                              "monitoring.sockets": len(conns)}) as span:
+            text = message.body.decode()
+            with contextlib.suppress(msgspec.MsgspecError):  # not ours to judge: forwarded unchanged
+                event = dispatch_decoder.decode(message.body)
+                span.set_attribute(tracing.TASK_ID, str(event.task_id))
+                text = msgspec.json.encode(msgspec.structs.replace(
+                    event, traceparent=tracing.traceparent_of(span))).decode()
+            for conn in conns:
+                conn.deliver(text)
+                self.forwarded += 1
 
     def _on_reconnect(self, *_: Any) -> None:
         # Events published while the broker link was down never reached this queue: replay from the

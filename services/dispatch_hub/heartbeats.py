@@ -15,6 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
+from libs.db.write_health import WriterHealth
 from libs.tasks.transitions import emit_lifecycle
 from services.dispatch_hub import queries as q
 
@@ -30,8 +31,9 @@ class HeartbeatWriter:
     """
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, hub: str, interval_s: float,
-                 is_connected: Callable[[uuid.UUID], bool]) -> None:
+                 is_connected: Callable[[uuid.UUID], bool], write_health: WriterHealth | None = None) -> None:
         self._pool = pool
+        self._timings = write_health or WriterHealth("hub", hub)
         self._hub = hub
         self._interval = interval_s
         self._is_connected = is_connected
@@ -63,7 +65,7 @@ class HeartbeatWriter:
     async def _write_liveness(self, ids: list[uuid.UUID]) -> None:
         # Two round trips (the batch; the lifecycle events with the COMMIT): the clients' rows stay locked
         # briefly, and a collect-now bumping a client's generation rarely waits for them.
-        async with self._pool.connection() as conn, pipelined_transaction(conn) as pipe:
+        async with self._timings.timed(), self._pool.connection() as conn, pipelined_transaction(conn) as pipe:
             cur = await conn.execute(q.HEARTBEAT_BATCH, {"ids": ids, "hub": self._hub})
             await pipe.sync()
             for row in await cur.fetchall():

@@ -13,7 +13,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -40,6 +40,7 @@ from libs.contracts.http import (
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
+from libs.db.write_health import WriterHealth
 from libs.dispatch_settings import SettingsCache
 from libs.domain.safe_points import bucket_of
 from libs.domain.shard import shard_for
@@ -151,6 +152,8 @@ class HubContext:
     safe_points: SafePointStats
     publisher: ResultPublisher
     ingest_shards: int
+    # This replica's write timings for the coordinator's auto slow-down (libs/db/write_health.py).
+    write_health: WriterHealth = field(default_factory=lambda: WriterHealth("hub", "hub"))
 
 
 def _state(row: dict[str, Any] | None) -> LeaseState | None:
@@ -181,7 +184,7 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
     picked: list[tuple[dict[str, Any], int, str, AsyncCursor[dict[str, Any]]]] = []  # row, epoch, token, lease
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
-        async with pipelined_transaction(conn) as pipe:
+        async with ctx.write_health.timed(), pipelined_transaction(conn) as pipe:
             params = {"client_id": principal.client_id, "tenant_id": principal.tenant_id,
                       "max_tasks": body.max_tasks}
             await conn.execute(q.LOCK_CLIENT_LEASES, params)

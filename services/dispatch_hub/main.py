@@ -9,6 +9,7 @@ from aiohttp import web
 
 from libs.config import Settings
 from libs.db.pool import make_pool
+from libs.db.write_health import publishing, writer_health
 from libs.dispatch_settings import SettingsCache
 from libs.http import add_readiness_check, make_app
 from libs.mq.connection import connect as mq_connect
@@ -55,14 +56,15 @@ def build(settings: Settings) -> web.Application:
             heartbeat_flush_s=settings.hub_heartbeat_flush_s,
             max_sockets_per_client=settings.hub_max_sockets_per_client,
             revocation_check_s=settings.hub_revocation_check_s,
-            on_revoked=lambda client_id: app[AUTH].forget(client_id))
+            on_revoked=lambda client_id: app[AUTH].forget(client_id),
+            write_health=(health := writer_health(settings, "hub")))
         await gateway.start()
         app[AUTH] = ClientAuthenticator(pool, cache_ttl_s=settings.hub_auth_cache_s,
                                         negative_ttl_s=settings.hub_auth_negative_cache_s)
         app[GATEWAY] = gateway
         app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool, max_age_s=5.0), platforms=PlatformCodes(),
                                   safe_points=SafePointStats(), publisher=publisher,
-                                  ingest_shards=settings.ingest_shards)
+                                  ingest_shards=settings.ingest_shards, write_health=health)
         add_pool_check(app, pool)
 
         async def broker() -> None:
@@ -70,7 +72,8 @@ def build(settings: Settings) -> web.Application:
                 raise ConnectionError("broker connection not ready")
 
         add_readiness_check(app, "rabbitmq", broker)
-        yield
+        async with publishing(health, pool, settings.write_health_publish_s):
+            yield
         await gateway.drain()
         await gateway.heartbeats.flush()
         with contextlib.suppress(Exception):

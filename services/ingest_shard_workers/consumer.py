@@ -44,12 +44,14 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import MonitorResult, result_decoder
 from libs.db.pool import Conn
+from libs.db.write_health import WriterHealth
 from libs.dispatch_settings import SettingsCache
 from libs.ingest.shards import assign_shards, lag_ms
 from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
 from libs.mq.poison import describe_failure, is_transient
 from libs.mq.topology import Topology
 from libs.telemetry import metrics as m
+from libs.telemetry import tracing
 from services.ingest_shard_workers import queries as q
 from services.ingest_shard_workers.apply import BatchOutcome, apply_batch
 
@@ -115,8 +117,9 @@ class ShardConsumer:
 
     def __init__(self, shard: int, connection: AbstractRobustConnection, topology: Topology,
                  pool: AsyncConnectionPool[Conn], config: IngestConfig, settings: SettingsCache,
-                 write_rate: WriteRate, dead_letters: DeadLetterPublisher) -> None:
+                 write_rate: WriteRate, dead_letters: DeadLetterPublisher, write_health: WriterHealth) -> None:
         self.shard = shard
+        self.write_health = write_health
         self.connection = connection
         self.topology = topology
         self.pool = pool
@@ -175,7 +178,13 @@ class ShardConsumer:
             batch = [message for message in batch if _alive(message)]
             if batch:
                 try:
-                    await self._process(batch)
+                    # Tracing: the batch span is a child of its first result's context and links to the others';
+                    # each result also gets a span in its own trace. Projection events it writes carry the batch's.
+                    with tracing.consume_batch(
+                            "ingest.batch", "ingest.result", [message.headers for message in batch],
+                            attributes={tracing.SHARD: self.shard, "monitoring.batch_size": len(batch)},
+                            message_attributes=[{"messaging.message.id": message.message_id} for message in batch]):
+                        await self._process(batch)
                 except Exception:
                     # A bug outside applying (which sorts its own errors): the batch goes back, the loop lives on.
                     log.exception("unexpected error handling a batch; requeued", extra={"shard": self.shard})
@@ -287,7 +296,7 @@ class ShardConsumer:
             await asyncio.wait_for(self._stop.wait(), timeout=seconds)
 
     async def _apply(self, results: list[MonitorResult]) -> BatchOutcome:
-        async with self.pool.connection() as conn:
+        async with self.write_health.timed(), self.pool.connection() as conn:
             return await apply_batch(conn, results, applied_by=self.config.instance_id, settings=self.settings)
 
     async def _apply_one_by_one(self, results: list[MonitorResult]) -> BatchOutcome:
@@ -382,17 +391,18 @@ class IngestWorker:
     """All shard consumers of this replica, plus membership (shard spreading) and housekeeping."""
 
     def __init__(self, connection: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
-                 config: IngestConfig) -> None:
+                 config: IngestConfig, write_health: WriterHealth | None = None) -> None:
         self.connection = connection
         self.topology = topology
         self.pool = pool
         self.config = config
         self.write_rate = WriteRate()
+        self.write_health = write_health or WriterHealth("ingest", config.instance_id)
         settings = SettingsCache(pool, max_age_s=5.0)
         # Shared by the shards: dead letters are rare, and it publishes them one at a time anyway.
         self.dead_letters = DeadLetterPublisher(connection, topology)
         self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate,
-                                     self.dead_letters) for k in range(topology.ingest_shards)]
+                                     self.dead_letters, self.write_health) for k in range(topology.ingest_shards)]
         self.subscribed = asyncio.Event()
         self._assigned: dict[int, str] = {}
 

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from libs.config import Settings
 from libs.db.pool import make_pool
+from libs.db.write_health import publishing, writer_health
 from libs.http import make_app
 from libs.mq.connection import connect
 from libs.mq.topology import Topology, declare_ingest
@@ -39,11 +40,12 @@ def build(settings: Settings) -> web.Application:
             member_heartbeat_s=settings.ingest_member_heartbeat_seconds,
             member_timeout_s=settings.ingest_member_timeout_seconds,
             retention_hours=settings.ingest_applied_retention_hours,
-        ))
+        ), write_health=(health := writer_health(settings, "ingest")))
         add_pool_check(app, pool)
 
         add_consumer_check(app, connection, app[WORKER].subscribed, "shard queues")
-        yield
+        async with publishing(health, pool, settings.write_health_publish_s):
+            yield
         await connection.close()
         await pool.close()
 

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from libs.config import Settings
 from libs.db.pool import make_pool
+from libs.db.write_health import publishing, writer_health
 from libs.http import make_app
 from libs.mq.connection import connect
 from libs.mq.topology import Topology, declare_projection
@@ -34,7 +35,8 @@ def build(settings: Settings) -> web.Application:
             await declare_projection(channel, topology)
         rebuilder = Rebuilder(pool, ProjectionConfig(instance_id=settings.instance_id,
                                                      lease_s=settings.projection_claim_lease_seconds,
-                                                     max_attempts=settings.projection_max_attempts))
+                                                     max_attempts=settings.projection_max_attempts),
+                              write_health=(health := writer_health(settings, "projection")))
         app[AMQP] = connection
         app[WORKER] = ProjectionWorker(connection, topology, rebuilder,
                                        concurrency=settings.projection_concurrency,
@@ -44,7 +46,8 @@ def build(settings: Settings) -> web.Application:
         add_pool_check(app, pool)
 
         add_consumer_check(app, connection, app[WORKER].subscribed, "projection queue")
-        yield
+        async with publishing(health, pool, settings.write_health_publish_s):
+            yield
         await connection.close()
         await pool.close()
 

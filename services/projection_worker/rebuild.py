@@ -19,8 +19,10 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
+from libs.db.write_health import WriterHealth
 from libs.mq.poison import describe_failure, is_transient
 from libs.telemetry import metrics as m
+from libs.telemetry import tracing
 from services.projection_worker import queries as q
 
 log = logging.getLogger("projection.rebuild")
@@ -80,9 +82,11 @@ def _claim(row: dict[str, Any]) -> Claim:
 
 
 class Rebuilder:
-    def __init__(self, pool: AsyncConnectionPool[Conn], config: ProjectionConfig) -> None:
+    def __init__(self, pool: AsyncConnectionPool[Conn], config: ProjectionConfig,
+                 write_health: WriterHealth | None = None) -> None:
         self.pool = pool
         self.config = config
+        self.write_health = write_health or WriterHealth("projection", config.instance_id)
 
     def _claim_params(self) -> dict[str, object]:
         return {"me": self.config.instance_id, "lease_s": self.config.lease_s,
@@ -96,18 +100,22 @@ class Rebuilder:
         return None if row is None else _claim(row)
 
     async def claim_oldest(self, limit: int) -> list[Claim]:
+        """Up to `limit` claimable keys, tenants taking turns (each tenant's own keys oldest first), in turn
+        order: one tenant's burst of keys cannot fill a sweep or merge batch while other tenants wait."""
         async with self.pool.connection() as conn:
-            cur = await conn.execute(q.CLAIM_OLDEST, {**self._claim_params(), "limit": limit})
+            cur = await conn.execute(q.CLAIM_FAIR, {**self._claim_params(), "limit": limit})
             return [_claim(row) for row in await cur.fetchall()]
 
+    @tracing.traced("projection.rebuild")
     async def rebuild(self, claim: Claim, trigger: Trigger) -> bool:
         """Recompute the key and finish the claim in one transaction. True when the request was served
         completely (row deleted); False when it was requested again meanwhile (row kept, unclaimed)."""
+        tracing.set_attributes(trigger=trigger, **claim.key)
         started = time.monotonic()
         params = {**claim.key, "me": self.config.instance_id, "request_count": claim.request_count,
                   "last_requested_at": claim.last_requested_at}
         try:
-            async with self.pool.connection() as conn, conn.transaction():
+            async with self.write_health.timed(), self.pool.connection() as conn, conn.transaction():
                 cur = await conn.execute(q.REBUILD_KEY, params)
                 stats = await cur.fetchone()
                 cur = await conn.execute(q.COMPLETE_CLAIM, params)
@@ -131,10 +139,12 @@ class Rebuilder:
                                                "runs": stats["runs"] if stats else 0})
         return served
 
+    @tracing.traced("projection.merge")
     async def rebuild_merged(self, claims: list[Claim]) -> MergeOutcome:
         """Recompute every claimed key with one statement and finish every claim, all in one transaction
         (merge mode). A key requested again since its claim is kept, unclaimed, as in `rebuild`. When
         some claims were taken over meanwhile, the batch is rolled back and redone without them."""
+        tracing.set_attributes(keys=len(claims))
         held = list(dict.fromkeys(claims))
         lost = 0
         started = time.monotonic()
@@ -197,7 +207,7 @@ class Rebuilder:
 
     async def _merge_transaction(self, held: list[Claim]) -> tuple[int, int]:
         me = self.config.instance_id
-        async with self.pool.connection() as conn, conn.transaction():
+        async with self.write_health.timed(), self.pool.connection() as conn, conn.transaction():
             await conn.execute(q.REBUILD_KEYS, _key_arrays(held))
             cur = await conn.execute(q.COMPLETE_CLAIMS, {
                 **_key_arrays(held), "me": me, "request_counts": [c.request_count for c in held],

@@ -23,6 +23,7 @@ from libs.config import Settings
 from libs.contracts.amqp import MonitorResult
 from libs.contracts.http import Citation
 from libs.db.pool import Conn
+from libs.db.write_health import WriterHealth
 from libs.domain.shard import ingest_shard_key, shard_for
 from libs.mq.connection import connect
 from libs.mq.topology import Topology, declare_ingest
@@ -225,12 +226,13 @@ def shard_of(execution: Execution, shards: int) -> int:
 
 @contextlib.asynccontextmanager
 async def running_ingest(pool: AsyncConnectionPool[Conn], settings: Settings, topology: Topology,
-                         instance_id: str = "ingest-a", batch_size: int = 50) -> AsyncIterator[IngestWorker]:
+                         instance_id: str = "ingest-a", batch_size: int = 50,
+                         write_health: WriterHealth | None = None) -> AsyncIterator[IngestWorker]:
     connection = await connect(settings.amqp_url, name=instance_id)
     async with connection.channel() as channel:
         await declare_ingest(channel, topology)
     worker = IngestWorker(connection, topology, pool, IngestConfig(instance_id=instance_id, batch_size=batch_size,
-                                                                   prefetch=2 * batch_size))
+                                                                   prefetch=2 * batch_size), write_health=write_health)
     async with running_worker(connection, worker):
         yield worker
 
