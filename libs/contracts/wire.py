@@ -37,6 +37,9 @@ class TaskAvailable(msgspec.Struct, tag="task_available", tag_field="type", kw_o
     # Additions (defaults keep old clients working).
     monitor_task_id: int | None = None
     collect_request_id: uuid.UUID | None = None
+    # W3C trace context of the hub's delivery (set when tracing is on): a client sends it back as the
+    # `traceparent` header of its lease/extend/cancel/result calls for this task.
+    traceparent: str | None = None
 
 
 ControlKind = Literal["interrupt_requested", "cancelled", "lease_revoked"]
@@ -52,6 +55,7 @@ class TaskControl(msgspec.Struct, tag="task_control", tag_field="type", kw_only=
     replacement_task_id: uuid.UUID | None = None
     updated_at: datetime
     collect_request_id: uuid.UUID | None = None
+    traceparent: str | None = None  # as on TaskAvailable
 
 
 class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True):

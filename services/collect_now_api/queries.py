@@ -243,10 +243,10 @@ INSERT_REQUEST = """
 INSERT INTO monitoring_collect_requests
     (id, tenant_id, workspace_id, brand_id, keyword_id, requested_by_user_id, target_client_id, scope_hash,
      request_scope, status, preempt, interrupt_generation, requested_task_count, aborted_queued_count,
-     interrupt_requested_count, ttl_expires_at)
+     interrupt_requested_count, ttl_expires_at, traceparent)
 VALUES (%(id)s, %(tenant_id)s, %(workspace_id)s, %(brand_id)s, %(keyword_id)s, %(user_id)s, %(client_id)s,
         %(scope_hash)s, %(scope)s, 'accepted', %(preempt)s, %(generation)s, %(requested)s, %(aborted_queued)s,
-        %(interrupt_requested)s, now() + make_interval(secs => %(ttl_s)s))
+        %(interrupt_requested)s, now() + make_interval(secs => %(ttl_s)s), %(traceparent)s)
 RETURNING *
 """
 
@@ -304,6 +304,7 @@ WARM_UP_PARAMS: dict[str, object] = {
     "client_id": _NOTHING, "request_id": _NOTHING, "id": _NOTHING, "old_ids": [_NOTHING],
     "business_date": date(2000, 1, 1), "priority": 0, "shard_key": "", "scope_hash": "", "scope": "{}",
     "preempt": True, "generation": 0, "requested": 0, "aborted_queued": 0, "interrupt_requested": 0, "ttl_s": 300,
+    "traceparent": None,
 }
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
     READS, INCREMENT_GENERATION, CANCEL_QUEUED_SCHEDULED, MARK_INTERRUPT_REQUESTED, CREATE_MISSING_TASKS,

@@ -29,7 +29,7 @@ from libs.mq.topology import DISPATCH
 from libs.outbox import NOTIFY_CHANNEL, enqueue
 from libs.outbox.writer import PRIORITY_WAKE
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
-from libs.telemetry import metrics
+from libs.telemetry import metrics, tracing
 from services.collect_now_api import queries as q
 from services.collect_now_api.logic import (
     ClientCandidate,
@@ -139,10 +139,13 @@ _active = msgspec.json.Decoder(list[_ActiveRequest])
 _scope = msgspec.json.Decoder(list[_ScopeRow])
 
 
+@tracing.traced("collect_now")
 async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
                       body: CollectNowRequest, settings: DispatchSettings, *,
                       first_dispatch_wait_s: float = 5.0, gate: TenantGate | None = None) -> Accepted:
-    """Accept (or replay) a collect-now request; optionally wait for its first dispatch."""
+    """Accept (or replay) a collect-now request; optionally wait for its first dispatch. Traced: the span's
+    context goes into the request row and the outbox events, and with them to the coordinator and the hub."""
+    tracing.set_attributes(tenant_id=principal.tenant_id, brand_id=brand_id)
     async with (gate or TENANT_GATE).slot(principal.tenant_id):
         for attempt in range(DEADLOCK_RETRIES):
             try:
@@ -201,6 +204,7 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
             recent = row["recent"]
         existing = next((r for r in _recent.decode(recent) if r.scope_hash == hashed), None)
         if existing is not None:
+            tracing.set_attributes(collect_request_id=existing.id, replay=True)
             return Accepted(_replay_response(existing), replay=True)
         candidates = [_candidate(row) for row in _candidates.decode(reads["candidates"])]
         choice = choose_target_client(candidates, requested=body.target_client_id,
@@ -225,6 +229,7 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
 
         # Round trip 2: generation, preemption, missing tasks, promotion, supersede marks on old tasks.
         request_id = uuid.uuid4()
+        tracing.set_attributes(collect_request_id=request_id, client_id=client_id)
         params: dict[str, Any] = {
             "tenant_id": tenant_id, "workspace_id": reads["workspace_id"], "brand_id": brand_id,
             "business_date": business_date, "client_id": client_id, "request_id": request_id,
@@ -266,7 +271,8 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
             "keyword_id": body.keyword_id, "user_id": principal.user_id, "client_id": client_id,
             "scope_hash": hashed, "scope": msgspec.json.encode(request_scope).decode(), "preempt": body.preempt,
             "generation": generation, "requested": len(promoted_ids), "aborted_queued": len(cancelled),
-            "interrupt_requested": len(interrupted), "ttl_s": settings.request_ttl_seconds})
+            "interrupt_requested": len(interrupted), "ttl_s": settings.request_ttl_seconds,
+            "traceparent": tracing.current_traceparent()})
         superseded_cur = None
         if old_ids:
             superseded_cur = await conn.execute(q.SUPERSEDE_REQUESTS, {

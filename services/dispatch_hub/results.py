@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Protocol
+from typing import Any, Protocol
 
 import aio_pika
 import msgspec
@@ -12,6 +12,7 @@ from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnec
 
 from libs.contracts.amqp import MonitorResult, message_type
 from libs.mq.topology import Topology, declare_ingest
+from libs.telemetry import tracing
 
 
 class BrokerUnavailable(Exception):
@@ -58,17 +59,25 @@ class AmqpResultPublisher:
                     except Exception as exc:
                         raise BrokerUnavailable(f"cannot open a channel: {type(exc).__name__}") from exc
         assert self._exchange is not None
-        amqp_message = aio_pika.Message(
-            body=msgspec.json.encode(message), content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=str(message.result_id),
-            type=message_type(message), headers={"tenant_id": message.tenant_id})
-        try:
-            await self._exchange.publish(amqp_message, routing_key=routing_key, mandatory=True,
-                                         timeout=self._timeout)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # nack, return, timeout, closed channel: not confirmed
-            raise BrokerUnavailable(f"{type(exc).__name__}: {exc}"[:200]) from exc
+        # A producer span (a child of the result call's), whose traceparent goes in the headers for ingest.
+        with tracing.span("hub.result.publish", kind=tracing.SpanKind.PRODUCER, attributes={
+                "messaging.system": "rabbitmq", "messaging.destination.name": self._exchange.name,
+                "messaging.rabbitmq.destination.routing_key": routing_key,
+                "messaging.message.id": str(message.result_id), tracing.TENANT_ID: message.tenant_id,
+                tracing.TASK_ID: str(message.task_id), tracing.SHARD: message.shard}):
+            headers: dict[str, Any] = {"tenant_id": message.tenant_id}
+            tracing.inject(headers)
+            amqp_message = aio_pika.Message(
+                body=msgspec.json.encode(message), content_type="application/json",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=str(message.result_id),
+                type=message_type(message), headers=headers)
+            try:
+                await self._exchange.publish(amqp_message, routing_key=routing_key, mandatory=True,
+                                             timeout=self._timeout)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # nack, return, timeout, closed channel: not confirmed
+                raise BrokerUnavailable(f"{type(exc).__name__}: {exc}"[:200]) from exc
 
     async def close(self) -> None:
         if self._channel is not None:

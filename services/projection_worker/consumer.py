@@ -31,6 +31,7 @@ from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
 from libs.mq.poison import describe_failure, is_transient
 from libs.mq.topology import Topology
 from libs.telemetry import metrics as m
+from libs.telemetry import tracing
 from services.projection_worker.mode import RebuildMode, rebuild_mode
 from services.projection_worker.rebuild import Rebuilder
 
@@ -93,7 +94,10 @@ class ProjectionWorker:
         while not stop.is_set():
             message = await _next(self.inbox, stop)
             if message is not None:
-                await self._handle(message)
+                with tracing.span("projection.event", kind=tracing.SpanKind.CONSUMER,
+                                  parent=tracing.context_from_headers(message.headers),
+                                  attributes={"messaging.message.id": message.message_id}):
+                    await self._handle(message)
 
     async def _handle(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -101,6 +105,8 @@ class ProjectionWorker:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             await self._settle(message, dead_letter_reason=f"invalid_message: {exc}")
             return
+        tracing.set_attributes(tenant_id=event.tenant_id, brand_id=event.brand_id, business_date=event.business_date,
+                               merge_mode=self.mode.merge)
         if self.mode.merge:
             m.projection_rebuild_deferred_count.inc()
             await self._settle(message)

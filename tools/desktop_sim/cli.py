@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
+from libs.telemetry import tracing
 from tools.desktop_sim.client import SimClient, SimOptions
 from tools.desktop_sim.rules import PHASES
 from tools.desktop_sim.timings import TIMING_PROFILES
@@ -89,7 +90,8 @@ async def run(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     trace_configs=tracing.client_trace_configs()) as session:
         clients = [SimClient(SimOptions(
             hub_url=args.hub, token=token, name=name, timings=timings, max_concurrent=args.concurrency,
             heartbeat_interval_s=args.heartbeat_interval, failure_rate=args.failure_rate,
@@ -117,4 +119,6 @@ async def run(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # OTEL_* as for the services: with tracing on, a client span per hub call, a child of the task's event.
+    tracing.configure_tracing("desktop-sim", instrument_http=False)
     uvloop.run(run(args))

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from libs.telemetry import tracing
 from tools.desktop_sim.answers import compose_answer
 from tools.desktop_sim.rules import (
     PHASES,
@@ -115,6 +116,9 @@ class ActiveTask:
     runner: asyncio.Task[None] | None = None
     done: bool = False
     ordinal: int = 0
+    # The `traceparent` of the event this task came with (sent as a header on its calls), and of the interrupt.
+    traceparent: str | None = None
+    interrupt_traceparent: str | None = None
 
 
 Command = tuple[Any, ...]
@@ -135,6 +139,7 @@ class SimClient:
         self._active: dict[str, ActiveTask] = {}
         self._known: dict[str, LocalEntry] = {}
         self._generations: dict[str, int] = {}
+        self._traceparents: dict[str, str] = {}  # task id -> its latest event's traceparent, until leased
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -143,7 +148,8 @@ class SimClient:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  trace_configs=tracing.client_trace_configs())
         self._tasks = [asyncio.create_task(self._scheduler(), name=f"sim-scheduler-{self.options.name}"),
                        asyncio.create_task(self._connection_loop(), name=f"sim-ws-{self.options.name}")]
         if self.options.idle_poll_s:
@@ -192,11 +198,16 @@ class SimClient:
     def _url(self, path: str) -> str:
         return self.options.hub_url.rstrip("/") + path
 
-    async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async def _post(self, path: str, body: dict[str, Any], *, traceparent: str | None = None) -> tuple[int, Any]:
+        """POST to the hub; `traceparent` (from the task's event) goes as the header, so the hub's spans continue
+        that trace (with tracing on here, the aiohttp client's span sits between, a child of it)."""
         assert self._session is not None
-        async with self._session.post(self._url(path), data=msgspec.json.encode(body), headers={
-                "Authorization": f"Bearer {self.options.token}", "Content-Type": "application/json"}) as resp:
-            return resp.status, await resp.json(content_type=None)
+        headers = {"Authorization": f"Bearer {self.options.token}", "Content-Type": "application/json"}
+        if traceparent:
+            headers["traceparent"] = traceparent
+        with tracing.attached(traceparent):
+            async with self._session.post(self._url(path), data=msgspec.json.encode(body), headers=headers) as resp:
+                return resp.status, await resp.json(content_type=None)
 
     # ---- WebSocket ---------------------------------------------------------------------------
     async def _connection_loop(self) -> None:
@@ -316,6 +327,7 @@ class SimClient:
             self.stats.hellos += 1
             self.client_id = str(event["client_id"])
             self._known.clear()  # the replay that follows is the truth
+            self._traceparents.clear()
             self.connected.set()
             await self._pump()
         elif etype == "task_available":
@@ -344,12 +356,14 @@ class SimClient:
             return  # publish tasks are not simulated
         if not self._accept_generation(task_id, int(event.get("interrupt_generation", 0))):
             return
+        if event.get("traceparent") and task_id not in self._active:
+            self._traceparents[task_id] = str(event["traceparent"])
         if task_id not in self._active:
             self._known[task_id] = LocalEntry(
                 task_id=task_id, kind="monitor", lane=str(event["lane"]), priority=int(event["priority"]),
                 available_at=time.monotonic(), enqueued_at=str(event.get("updated_at", "")),
                 updated_at=str(event.get("updated_at", "")))
-        await self._pump()
+        await self._pump(traceparent=event.get("traceparent"))
 
     async def _on_task_control(self, event: dict[str, Any]) -> None:
         task_id = str(event["task_id"])
@@ -360,9 +374,11 @@ class SimClient:
         if active is None:
             if control in ("cancelled", "lease_revoked"):
                 self._known.pop(task_id, None)
+                self._traceparents.pop(task_id, None)
             return
         if control == "interrupt_requested":
             active.interrupt_requested = True
+            active.interrupt_traceparent = event.get("traceparent") or active.interrupt_traceparent
             active.interrupt_reason = str(event.get("reason") or PREEMPT_REASON)
             if handles_interrupt_now(active.phase) and not self.options.ignore_interrupts:
                 await self._abort(active, safe_point_interval_ms=None)
@@ -396,7 +412,8 @@ class SimClient:
         body: dict[str, Any] = {"lease_token": active.lease_token, "execution_phase": next_phase}
         if interval_ms is not None:
             body["safe_point_interval_ms"] = int(interval_ms)
-        status, response = await self._post(f"/api/desktop/tasks/{task_id}/extend", body)
+        status, response = await self._post(f"/api/desktop/tasks/{task_id}/extend", body,
+                                            traceparent=active.traceparent)
         if status != 200:
             self.stats.cancel_refused.append((task_id, str(response.get("error"))))
             self._finish(active)
@@ -414,13 +431,14 @@ class SimClient:
         if safe_point_interval_ms is not None:
             body["safe_point_interval_ms"] = int(safe_point_interval_ms)
         path = f"/api/desktop/tasks/{active.task_id}/cancel"
-        status, response = await self._post(path, body)
+        traceparent = active.interrupt_traceparent or active.traceparent  # the click that asked for it
+        status, response = await self._post(path, body, traceparent=traceparent)
         if status == 409 and response.get("error") == "stale_generation":
             # The server holds a newer interrupt (and re-sent it): acknowledge that one.
             active.last_seen_generation = int(response["current_generation"])
             self._generations[active.task_id] = active.last_seen_generation
             body["interrupt_generation"] = active.last_seen_generation
-            status, response = await self._post(path, body)
+            status, response = await self._post(path, body, traceparent=traceparent)
         if status == 200:
             self.stats.aborted.append((active.task_id, active.last_seen_generation))
         else:
@@ -444,19 +462,22 @@ class SimClient:
             with contextlib.suppress(Exception):
                 await self._ws.close()
 
-    async def _pump(self) -> None:
-        """Pull-lease while there is free capacity (§14.4 item 6: the best task comes first)."""
+    async def _pump(self, *, traceparent: str | None = None) -> None:
+        """Pull-lease while there is free capacity (§14.4 item 6: the best task comes first). `traceparent`: of
+        the event that prompted it."""
         if not self.options.auto_lease or self.stats.died or self._stopping.is_set():
             return
         free = self.options.max_concurrent - len(self._active)
         while free > 0:
-            status, body = await self._post("/api/desktop/monitor/lease", {"max_tasks": free})
+            status, body = await self._post("/api/desktop/monitor/lease", {"max_tasks": free},
+                                            traceparent=traceparent)
             if status != 200:
                 self.stats.errors.append({"lease_status": status, **(body or {})})
                 return
             tasks = body["tasks"]
             if not tasks:
                 self._known.clear()
+                self._traceparents.clear()
                 return
             entries = {t["task_id"]: t for t in tasks}
             now = time.monotonic()
@@ -464,18 +485,20 @@ class SimClient:
                                                 priority=int(t["priority"]), available_at=now,
                                                 enqueued_at="", updated_at="") for t in tasks])
             for entry in ordered:
-                self._start(entries[entry.task_id])
+                self._start(entries[entry.task_id], traceparent=traceparent)
             free -= len(tasks)
 
-    def _start(self, leased: dict[str, Any]) -> None:
+    def _start(self, leased: dict[str, Any], *, traceparent: str | None = None) -> None:
         task_id = leased["task_id"]
         self._known.pop(task_id, None)
+        traceparent = self._traceparents.pop(task_id, None) or traceparent
         generation = max(int(leased["interrupt_generation"]), self._generations.get(task_id, 0))
         active = ActiveTask(task_id=task_id, lease_token=leased["lease_token"], lane=leased["lane"],
                             priority=int(leased["priority"]), platform=leased["platform"]["code"],
                             brand=leased["brand"]["name"], question=leased["question"]["text"],
                             last_seen_generation=generation,
-                            interrupt_requested=bool(leased.get("interrupt_requested", False)))
+                            interrupt_requested=bool(leased.get("interrupt_requested", False)),
+                            traceparent=traceparent)
         self._active[task_id] = active
         self._leases_started += 1
         active.ordinal = self._leases_started
@@ -515,7 +538,7 @@ class SimClient:
         path = f"/api/desktop/tasks/{active.task_id}/result"
         for attempt in range(8):
             try:
-                status, _ = await self._post(path, body)
+                status, _ = await self._post(path, body, traceparent=active.traceparent)
             except (aiohttp.ClientError, OSError):
                 status = 0
             if status == 202:
