@@ -92,3 +92,20 @@ class DeadLetterPublisher:
         if channel is not None and not channel.is_closed:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(channel.close(), self._timeout)
+
+
+async def dead_letter_or_give_back(publisher: DeadLetterPublisher, dlq: str, message: AbstractIncomingMessage,
+                                   reason: str, *, retry_after_s: float = 1.0) -> bool:
+    """Dead-letter `message` and ack it once the copy is confirmed; otherwise give it back (nack, requeue) after
+    `retry_after_s`, so a refused message is never lost to a dead-letter path that is down. True if acked."""
+    try:
+        await publisher.publish(dlq, message, reason)
+    except DeadLetterUnconfirmed as exc:
+        log.error("dead letter not confirmed; the message is given back", extra={
+            "dlq": dlq, "message_id": message.message_id, "reason": reason[:200], "error": str(exc)})
+        await asyncio.sleep(retry_after_s)  # a pause before the redelivery, not a wait for anything
+        with contextlib.suppress(Exception):
+            await message.nack(requeue=True)
+        return False
+    await message.ack()
+    return True

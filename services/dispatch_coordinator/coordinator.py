@@ -25,7 +25,7 @@ from libs.contracts.amqp import lifecycle_decoder
 from libs.db.listen import listen_forever
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, SettingsCache
-from libs.mq.connection import dead_letter
+from libs.mq.dead_letter import DeadLetterPublisher, dead_letter_or_give_back
 from libs.mq.topology import Topology, declare_lifecycle
 from libs.outbox.relay import OutboxRelay
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
@@ -68,6 +68,8 @@ class Coordinator:
         self.pool = pool
         self._config = config
         self._amqp = amqp
+        # Confirmed before the original is acked (libs/mq/dead_letter.py), on a channel of its own.
+        self._dead_letters = DeadLetterPublisher(amqp, config.topology) if amqp is not None else None
         self.dispatcher = Dispatcher(pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds)
         # A collect-now asked for dispatch: the next pass starts with a high-only pass.
         self._high_wake = asyncio.Event()
@@ -271,7 +273,7 @@ class Coordinator:
                 self.consuming.set()
                 async with queue.iterator() as messages:
                     async for message in messages:
-                        await self._on_lifecycle(channel, dlq, message)
+                        await self._on_lifecycle(dlq, message)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -279,12 +281,12 @@ class Coordinator:
                 log.warning("lifecycle consumer failed; retrying", extra={"error": str(exc)[:300]})
                 await self._wait(stop, None, 1.0)
 
-    async def _on_lifecycle(self, channel: object, dlq: str, message: AbstractIncomingMessage) -> None:
+    async def _on_lifecycle(self, dlq: str, message: AbstractIncomingMessage) -> None:
         try:
             event = lifecycle_decoder.decode(message.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            await dead_letter(channel, self._config.topology, dlq, message, f"undecodable lifecycle event: {exc}")  # type: ignore[arg-type]
-            await message.ack()
+            assert self._dead_letters is not None
+            await dead_letter_or_give_back(self._dead_letters, dlq, message, f"undecodable lifecycle event: {exc}")
             return
         if event.event == "collect_now.accepted":
             # The request's transaction also sent a NOTIFY; while LISTEN is up that one already woke the

@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 
 from libs.contracts.amqp import LifecycleEvent, lifecycle_decoder
 from libs.contracts.common import ContractError, decode_json
-from libs.mq.connection import dead_letter
+from libs.mq.dead_letter import DeadLetterPublisher, dead_letter_or_give_back
 from libs.mq.topology import Topology, declare_lifecycle
 from services.reconciler.runner import JobScheduler
 
@@ -47,6 +47,7 @@ async def consume_lifecycle(connection: AbstractRobustConnection, topology: Topo
 async def _consume(connection: AbstractRobustConnection, topology: Topology, scheduler: JobScheduler,
                    stop: asyncio.Event) -> None:
     channel = await connection.channel()
+    dead_letters = DeadLetterPublisher(connection, topology)
     try:
         await channel.set_qos(prefetch_count=50)
         queue = await declare_lifecycle(channel, topology, CONSUMER)
@@ -55,8 +56,8 @@ async def _consume(connection: AbstractRobustConnection, topology: Topology, sch
             try:
                 event = decode_json(message.body, LifecycleEvent, decoder=lifecycle_decoder)
             except ContractError as exc:
-                await dead_letter(channel, topology, topology.lifecycle_dlq(CONSUMER), message, exc.message)
-                await message.ack()
+                reason = f"{exc.code}: {exc.message}" + (f" (field {exc.field})" if exc.field else "")
+                await dead_letter_or_give_back(dead_letters, topology.lifecycle_dlq(CONSUMER), message, reason)
                 return
             for job in WAKES.get(event.event, ()):
                 scheduler.wake(job)
@@ -68,3 +69,4 @@ async def _consume(connection: AbstractRobustConnection, topology: Topology, sch
     finally:
         with contextlib.suppress(Exception):
             await channel.close()
+        await dead_letters.close()

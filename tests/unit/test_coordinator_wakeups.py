@@ -37,7 +37,7 @@ async def test_collect_now_accepted_wakes_the_high_pass_only_when_its_notify_cou
     if listening:
         coordinator.listening.set()
     message = _Message("collect_now.accepted")
-    await coordinator._on_lifecycle(None, "dlq", message)  # type: ignore[arg-type]
+    await coordinator._on_lifecycle("dlq", message)
     assert message.acked
     assert coordinator._high_wake.is_set() is (not listening)
 
@@ -45,7 +45,7 @@ async def test_collect_now_accepted_wakes_the_high_pass_only_when_its_notify_cou
 async def test_a_completion_wakes_a_full_pass_but_not_the_high_pass() -> None:
     coordinator = _coordinator()
     message = _Message("task.completed")
-    await coordinator._on_lifecycle(None, "dlq", message)  # type: ignore[arg-type]
+    await coordinator._on_lifecycle("dlq", message)
     assert coordinator._wake.is_set() and not coordinator._high_wake.is_set()
 
 
@@ -159,7 +159,7 @@ async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_pending() 
         message = _Message("task.completed")
         message.body = msgspec.json.encode(LifecycleEvent(event="task.completed", tenant_id=tenant_id,
                                                           occurred_at=datetime.now(UTC)))
-        await coordinator._on_lifecycle(None, "dlq", message)  # type: ignore[arg-type]
+        await coordinator._on_lifecycle("dlq", message)
         return coordinator._wake.is_set()
 
     assert await woken(1)  # the pending pairs were never read: wake
