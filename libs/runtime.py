@@ -16,6 +16,7 @@ from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import ConfigError, Settings
+from libs.db.migrate import load_migrations
 from libs.db.pool import Conn
 from libs.http import add_readiness_check
 from libs.telemetry import metrics
@@ -79,8 +80,30 @@ def pool_ready_check(pool: AsyncConnectionPool[Conn]) -> Callable[[], Awaitable[
     return check
 
 
+def schema_ready_check(pool: AsyncConnectionPool[Conn], expected_version: int) -> Callable[[], Awaitable[None]]:
+    """Not ready while the database's schema is older than the migrations this code ships (a rollout whose
+    migration has not run yet): such a replica would fail on the first statement that needs the new schema."""
+
+    async def check() -> None:
+        async with pool.connection(timeout=2.0) as conn:
+            cur = await conn.execute("SELECT coalesce(max(version), 0) AS version FROM schema_migrations")
+            row = await cur.fetchone()
+        version = int(row["version"]) if row else 0
+        if version < expected_version:
+            raise SchemaBehind(f"the database schema is at migration {version}; this code needs {expected_version}")
+
+    return check
+
+
+class SchemaBehind(RuntimeError):
+    """The database has not been migrated to what this code expects."""
+
+
 def add_pool_check(app: web.Application, pool: AsyncConnectionPool[Conn]) -> None:
+    """Readiness: Postgres answers, and its schema is at least the newest migration of this code."""
     add_readiness_check(app, "postgres", pool_ready_check(pool))
+    migrations = load_migrations()
+    add_readiness_check(app, "schema", schema_ready_check(pool, max((m.version for m in migrations), default=0)))
 
 
 def add_consumer_check(app: web.Application, connection: AbstractRobustConnection, subscribed: asyncio.Event,

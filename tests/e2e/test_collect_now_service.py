@@ -21,7 +21,7 @@ async def test_service_process_accepts_a_click_and_stops_cleanly(settings: Setti
     try:
         async with aiohttp.ClientSession(api.url) as http:
             async with http.get("/readyz") as resp:
-                assert resp.status == 200 and (await resp.json())["checks"] == {"postgres": "ok"}
+                assert resp.status == 200 and (await resp.json())["checks"] == {"postgres": "ok", "schema": "ok"}
             async with http.get("/openapi.json") as resp:
                 assert resp.status == 200 and (await resp.json())["openapi"].startswith("3.1")
             auth = world.auth()

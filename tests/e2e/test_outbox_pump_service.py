@@ -37,7 +37,7 @@ async def test_pump_process_publishes_and_drains_on_sigterm(settings, pool, topo
         await asyncio.to_thread(pump.start)
         try:
             status, body = await asyncio.to_thread(_get, pump.url + "/readyz")
-            assert status == 200 and json.loads(body)["checks"] == {"postgres": "ok", "rabbitmq": "ok"}
+            assert status == 200 and json.loads(body)["checks"] == {"postgres": "ok", "schema": "ok", "rabbitmq": "ok"}
             for batch in range(20):
                 async with pool.connection() as conn, conn.transaction():
                     for i in range(100):

@@ -64,7 +64,7 @@ async def test_leader_runs_jobs_publishes_events_and_hands_over(
         second = ServiceProcess("reconciler", env, log_dir=tmp_path).start()
         procs.append(second)
         ready = await asyncio.to_thread(get_json, first.url + "/readyz")
-        assert ready["checks"] == {"postgres": "ok", "rabbitmq": "ok"}
+        assert ready["checks"] == {"postgres": "ok", "schema": "ok", "rabbitmq": "ok"}
 
         async def one_leader() -> list[float] | None:
             gauges = [await leader_gauge(first), await leader_gauge(second)]
