@@ -2,9 +2,11 @@
 (requests whose event was lost, keys requested again during a rebuild, abandoned claims).
 
 Merge mode (seed §12.4): while the dispatch-coordinator publishes auto slow-down, events are acked without
-a rebuild (their queue rows stay the durable requests) and once per merge window the oldest keys are
+a rebuild (their queue rows stay the durable requests) and once per merge window the queued keys are
 rebuilt in batches of up to `merge_batch`, one transaction each, batch after batch while they come back
-full. When slow-down ends, per-event rebuilds resume and the sweep drains what is left.
+full. When slow-down ends, per-event rebuilds resume and the sweep drains what is left. Sweep and merge
+batches are claimed tenant-fair (`Rebuilder.claim_oldest`): tenants take turns, each tenant's keys oldest
+first, so one tenant's burst does not hold back every other tenant's aggregates.
 
 Failures: an event's rebuild that fails transiently (connection, deadlock, lock timeout) is requeued; one
 refused for any other reason (a poison key) is dead-lettered with the reason and acked, since its queue row
@@ -219,8 +221,8 @@ class ProjectionWorker:
         return total
 
     async def merge_once(self) -> int:
-        """Claim up to `merge_batch` of the oldest keys and rebuild them in one transaction; returns
-        how many keys were rebuilt."""
+        """Claim up to `merge_batch` keys (tenants taking turns, each one's oldest first) and rebuild them
+        in one transaction; returns how many keys were rebuilt."""
         return (await self._merge_batch())[1]
 
     async def _merge_batch(self) -> tuple[int, int]:
@@ -231,8 +233,8 @@ class ProjectionWorker:
         return len(claims), (await self.rebuilder.rebuild_merged(claims)).rebuilt
 
     async def sweep_once(self) -> int:
-        """Claim and rebuild the oldest unclaimed keys, one by one (a poison key is skipped and released);
-        returns how many were rebuilt."""
+        """Claim unclaimed keys (tenants taking turns, each one's oldest first) and rebuild them one by one
+        (a poison key is skipped and released); returns how many were rebuilt."""
         claims = await self.rebuilder.claim_oldest(self.sweep_batch)
         return (await self.rebuilder.rebuild_each(claims, "sweep"))[0]
 

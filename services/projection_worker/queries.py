@@ -20,15 +20,65 @@ WITH c AS (
     FOR UPDATE SKIP LOCKED
 )""" + _CLAIM_KEYS_OF_C
 
-# Claim the oldest unclaimed (or abandoned) keys: requests whose event was lost, re-requested keys.
-CLAIM_OLDEST = """
-WITH c AS (
-    SELECT tenant_id, brand_id, business_date FROM projection_rebuild_queue
-    WHERE (claimed_by IS NULL OR claim_expires_at < now()) AND attempts < %(max_attempts)s
-    ORDER BY requested_at
+# Claim up to `limit` unclaimed (or abandoned) keys, tenant-fair (the sweep and merge-mode batches: requests
+# whose event was lost, re-requested keys, a backlog). The tenants with claimable keys take turns: turn 1 is
+# every tenant's oldest key, turn 2 every tenant's second oldest, and so on; within a turn, the tenant whose
+# oldest key waited longest goes first. So one tenant's burst of keys takes one key per turn, not the batch,
+# and a tenant with fewer keys than its share leaves the rest of the batch to the others (a full batch
+# whenever enough keys are claimable).
+#   tenants: every tenant with a queued key, one index probe each (a loose scan of the tenant column).
+#   heads:   each one's oldest claimable key; only the `limit` tenants whose heads are oldest can make it in.
+#   turns:   each of those tenants' claimable keys in request order, numbered. With n tenants in heads,
+#            a tenant's second key comes after the n turn-1 keys, so none needs more than limit - n + 1.
+#   c:       the first `limit` keys in turn order, locked; a key claimed or locked meanwhile is skipped and
+#            the next one in turn order taken instead, so the lock step reads about as many keys as it takes.
+# Reads: one probe per queued tenant, plus each selected tenant's keys up to its bound (never a whole
+# tenant's backlog, never the whole queue); index ix_projection_queue_tenant_age. The claimed rows come back
+# in turn order (a sweep rebuilds them in that order).
+CLAIM_FAIR = """
+WITH RECURSIVE tenants AS (
+    (SELECT tenant_id FROM projection_rebuild_queue ORDER BY tenant_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT n.tenant_id FROM projection_rebuild_queue n WHERE n.tenant_id > t.tenant_id
+            ORDER BY n.tenant_id LIMIT 1)
+    FROM tenants t WHERE t.tenant_id IS NOT NULL
+), heads AS (
+    SELECT t.tenant_id, h.requested_at AS head,
+           count(*) OVER () AS claimable_tenants
+    FROM tenants t
+    CROSS JOIN LATERAL (
+        SELECT k.requested_at FROM projection_rebuild_queue k
+        WHERE k.tenant_id = t.tenant_id
+          AND (k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
+        ORDER BY k.requested_at
+        LIMIT 1
+    ) h
+    ORDER BY h.requested_at, t.tenant_id
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-)""" + _CLAIM_KEYS_OF_C
+), turns AS (
+    SELECT k.tenant_id, k.brand_id, k.business_date, k.turn, h.head
+    FROM heads h
+    CROSS JOIN LATERAL (
+        SELECT k.tenant_id, k.brand_id, k.business_date,
+               row_number() OVER (ORDER BY k.requested_at, k.brand_id, k.business_date) AS turn
+        FROM projection_rebuild_queue k
+        WHERE k.tenant_id = h.tenant_id
+          AND (k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
+        ORDER BY k.requested_at, k.brand_id, k.business_date
+        LIMIT %(limit)s - least(h.claimable_tenants, %(limit)s) + 1
+    ) k
+), c AS (
+    SELECT k.tenant_id, k.brand_id, k.business_date, t.turn, t.head
+    FROM (SELECT * FROM turns ORDER BY turn, head, tenant_id) t
+    JOIN projection_rebuild_queue k USING (tenant_id, brand_id, business_date)
+    WHERE (k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
+    ORDER BY t.turn, t.head, t.tenant_id
+    LIMIT %(limit)s
+    FOR UPDATE OF k SKIP LOCKED
+), claimed AS (""" + _CLAIM_KEYS_OF_C + """)
+SELECT claimed.* FROM claimed JOIN c USING (tenant_id, brand_id, business_date)
+ORDER BY c.turn, c.head, c.tenant_id
+"""
 
 # Both rebuilds (one key; a merged batch of keys) overwrite every counter of an aggregate row they upsert.
 _OVERWRITE_COUNTS = """
