@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: install backends lint test test-unit test-integration test-e2e run migrate bench clean
+.PHONY: install backends lint test test-unit test-integration test-e2e run observe migrate bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ migrate: install backends
 
 run: install backends migrate
 	bash scripts/run-stack.sh
+
+# Next to `make run` (start that one with OBSERVE=1 to send its traces here): a local Prometheus with the
+# shipped alert rules on :9090 and the trace sink on :4318.
+observe: install
+	bash scripts/observe.sh
 
 bench: install backends
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/python -m bench

@@ -8,6 +8,11 @@ mkdir -p .run
 # A local demo: DEV_MODE accepts this well-known secret (and an ops API without a token); production refuses both.
 export DEV_MODE=${DEV_MODE:-1}
 export GATEWAY_JWT_SECRET=${GATEWAY_JWT_SECRET:-local-demo-gateway-secret-change-me-0001}
+if [ "${OBSERVE:-}" = 1 ]; then
+  # Every span to `make observe`'s trace sink (100 % sampled).
+  export OTEL_TRACES_EXPORTER=otlp OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf \
+         OTEL_EXPORTER_OTLP_ENDPOINT=${OTEL_EXPORTER_OTLP_ENDPOINT:-http://127.0.0.1:4318} OTEL_TRACES_SAMPLER=always_on
+fi
 DEMO=.run/demo.json
 if [ ! -s "$DEMO" ]; then
   echo "run-stack: seeding demo data into ${DATABASE_URL} (once; delete $DEMO to seed again)"
