@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 import pytest
@@ -29,6 +29,12 @@ def _prometheus() -> str:
     return found
 
 
+def _start_prometheus(binary: str, config: Path, data: Path, port: int, log: IO[bytes]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={data}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=die_with_parent)
+
+
 async def _api(url: str, path: str, **params: str) -> Any:
     async with aiohttp.ClientSession() as http, http.get(f"{url}{path}", params=params) as resp:
         body = await resp.json()
@@ -45,9 +51,7 @@ async def test_the_local_prometheus_scrapes_the_stack_and_fires_the_shipped_aler
     config, _ = write_config(tmp_path / "observe", ports={"collect-now-api": api.port, "outbox-pump": missing_port})
     port = free_port()
     log = (tmp_path / "prometheus.log").open("wb")
-    prometheus = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                                   f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
-                                  preexec_fn=die_with_parent)
+    prometheus = _start_prometheus(binary, config, tmp_path / "data", port, log)
     url = f"http://127.0.0.1:{port}"
     try:
         async def up() -> dict[str, float] | None:
