@@ -202,6 +202,8 @@ def task_reject_reason(task: Candidate, ledger: Ledger, limits: PassLimits, *,
         return "cluster_budget"
     if not high and ledger.tenant_used.get(task.tenant_id, 0) >= limits.tenant_per_window:
         return "tenant_budget"
+    if not high and (task.tenant_id, task.ai_platform_id) in ledger.paused_pairs:
+        return "tenant_platform_paused"
     return None
 
 
@@ -226,8 +228,6 @@ def platform_reject_reason(task: Candidate, ledger: Ledger) -> RejectReason | No
     """Tree step 5: active executions of the tenant's platform account across all its clients."""
     if task.ai_platform_id in ledger.paused_platforms:
         return "platform_paused"
-    if task.lane != "high" and (task.tenant_id, task.ai_platform_id) in ledger.paused_pairs:
-        return "tenant_platform_paused"
     if ledger.platform_room(task.tenant_id, task.ai_platform_id) <= 0:
         return "platform_concurrency"
     return None

@@ -81,7 +81,8 @@ def _client_view(task: Candidate, client: ClientState) -> dict[str, Any]:
     reason = client_reject_reason(task, client)
     return {"client_id": str(client.id), "in_progress": client.in_progress, "max_concurrent": client.max_concurrent,
             "queued": client.queued, "max_queue_depth": client.max_queue_depth, "pending_high": client.pending_high,
-            "interrupt_overdue": client.interrupt_overdue, "blocked_by": reason}
+            "interrupt_overdue": client.interrupt_overdue,
+            "login_broken_on": sorted(client.blocked_platforms), "blocked_by": reason}
 
 
 async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | None = None) -> dict[str, Any] | None:
@@ -170,7 +171,9 @@ async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | Non
         platform={"active": snap.ledger.platform_active.get(platform_key, 0),
                   "limit": snap.ledger.platform_limit.get(t["ai_platform_id"], snap.ledger.default_platform_limit),
                   "paused": t["ai_platform_id"] in snap.ledger.paused_platforms,
-                  "code": snap.platform_codes.get(t["ai_platform_id"])},
+                  "code": snap.platform_codes.get(t["ai_platform_id"]),
+                  # the tenant's platform-health pause: "health" (every client's login broken) or "operator"
+                  "tenant_paused_by": snap.platform_pauses.get(platform_key)},
         clients=[_client_view(candidate, c) for c in
                  ([by_id[t["target_client_id"]]] if t["target_client_id"] in by_id else [])
                  or sorted(scope, key=lambda c: (c.load, str(c.id)))],

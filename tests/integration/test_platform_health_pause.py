@@ -20,6 +20,10 @@ from tests.support.desktop import insert_ready_task
 from tests.support.monitorctl import monitorctl_json
 
 
+def held_platform(seed: dict[str, Any], code: str) -> int:
+    return next(int(p["ai_platform_id"]) for p in seed["platforms"] if p["code"] == code)
+
+
 async def _dispatched(pool: AsyncConnectionPool[Conn]) -> dict[str, int]:
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT p.code, count(*) AS n FROM desktop_tasks d JOIN ai_platforms p "
@@ -51,6 +55,14 @@ async def test_a_broken_login_holds_that_platforms_scheduled_work_only(settings:
     status = await monitorctl_json(settings, "status")
     assert {"tenant_id": tenant["tenant_id"], "platform": "openai", "clients_blocking": 1, "clients_eligible": 1,
             "paused": "health", "override": None, "override_reason": None} in status["platform_health"]
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT t.id FROM monitoring_collect_tasks t JOIN ai_platforms p "
+                                 "ON p.id = t.ai_platform_id WHERE p.code = 'openai' LIMIT 1")
+        held = await cur.fetchone()
+    assert held is not None
+    explained = await monitorctl_json(settings, "explain", str(held["id"]))
+    assert explained["blocked_by"] == "tenant_platform_paused" and explained["platform"]["tenant_paused_by"] == "health"
+    assert [c["login_broken_on"] for c in explained["clients"]] == [[held_platform(seed, "openai")]]
 
     # An operator who knows the report is stale lets the work through; clearing hands it back to the reports.
     await monitorctl_json(settings, "platform", "health-override", "openai", "--tenant", str(tenant["tenant_id"]),
