@@ -22,8 +22,10 @@ from libs.outbox.relay import (
     OutboxRelay,
     Publisher,
     PublishError,
+    log_claimed,
     validate_payload,
 )
+from libs.outbox.state import TRANSITION_EVENT, source_of_row, transition_fields
 from libs.outbox.writer import NOTIFY_CHANNEL, PRIORITY_WAKE
 from libs.telemetry import metrics
 
@@ -99,7 +101,9 @@ class OutboxPump(OutboxRelay):
                     "lease_seconds": self._config.lease_seconds,
                 })
             rows = await cur.fetchall()
-        return [ClaimedEvent(**row) for row in rows]
+        events = [ClaimedEvent(**row) for row in rows]
+        log_claimed(events, self._config.claimed_by)
+        return events
 
     async def reclaim_expired(self) -> int:
         """Claims whose lease ran out (a pump died or stalled) go back to retryable, or to
@@ -109,7 +113,12 @@ class OutboxPump(OutboxRelay):
             cur = await conn.execute(q.RECLAIM_EXPIRED)
             rows = await cur.fetchall()
         for row in rows:
-            log.warning("reclaimed an expired outbox claim", extra={"outbox_id": row["id"], "status": row["status"]})
+            log.warning(TRANSITION_EVENT, extra=transition_fields(
+                "lease_expired", "running", row["status"], owner=self._config.claimed_by, source=source_of_row(row),
+                previous_owner=row["previous_owner"], next_retry_at=(
+                    row["next_retry_at"].isoformat() if row["status"] == "retryable" else None),
+                error_class="transient",
+                error_type="ClaimLeaseExpired", error="claim lease expired while running (pump died or stalled)"))
             if row["status"] == "dead_letter":
                 metrics.outbox_dead_letter_count.inc()
         if rows:

@@ -6,19 +6,29 @@ OUTBOX_CLAIM_LOCK = 7_401_552_002
 # claimed in order across pumps; publishing happens outside the lock.
 LOCK_CLAIMS = "SELECT pg_advisory_xact_lock(%(lock)s)"
 
+# A lease that ran out says nothing about the event (its claimer died or stalled): a dead letter for running out
+# of attempts this way is transient. `expired` only names the rows and their claimers (an UPDATE returns the new
+# claimed_by, NULL); the UPDATE re-checks that each is still running past its lease.
 RECLAIM_EXPIRED = """
-UPDATE outbox
-SET status = CASE WHEN attempts >= max_attempts THEN 'dead_letter' ELSE 'retryable' END,
-    dead_lettered_at = CASE WHEN attempts >= max_attempts THEN now() END,
+WITH expired AS (
+    SELECT id, claimed_by FROM outbox WHERE status = 'running' AND claim_expires_at < now()
+)
+UPDATE outbox o
+SET status = CASE WHEN o.attempts >= o.max_attempts THEN 'dead_letter' ELSE 'retryable' END,
+    dead_lettered_at = CASE WHEN o.attempts >= o.max_attempts THEN now() END,
     last_error = 'claim lease expired while running (pump died or stalled)',
+    last_error_class = CASE WHEN o.attempts >= o.max_attempts THEN 'transient' END,
     claimed_by = NULL,
     claim_expires_at = NULL,
     next_retry_at = now()
-WHERE status = 'running' AND claim_expires_at < now()
-RETURNING id, status
+FROM expired e
+WHERE o.id = e.id AND o.status = 'running' AND o.claim_expires_at < now()
+RETURNING o.id, o.status, o.event_id, o.tenant_id, o.exchange, o.routing_key, o.ordering_key, o.message_type,
+          o.attempts, o.max_attempts, o.next_retry_at, e.claimed_by AS previous_owner
 """
 
 # Both claims: the `candidates` rows become running under the claimer's name with a lease, counting the attempt.
+# `previous_status` (queued or retryable) is for the claim's transition log line.
 _TAKE_CANDIDATES = """
 UPDATE outbox o
 SET status = 'running',
@@ -29,7 +39,7 @@ FROM candidates c
 WHERE o.id = c.id
 RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload, o.headers,
           o.ordering_key, o.tenant_id, o.traceparent, o.attempts, o.max_attempts, o.created_at,
-          o.priority
+          o.priority, c.previous_status
 """
 
 # A row is claimable when no earlier row of its ordering key is still running or waiting out
@@ -45,7 +55,7 @@ RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload
 # lock is for batches of consecutive normal rows of one key, which must all go to the same claimer.
 CLAIM = """
 WITH candidates AS (
-    SELECT o.id
+    SELECT o.id, o.status AS previous_status
     FROM outbox o
     WHERE o.status IN ('queued', 'retryable')
       AND o.next_retry_at <= now()
@@ -71,7 +81,7 @@ WITH candidates AS (
 CLAIM_OWN = """
 WITH own AS (SELECT unnest(%(event_ids)s::uuid[]) AS event_id),
 candidates AS (
-    SELECT o.id
+    SELECT o.id, o.status AS previous_status
     FROM outbox o JOIN own USING (event_id)
     WHERE o.status = 'queued'
       AND (o.ordering_key IS NULL OR NOT EXISTS (
@@ -96,12 +106,14 @@ SELECT pg_notify(%(channel)s, %(payload)s) FROM (SELECT 1 FROM outbox
 # allows: consumers are idempotent). It takes an fsync off the path of every event.
 ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
 
-# published_at is the time of the broker's confirm (taken by the pump), not of this update.
+# published_at is the time of the broker's confirm (taken by the pump), not of this update. The marks return the
+# rows they changed: only those made the transition (a claim lost meanwhile is not this claimer's to log).
 MARK_PUBLISHED = """
 UPDATE outbox o
 SET status = 'published', published_at = m.published_at, claim_expires_at = NULL, last_error = NULL
 FROM unnest(%(ids)s::bigint[], %(published_at)s::timestamptz[]) AS m(id, published_at)
 WHERE o.id = m.id AND o.status = 'running' AND o.claimed_by = %(claimed_by)s
+RETURNING o.id
 """
 
 MARK_RETRYABLE = """
@@ -109,13 +121,15 @@ UPDATE outbox
 SET status = 'retryable', claim_expires_at = NULL, claimed_by = NULL, last_error = %(error)s,
     next_retry_at = now() + make_interval(secs => %(delay_s)s)
 WHERE id = %(id)s AND status = 'running' AND claimed_by = %(claimed_by)s
+RETURNING id, next_retry_at
 """
 
 MARK_DEAD_LETTER = """
 UPDATE outbox
 SET status = 'dead_letter', claim_expires_at = NULL, claimed_by = NULL, last_error = %(error)s,
-    dead_lettered_at = now()
+    last_error_class = %(error_class)s, dead_lettered_at = now()
 WHERE id = %(id)s AND status = 'running' AND claimed_by = %(claimed_by)s
+RETURNING id
 """
 
 # Later events of a just-published key became claimable: wake the pumps, but only if there are any.
@@ -131,6 +145,7 @@ UPDATE outbox
 SET status = 'queued', attempts = greatest(attempts - 1, 0), claim_expires_at = NULL, claimed_by = NULL,
     next_retry_at = now()
 WHERE id = ANY(%(ids)s) AND status = 'running' AND claimed_by = %(claimed_by)s
+RETURNING id, attempts
 """
 
 DELETE_PUBLISHED_BEFORE = """
@@ -149,17 +164,26 @@ GROUP BY status
 
 LIST_DEAD_LETTERS = """
 SELECT id, event_id, exchange, routing_key, message_type, tenant_id, attempts, max_attempts,
-       last_error, created_at, dead_lettered_at
+       last_error_class, last_error, created_at, dead_lettered_at
 FROM outbox WHERE status = 'dead_letter'
 ORDER BY id
 LIMIT %(limit)s
 """
 
-# Explicit, operator-driven replay only (rulebook: no automatic dead-letter replay).
+# Explicit, operator-driven replay only (rulebook: no automatic dead-letter replay), in one transaction: the rows
+# asked about (the named ids, or every dead letter), locked, for state.plan_replay to decide; then the reset of
+# the ids it chose (still dead letters), returned for the transition log.
+REPLAY_CANDIDATES = """
+SELECT id, status, attempts, last_error_class, left(last_error, 400) AS last_error
+FROM outbox
+WHERE CASE WHEN %(all)s THEN status = 'dead_letter' ELSE id = ANY(%(ids)s::bigint[]) END
+ORDER BY id
+FOR UPDATE
+"""
 REPLAY_DEAD_LETTERS = """
 UPDATE outbox
 SET status = 'queued', attempts = 0, next_retry_at = now(), dead_lettered_at = NULL,
-    last_error = 'replayed by operator: ' || coalesce(last_error, '')
-WHERE status = 'dead_letter' AND (%(all)s OR id = ANY(%(ids)s))
-RETURNING id
+    last_error = 'replayed by operator: ' || coalesce(last_error, ''), last_error_class = NULL
+WHERE status = 'dead_letter' AND id = ANY(%(ids)s::bigint[])
+RETURNING id, event_id, tenant_id, exchange, routing_key, ordering_key, message_type, attempts, max_attempts
 """

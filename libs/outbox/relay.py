@@ -35,7 +35,15 @@ from libs.db.tx import pipelined_transaction
 from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
 from libs.outbox import queries as q
-from libs.outbox.state import FailureKind, after_failure
+from libs.outbox.state import (
+    TRANSITION_EVENT,
+    FailureKind,
+    FailureOutcome,
+    after_failure,
+    broker_failure_kind,
+    error_summary,
+    transition_fields,
+)
 from libs.outbox.writer import NOTIFY_CHANNEL, PRIORITY_WAKE
 from libs.telemetry import metrics, tracing
 
@@ -58,6 +66,23 @@ class ClaimedEvent:
     max_attempts: int
     created_at: datetime
     priority: int = 0
+    previous_status: str = "queued"  # before the claim: queued or retryable
+
+
+def event_source(event: ClaimedEvent) -> dict[str, object]:
+    """The source fields of a claimed row's transition log lines (state.SOURCE_FIELDS)."""
+    return {"outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
+            "exchange": event.exchange, "routing_key": event.routing_key, "ordering_key": event.ordering_key,
+            "message_type": event.message_type, "attempt": event.attempts, "max_attempts": event.max_attempts}
+
+
+def log_claimed(events: Sequence[ClaimedEvent], owner: str) -> None:
+    """One transition line per claimed row (queued or retryable -> running), from what the claim returned."""
+    if not log.isEnabledFor(logging.INFO):  # the per-row fields cost more than the line when it is dropped
+        return
+    for event in events:
+        log.info(TRANSITION_EVENT, extra=transition_fields("claimed", event.previous_status, "running", owner=owner,
+                                                           source=event_source(event)))
 
 
 class PublishError(Exception):
@@ -169,8 +194,8 @@ class AmqpPublisher:
             # replays from the database on reconnect), not an error.
             await underlay.basic_publish(event.payload, exchange=exchange.name, routing_key=event.routing_key,
                                          properties=properties, mandatory=False, timeout=self._timeout)
-        except aio_pika.exceptions.DeliveryError as exc:
-            raise PublishError("transient", f"broker refused the message: {exc}") from exc
+        except aio_pika.exceptions.DeliveryError as exc:  # a nack (transient), or the message returned (permanent)
+            raise PublishError(broker_failure_kind(exc), f"broker refused the message: {exc}") from exc
         except TimeoutError as exc:
             raise PublishError("transient", "no publisher confirm before the timeout") from exc
         except Exception as exc:  # connection and channel failures of any kind: retry later
@@ -239,43 +264,76 @@ class OutboxRelay:
         by_id = {e.id: e for e in batch}
         published = {i: at for i, (o, at) in outcomes.items() if o == "published"}
         unattempted = [e.id for e in batch if outcomes.get(e.id, ("unattempted", None))[0] == "unattempted"]
-        async with self._pool.connection() as conn, pipelined_transaction(conn):
-            await conn.execute(q.ASYNC_COMMIT)
-            if keys:
-                await conn.execute(q.NOTIFY_IF_SUCCESSORS, {"channel": NOTIFY_CHANNEL, "keys": keys})
-            if published:
-                await conn.execute(q.MARK_PUBLISHED, {"ids": list(published), "published_at": list(published.values()),
-                                                      "claimed_by": self.claimed_by})
-            if unattempted:
-                await conn.execute(q.RELEASE_UNATTEMPTED, {"ids": unattempted, "claimed_by": self.claimed_by})
-            for event_id, (outcome, exc) in outcomes.items():
-                if outcome != "failed":
-                    continue
-                event = by_id[event_id]
-                decision = after_failure(
-                    attempts=event.attempts, max_attempts=event.max_attempts, kind=exc.kind, error=str(exc),
-                    base_ms=self._backoff_base_ms, max_ms=self._backoff_max_ms)
-                metrics.outbox_publish_failed_count.inc(exchange=event.exchange)
-                if decision.status == "dead_letter":
-                    metrics.outbox_dead_letter_count.inc()
-                    await conn.execute(q.MARK_DEAD_LETTER, {"id": event.id, "error": decision.reason,
-                                                            "claimed_by": self.claimed_by})
-                    log.error("outbox event dead-lettered", extra={
-                        "outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
-                        "attempts": event.attempts, "reason": decision.reason[:300]})
-                else:
-                    await conn.execute(q.MARK_RETRYABLE, {"id": event.id, "error": decision.reason,
-                                                          "delay_s": decision.delay_ms / 1000,
-                                                          "claimed_by": self.claimed_by})
-                    log.warning("outbox publish failed, will retry", extra={
-                        "outbox_id": event.id, "event_id": str(event.event_id), "tenant_id": event.tenant_id,
-                        "attempts": event.attempts, "retry_in_ms": decision.delay_ms,
-                        "error": decision.reason[:300]})
+        marked = released = None
+        failures: list[tuple[ClaimedEvent, FailureOutcome, PublishError, AsyncCursor[dict[str, Any]]]] = []
+        async with self._pool.connection() as conn:
+            async with pipelined_transaction(conn):
+                await conn.execute(q.ASYNC_COMMIT)
+                if keys:
+                    await conn.execute(q.NOTIFY_IF_SUCCESSORS, {"channel": NOTIFY_CHANNEL, "keys": keys})
+                if published:
+                    marked = await conn.execute(q.MARK_PUBLISHED, {
+                        "ids": list(published), "published_at": list(published.values()),
+                        "claimed_by": self.claimed_by})
+                if unattempted:
+                    released = await conn.execute(q.RELEASE_UNATTEMPTED, {"ids": unattempted,
+                                                                          "claimed_by": self.claimed_by})
+                for event_id, (outcome, exc) in outcomes.items():
+                    if outcome != "failed":
+                        continue
+                    event = by_id[event_id]
+                    decision = after_failure(
+                        attempts=event.attempts, max_attempts=event.max_attempts, kind=exc.kind, error=str(exc),
+                        base_ms=self._backoff_base_ms, max_ms=self._backoff_max_ms)
+                    metrics.outbox_publish_failed_count.inc(exchange=event.exchange)
+                    if decision.status == "dead_letter":
+                        metrics.outbox_dead_letter_count.inc()
+                        cur = await conn.execute(q.MARK_DEAD_LETTER, {
+                            "id": event.id, "error": decision.reason, "error_class": decision.error_class,
+                            "claimed_by": self.claimed_by})
+                    else:
+                        cur = await conn.execute(q.MARK_RETRYABLE, {"id": event.id, "error": decision.reason,
+                                                                    "delay_s": decision.delay_ms / 1000,
+                                                                    "claimed_by": self.claimed_by})
+                    failures.append((event, decision, exc, cur))
+            # Committed: the rows the marks changed (a row they did not match was no longer this claimer's).
+            published_ids = [int(r["id"]) for r in await marked.fetchall()] if marked is not None else []
+            released_rows = await released.fetchall() if released is not None else []
+            failed = [(event, decision, exc, mark) for event, decision, exc, cur in failures
+                      if (mark := await cur.fetchone()) is not None]
+        self._log_outcomes(by_id, published, published_ids, released_rows, failed)
         for event_id, confirmed_at in published.items():
             event = by_id[event_id]
             metrics.outbox_published_count.inc(exchange=event.exchange)
             metrics.outbox_commit_to_publish_ms.observe((confirmed_at - event.created_at).total_seconds() * 1000)
         self.published_total += len(published)
+
+    def _log_outcomes(self, by_id: dict[int, ClaimedEvent], published: dict[int, datetime], published_ids: list[int],
+                      released: list[dict[str, Any]],
+                      failed: list[tuple[ClaimedEvent, FailureOutcome, PublishError, dict[str, Any]]]) -> None:
+        """One transition line per row a mark changed, from the rows the marks returned."""
+        owner = self.claimed_by
+        if log.isEnabledFor(logging.INFO):
+            for outbox_id in published_ids:
+                log.info(TRANSITION_EVENT, extra=transition_fields(
+                    "published", "running", "published", owner=owner, source=event_source(by_id[outbox_id]),
+                    published_at=published[outbox_id].isoformat()))
+        for row in released:
+            log.info(TRANSITION_EVENT, extra=transition_fields(
+                "released", "running", "queued", owner=owner, source=event_source(by_id[row["id"]]),
+                attempts_after_release=row["attempts"],  # the claim's attempt given back: nothing was tried
+                reason="not attempted (an earlier event of its key failed, or the claimer stopped)"))
+        for event, decision, exc, mark in failed:
+            error_type, error = error_summary(exc)
+            if decision.status == "dead_letter":
+                log.error(TRANSITION_EVENT, extra=transition_fields(
+                    "dead_lettered", "running", "dead_letter", owner=owner, source=event_source(event),
+                    error_class=decision.error_class, error_type=error_type, error=error))
+            else:
+                log.warning(TRANSITION_EVENT, extra=transition_fields(
+                    "retry_scheduled", "running", "retryable", owner=owner, source=event_source(event),
+                    next_retry_at=mark["next_retry_at"].isoformat(), retry_in_ms=decision.delay_ms,
+                    error_class=decision.error_class, error_type=error_type, error=error))
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,9 +341,12 @@ class OwnClaim:
     """A writer's claim on its own just-written rows, read once the writing transaction committed."""
 
     cursor: AsyncCursor[dict[str, Any]]
+    claimed_by: str = ""
 
     async def events(self) -> list[ClaimedEvent]:
-        return [ClaimedEvent(**row) for row in await self.cursor.fetchall()]
+        events = [ClaimedEvent(**row) for row in await self.cursor.fetchall()]
+        log_claimed(events, self.claimed_by)
+        return events
 
 
 async def claim_own(conn: Conn, event_ids: Sequence[uuid.UUID], *, claimed_by: str, lease_seconds: float,
@@ -302,4 +363,4 @@ async def claim_own(conn: Conn, event_ids: Sequence[uuid.UUID], *, claimed_by: s
     if notify_rest:
         await conn.execute(q.NOTIFY_IF_UNCLAIMED, {"event_ids": list(event_ids), "channel": NOTIFY_CHANNEL,
                                                    "payload": PRIORITY_WAKE})
-    return OwnClaim(cursor)
+    return OwnClaim(cursor, claimed_by)
