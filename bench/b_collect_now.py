@@ -6,21 +6,24 @@ dispatch (woken by NOTIFY; it publishes its own high event after its commit, or 
 idle, and with 50 simulated clients connected and working through a 10,000-task normal backlog.
 
     .venv/bin/python -m bench collect_now            (--quick for a smoke run)
+    .venv/bin/python -m bench collect_now --tracing  (every service traces 100% into a local trace sink)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aio_pika
 import aiohttp
@@ -33,7 +36,7 @@ from libs.db.pool import connect
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
 from libs.mq.topology import Topology
-from tests.support.procs import die_with_parent
+from tests.support.procs import die_with_parent, free_port
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 
 JWT_SECRET = "bench-collect-now-gateway-secret-0123456789"
@@ -197,15 +200,42 @@ async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
         f"#{n} {total:.1f}: " + " / ".join(f"{span:.1f}" for span in spans) for total, n, spans in slowest), flush=True)
 
 
-async def _scenario(name: str, *, clicks: int, load: bool) -> None:
+async def _scenario(name: str, *, clicks: int, load: bool, tracing: bool = False) -> None:
     async with bench_environment(shards=16) as base:
         settings = replace(base, gateway_jwt_secret=JWT_SECRET)
         print(f"  {name}: preparing data", flush=True)
         world = await _prepare(settings, clicks=clicks, load=load)
         print(f"  {name}: starting {', '.join(DISPATCH_SERVICES)}", flush=True)
         with tempfile.TemporaryDirectory() as logs:
-            async with running_stack(settings, Path(logs), DB_POOL_MAX=6) as stack:
-                await _run_scenario(name, stack, world, clicks=clicks, load=load)
+            async with contextlib.AsyncExitStack() as tracing_sink:
+                env: dict[str, str | int] = {}
+                if tracing:
+                    endpoint, spans = await tracing_sink.enter_async_context(_trace_sink(Path(logs)))
+                    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                           "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
+                async with running_stack(settings, Path(logs), DB_POOL_MAX=6, **cast(dict[str, Any], env)) as stack:
+                    await _run_scenario(name, stack, world, clicks=clicks, load=load)
+                if tracing:  # the services flushed their spans on the way out
+                    lines = len(spans.read_text().splitlines()) if spans.exists() else 0
+                    print(f"  {name}: tracing on (every request, OTLP/HTTP, default batching) into a local sink "
+                          f"process: {lines} spans", flush=True)
+
+
+@contextlib.asynccontextmanager
+async def _trace_sink(folder: Path) -> AsyncIterator[tuple[str, Path]]:
+    """`python -m tools.trace_sink` in its own process, as a collector runs beside the services; its OTLP
+    endpoint and the file it writes."""
+    port, out = free_port(), folder / "traces.jsonl"
+    sink = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tools.trace_sink", "--port", str(port), "--out", str(out),
+        stdout=asyncio.subprocess.PIPE, preexec_fn=die_with_parent)
+    try:
+        assert sink.stdout is not None
+        await asyncio.wait_for(sink.stdout.readline(), 30)  # its "listening" line
+        yield f"http://127.0.0.1:{port}", out
+    finally:
+        sink.terminate()
+        await sink.wait()
 
 
 async def _start_fleet(stack: Stack, world: dict[str, Any]) -> asyncio.subprocess.Process:
@@ -281,5 +311,6 @@ async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, click
 
 async def run(args: argparse.Namespace) -> None:
     clicks = 15 if args.quick else 100
-    await _scenario("idle", clicks=clicks, load=False)
-    await _scenario("50 clients + 10k backlog", clicks=clicks, load=True)
+    tracing = bool(getattr(args, "tracing", False))
+    await _scenario("idle", clicks=clicks, load=False, tracing=tracing)
+    await _scenario("50 clients + 10k backlog", clicks=clicks, load=True, tracing=tracing)
