@@ -1,4 +1,4 @@
-"""Typed configuration from the environment (12-factor), defaults of DESIGN.md §6."""
+"""Typed configuration from the environment (12-factor), defaults of docs/architecture.md, Interfaces."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ class Settings:
     projection_sweep_interval_ms: int = 1000
     projection_claim_lease_seconds: float = 30.0
     projection_max_attempts: int = 10
-    # merge mode while the coordinator reports auto slow-down (seed §12.4): every window, batches of at most
+    # merge mode while the coordinator reports auto slow-down (§12.4): every window, batches of at most
     # this many keys, one transaction each, until the queue is drained
     projection_merge_window_ms: int = 5000
     projection_merge_batch: int = 200

@@ -1,5 +1,5 @@
 """What the active dispatch-coordinator publishes in `dispatch_coordinator_state` (auto slow-down of
-seed §12.4, the leader), read by `explain`, `monitorctl status` and the projection-worker's merge mode.
+docs/architecture.md §12.4, the leader), read by `explain`, `monitorctl status` and the projection-worker's merge mode.
 
 An entry the coordinator stopped refreshing (no leader, or it is stuck) is treated as not active.
 """

@@ -13,7 +13,7 @@ from typing import Any
 from libs.auth import hash_token, new_client_token
 from libs.db.pool import Conn
 
-# Interrupt soft / hard timeouts per platform (seed §10.5), in milliseconds.
+# Interrupt soft / hard timeouts per platform (docs/architecture.md §10.5), in milliseconds.
 PLATFORM_INTERRUPT_TIMEOUTS_MS: dict[str, tuple[int, int]] = {
     "openai": (15_000, 45_000),
     "gemini": (30_000, 90_000),
@@ -114,7 +114,7 @@ async def seed_demo(
     platforms: Sequence[str] = ("openai", "gemini", "perplexity"), due: bool = True,
     keywords_per_brand: int = 1, time_zone: str = "UTC",
 ) -> dict[str, Any]:
-    """Create demo data in one transaction and return the DESIGN.md §6 `seed-demo --json` shape.
+    """Create demo data in one transaction and return the `seed-demo --json` shape (docs/architecture.md, Interfaces).
 
     Plans (one per question x platform) are due now when `due`, else at the next midnight UTC.
     Each tenant uses workspace_id = user_id = tenant_id (there is no users table here).

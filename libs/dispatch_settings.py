@@ -24,16 +24,16 @@ LANES = ("high", "normal", "normal_boosted", "retry")
 
 @dataclass(frozen=True, slots=True)
 class DispatchSettings:
-    # Budgets (seed §9.2)
+    # Budgets (docs/architecture.md §9.2)
     cluster_dispatch_per_minute: int = 300
     tenant_dispatch_per_minute: int = 30
-    # Share of dispatches kept for normal work while high is busy (seed §9.3: 10-20%).
+    # Share of dispatches kept for normal work while high is busy (§9.3: 10-20%).
     normal_background_share: float = 0.15
-    # Length of a budget window (seed: one minute); the budgets above are per window.
+    # Length of a budget window (§9.2: one minute); the budgets above are per window.
     budget_window_seconds: int = 60
     # Share of each window's cluster budget only high work may use (collect-now headroom).
     high_reserved_share: float = 0.10
-    # Retry lane enters only while high and the tenant's normal backlog are at or below this (seed §9.3).
+    # Retry lane enters only while high and the tenant's normal backlog are at or below this (§9.3).
     retry_low_watermark: int = 100
     # Coordinator pacing: executions per dispatch transaction, plans per scanner batch, safety-net tick.
     dispatch_batch_size: int = 500
@@ -43,13 +43,13 @@ class DispatchSettings:
     # shares one pass instead of a pass each (high work never waits for it).
     dispatch_min_interval_ms: int = 100
     paused_lanes: tuple[str, ...] = ()
-    # Auto slow-down thresholds (seed §12.4)
+    # Auto slow-down thresholds (§12.4)
     auto_slowdown_enabled: bool = True
     ingest_lag_threshold_ms: int = 30_000
     projection_lag_threshold_ms: int = 60_000
     db_write_p95_threshold_ms: int = 500
     conflict_rate_threshold: float = 0.05
-    # Aging (seed §9.4)
+    # Aging (§9.4)
     aging_interval_seconds: int = 30
     aging_fraction: float = 0.10
     aging_cap: int = 900
@@ -58,7 +58,7 @@ class DispatchSettings:
     lease_ttl_seconds: int = 120
     heartbeat_timeout_seconds: int = 30
     unknown_grace_seconds: int = 120
-    # Collect-now (seed §10.6, §15.3)
+    # Collect-now (§10.6, §15.3)
     request_ttl_seconds: int = 300
     request_no_dispatch_warn_seconds: int = 30
     idempotency_window_seconds: int = 300
@@ -66,7 +66,7 @@ class DispatchSettings:
     max_requests_per_user_per_hour: int = 20
     # The most business tasks (questions x platforms of the day) one collect-now may promote; larger is refused.
     collect_now_max_scope_tasks: int = 500
-    # Phase 2 rollout (seed §16.2.2): tenant_id % 100 < rollout_percentage -> desktop_tasks
+    # Phase 2 rollout (§16.2.2): tenant_id % 100 < rollout_percentage -> desktop_tasks
     rollout_percentage: int = 100
     reconcile_interval_seconds: int = 300
     # Interrupt timeouts from measured safe points (libs/domain/safe_points.py): the P95's window, how often a
@@ -74,7 +74,7 @@ class DispatchSettings:
     safe_point_window_days: int = 7
     interrupt_tuning_interval_seconds: int = 604_800
     safe_point_min_samples: int = 100
-    # Ceilings (seed §9.2, the circuit-breaker column): no budget or limit can be set above its ceiling, and a
+    # Ceilings (§9.2, the circuit-breaker column): no budget or limit can be set above its ceiling, and a
     # ceiling changes only through its own command (`monitorctl budgets set-ceiling`), never by `budgets set`.
     cluster_dispatch_per_minute_ceiling: int = 500
     tenant_dispatch_per_minute_ceiling: int = 60

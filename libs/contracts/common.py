@@ -17,7 +17,7 @@ ExecutionStatus = Literal["queued", "in_progress", "succeeded", "failed", "abort
 ExecutionPhase = Literal[
     "PREPARING", "NAVIGATING", "AUTHENTICATING", "INPUTTING", "SUBMITTING", "WAITING", "PARSING", "POSTING"
 ]
-# Seed §14.2: "not really started" means exactly these phases.
+# docs/architecture.md §14.2: "not really started" means exactly these phases.
 NOT_STARTED_PHASES: frozenset[str] = frozenset({"PREPARING", "NAVIGATING"})
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)]

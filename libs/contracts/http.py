@@ -1,4 +1,4 @@
-"""HTTP bodies: tenant API (seed §13.1, §13.5) and desktop API (DESIGN.md §6)."""
+"""HTTP bodies: tenant API (§13.1, §13.5) and desktop API (docs/architecture.md, Interfaces)."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ class LeaseResponse(msgspec.Struct, kw_only=True):
 class ExtendRequest(msgspec.Struct, kw_only=True):
     lease_token: Token
     execution_phase: ExecutionPhase | None = None
-    # Milliseconds since the previous safe point (seed §10.4), reported for §10.5 tuning.
+    # Milliseconds since the previous safe point (docs/architecture.md §10.4), reported for §10.5 tuning.
     safe_point_interval_ms: NonNegativeInt | None = None
 
 

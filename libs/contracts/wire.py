@@ -1,4 +1,4 @@
-"""Events on the WebSocket and on `desktop.task.dispatch` (seed §13.2, §13.3), plus hello/heartbeat.
+"""Events on the WebSocket and on `desktop.task.dispatch` (docs/architecture.md §13.2, §13.3), plus hello/heartbeat.
 
 The hub forwards dispatch messages to the socket unchanged, so one set of Structs serves both.
 """

@@ -1,4 +1,4 @@
-"""Aging of ready normal work (seed §9.4): percentile trigger plus logarithmic boost, capped at +900.
+"""Aging of ready normal work (docs/architecture.md §9.4): percentile trigger plus logarithmic boost, capped at +900.
 
 Every `aging_interval_seconds` the oldest `aging_fraction` (10%) of ready normal / normal_boosted
 tasks by enqueued_at get `int(50 * log2(1 + wait_min / 5))` more priority and move to normal_boosted.
@@ -19,9 +19,9 @@ _LANE_SHIFT = lane_spec("monitor", "normal_boosted").min_priority - lane_spec("m
 
 
 def aging_boost(wait_minutes: float) -> int:
-    """The seed's agingBoost formula: 5 min +50, 10 min +79, 30 min +140, 60 min +185, 120 min +232.
+    """The agingBoost formula of §9.4: 5 min +50, 10 min +79, 30 min +140, 60 min +185, 120 min +232.
 
-    (The seed's comment lists smaller figures; the formula is what is specified and implemented.)
+    (The specification's example lists smaller figures; the formula is what is specified and implemented.)
     """
     if wait_minutes <= 0:
         return 0

@@ -1,4 +1,4 @@
-"""Budgeted dispatch (seed §9.2, §9.3): the decision tree, lane rules, client choice and tenant fairness.
+"""Budgeted dispatch (§9.2, §9.3): the decision tree, lane rules, client choice and tenant fairness.
 
 Everything here is pure: the coordinator reads one snapshot per pass (budgets used in the current
 window, online clients with their load, active executions per (tenant, platform)), asks `plan_pass`
@@ -56,7 +56,7 @@ RejectReason = Literal[
     "no_eligible_client", "client_has_high", "client_interrupt_overdue", "lane_paused", "auto_slowdown",
     "platform_paused", "retry_waits_for_low_water", "platform_unhealthy", "tenant_platform_paused",
 ]
-# Reasons in decision-tree order (the seed's five), then the lane rules.
+# Reasons in decision-tree order (the five of §9.2), then the lane rules.
 TREE_REASONS: tuple[RejectReason, ...] = (
     "cluster_budget", "tenant_budget", "client_concurrency", "client_queue_depth", "platform_concurrency")
 # What the rejection matrix says each reason waits for.

@@ -1,4 +1,4 @@
-"""Lanes, weights and priority ranges (seed §7.3): ORDER BY lane_weight DESC, priority DESC, enqueued_at ASC."""
+"""Lanes, weights and priority ranges (§7.3): ORDER BY lane_weight DESC, priority DESC, enqueued_at ASC."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ MONITOR_LANE_WEIGHT: dict[str, int] = {s.lane: s.weight for s in LANE_SPECS if s
 HIGH_PRIORITY = 5000
 NORMAL_PRIORITY = 100
 RETRY_PRIORITY = 50
-# Aging never lifts a normal task past this (seed §9.4: +900 cap keeps it below the high range).
+# Aging never lifts a normal task past this (§9.4: +900 cap keeps it below the high range).
 AGING_CAP = 900
 
 

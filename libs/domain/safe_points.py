@@ -1,4 +1,4 @@
-"""Interrupt timeouts from measured safe points (the seed's adaptive timeout policy).
+"""Interrupt timeouts from measured safe points (the adaptive timeout policy of docs/architecture.md §10.5).
 
 A desktop may only yield at safe points (before opening the page, before typing, before submitting, after the
 raw answer, at the end), so how long an interrupt takes depends on how far apart a platform's safe points are.

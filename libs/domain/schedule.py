@@ -1,4 +1,4 @@
-"""Schedule scanner rules (seed §9.1, §16.2.2): which occurrence a due plan produces, for which
+"""Schedule scanner rules (docs/architecture.md §9.1, §16.2.2): which occurrence a due plan produces, for which
 business date, and which execution path owns the new business task."""
 
 from __future__ import annotations

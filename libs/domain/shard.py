@@ -1,4 +1,4 @@
-"""Result shards (seed §12.2): shard = stable_hash(tenant_id, brand_id, business_date) % N."""
+"""Result shards (docs/architecture.md §12.2): shard = stable_hash(tenant_id, brand_id, business_date) % N."""
 
 from __future__ import annotations
 

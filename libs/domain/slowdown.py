@@ -1,4 +1,4 @@
-"""Auto slow-down of the write path (seed §12.4): pause normal dispatch, keep high, resume when healthy.
+"""Auto slow-down of the write path (docs/architecture.md §12.4): pause normal dispatch, keep high, resume when healthy.
 
 Signals: ingest lag (age of the oldest result received but not applied), projection lag (age of the
 oldest pending projection rebuild), p95 latency of the coordinator's own write transactions and the

@@ -1,2 +1,2 @@
-"""Pure result-ingest logic (seed §12): citation fingerprints, run upsert rule, request progress,
+"""Pure result-ingest logic (docs/architecture.md §12): citation fingerprints, run upsert rule, request progress,
 projection aggregate definitions and shard spreading. No I/O here except `lag.py`'s readers."""

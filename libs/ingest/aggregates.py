@@ -1,4 +1,4 @@
-"""Daily projections of seed §12.1, defined once here (the projection worker's SQL implements the same).
+"""Daily projections of docs/architecture.md §12.1, defined once here (the projection worker's SQL implements the same).
 
 Both `monitoring_brand_daily` (key tenant_id, brand_id, business_date) and
 `monitoring_brand_platform_daily` (the same key plus ai_platform_id) are recomputed from the raw

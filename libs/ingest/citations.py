@@ -1,4 +1,4 @@
-"""Citation parsing: URL normalisation, fingerprints (seed §12.3 `citation_fingerprint`) and domains."""
+"""Citation parsing: URL normalisation, fingerprints (docs/architecture.md §12.3 `citation_fingerprint`) and domains."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Collect-now request progress (seed §7.4): counts move when a business task reaches a terminal state."""
+"""Collect-now request progress (§7.4): counts move when a business task reaches a terminal state."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The success-priority rule of seed §12.3 for `question_monitor_runs`, as plain functions.
+"""The success-priority rule of docs/architecture.md §12.3 for `question_monitor_runs`, as plain functions.
 
 The SQL upsert applies the same rule (`... DO UPDATE ... WHERE question_monitor_runs.status = 'failed'
 OR EXCLUDED.status = 'succeeded'`); folding a batch with `fold_latest_effective` first gives the same

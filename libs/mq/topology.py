@@ -1,4 +1,4 @@
-"""RabbitMQ topology of DESIGN.md §5, declared idempotently at start-up.
+"""RabbitMQ topology of docs/architecture.md §11, declared idempotently at start-up.
 
 Every name goes through `Topology` so tests can isolate themselves with a unique prefix.
 """

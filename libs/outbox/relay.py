@@ -4,7 +4,7 @@ each outcome (published, retryable, dead letter, released) under the claimer's n
 The pump (libs/outbox/pump.py) claims rows and hands them to its relay. A writer whose events are on a
 latency-critical path (the dispatch coordinator's high TaskAvailable) may also claim its own rows in the
 writing transaction (`claim_own`) and relay them right after its commit, saving the NOTIFY -> pump -> claim
-hop. Same state machine and rules as the pump (seed 003): the claim is an atomic UPDATE with a lease, it
+hop. Same state machine and rules as the pump (the outbox rulebook): the claim is an atomic UPDATE with a lease, it
 counts the attempt, per-key order holds (a row is claimed only when no earlier unfinished row of its key
 exists outside the claimer's own batch), and a claimer that dies after its commit leaves running rows whose
 lease expires, which any pump then reclaims and publishes.

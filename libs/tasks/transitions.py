@@ -1,4 +1,4 @@
-"""Shared state transitions (seed §7.1 write matrix, §8). Each runs inside the caller's transaction.
+"""Shared state transitions (docs/architecture.md §7.1 write matrix, §8). Each runs inside the caller's transaction.
 
 Semantics every service relies on:
 - `dispatch_attempts` is counted by the coordinator at dispatch; a preemption yield (or a queued
@@ -282,7 +282,7 @@ async def emit_lifecycle(conn: Conn, event: LifecycleKind, *, tenant_id: int, cl
     await enqueue(conn, exchange=LIFECYCLE, routing_key=event, message=message, tenant_id=tenant_id, notify=notify)
 
 
-# An eligible client for dispatch (seed §10.6): online with a heartbeat in the last N seconds.
+# An eligible client for dispatch (§10.6): online with a heartbeat in the last N seconds.
 ELIGIBLE_CLIENT_SQL = (
     "c.online AND c.disabled_at IS NULL "
     "AND c.last_heartbeat_at > now() - make_interval(secs => %(heartbeat_timeout_s)s)"

@@ -1,6 +1,6 @@
-"""Every metric of seed §15.1, under the seed's exact names, plus the ones each service adds.
+"""Every metric of docs/architecture.md §15.1, under its exact names, plus the ones each service adds.
 
-prometheus_client renames counters to `<name>_total`; the seed's alert rules use the bare
+prometheus_client renames counters to `<name>_total`; the §15.2 alert rules use the bare
 names, so counters here are `ExactCounter`s that keep the name as written (valid Prometheus
 text exposition: the `_total` suffix is a convention of OpenMetrics, not of format 0.0.4).
 """
@@ -138,7 +138,7 @@ def _hist(name: str, doc: str, labels: Sequence[str] = ()) -> Histogram:
     return Histogram(name, doc, labelnames=labels, buckets=LATENCY_BUCKETS_MS)
 
 
-# ---- seed §15.1, existing metrics -------------------------------------------------------------
+# ---- §15.1, existing metrics ------------------------------------------------------------------
 collect_now_accept_count = ExactCounter(
     "collect_now_accept_count", "Collect-now requests accepted (new requests, not idempotent replays).")
 collect_now_first_dispatch_latency_ms = _hist(
@@ -164,7 +164,7 @@ desktop_client_monitor_queue_depth = Gauge(
 monitoring_pg_write_qps = Gauge(
     "monitoring_pg_write_qps", "Rows written per second by result ingest.")
 
-# ---- seed §15.1, added in V1.1 ----------------------------------------------------------------
+# ---- §15.1, added in V1.1 ---------------------------------------------------------------------
 collect_now_preempt_induced_retry_count = ExactCounter(
     "collect_now_preempt_induced_retry_count", "Extra retries of scheduled tasks caused by preemption.")
 monitor_normal_starvation_age_p99 = Gauge(
@@ -240,7 +240,7 @@ reconciler_job_last_success_timestamp = Gauge(
     "reconciler_job_last_success_timestamp", "Unix time of the last successful run of each reconcile job.", ["job"])
 collect_request_no_dispatch_warning_count = ExactCounter(
     "collect_request_no_dispatch_warning_count",
-    "Collect-now requests still accepted without any dispatch after the warning delay (seed §10.6).")
+    "Collect-now requests still accepted without any dispatch after the warning delay (docs/architecture.md §10.6).")
 reconciler_migration_stalled_ready_tasks = Gauge(
     "reconciler_migration_stalled_ready_tasks",
     "desktop_tasks-owned ready tasks waiting longer than the reconcile interval without an execution.")
@@ -291,7 +291,7 @@ projection_rebuild_duration_ms = _hist("projection_rebuild_duration_ms", "Durati
 projection_queue_depth = Gauge("projection_queue_depth", "Rows waiting in projection_rebuild_queue.")
 projection_merge_mode_active = Gauge(
     "projection_merge_mode_active",
-    "1 while auto slow-down (seed §12.4) has the projection worker merge rebuilds into batches.")
+    "1 while auto slow-down (docs/architecture.md §12.4) has the projection worker merge rebuilds into batches.")
 projection_rebuild_deferred_count = ExactCounter(
     "projection_rebuild_deferred_count",
     "ProjectionRebuild events acked without a rebuild in merge mode (the queue row stays the request).")
@@ -303,7 +303,7 @@ dispatch_decisions_count = ExactCounter(
     "dispatch_decisions_count", "Executions created by the dispatch coordinator, by lane.", ["lane"])
 dispatch_pass_duration_ms = _hist("dispatch_pass_duration_ms", "Duration of one dispatch pass (ms).")
 dispatch_auto_slowdown_active = Gauge(
-    "dispatch_auto_slowdown_active", "1 while auto slow-down (seed §12.4) pauses normal and retry dispatch.")
+    "dispatch_auto_slowdown_active", "1 while auto slow-down (§12.4) pauses normal and retry dispatch.")
 dispatch_auto_slowdown_signal = Gauge(
     "dispatch_auto_slowdown_signal",
     "Auto slow-down inputs: ingest_lag_ms, projection_lag_ms, db_write_p95_ms, conflict_rate.", ["signal"])
@@ -313,4 +313,4 @@ dispatch_scanner_tasks_created_count = ExactCounter(
     "dispatch_scanner_tasks_created_count", "Business tasks created by the schedule scanner, by execution owner.",
     ["execution_owner"])
 dispatch_aging_boosted_count = ExactCounter(
-    "dispatch_aging_boosted_count", "Ready normal tasks boosted by aging (seed §9.4).")
+    "dispatch_aging_boosted_count", "Ready normal tasks boosted by aging (docs/architecture.md §9.4).")
