@@ -1,4 +1,4 @@
-"""HTTP handlers: gateway JWT auth, body decoding at the edge, JSON errors (DESIGN.md §6)."""
+"""HTTP handlers: gateway JWT auth, body decoding at the edge, JSON errors (docs/architecture.md, Interfaces)."""
 
 from __future__ import annotations
 

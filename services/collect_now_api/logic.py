@@ -1,4 +1,4 @@
-"""Pure decisions of collect-now: scope hash, target client choice (seed §10.6), rate limits (§15.3)."""
+"""Pure decisions of collect-now: scope hash, target client choice (docs/architecture.md §10.6), rate limits (§15.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Collect-now in one short transaction (contract 4, seed §17.1): no broker call, effects via the outbox."""
+"""Collect-now in one short transaction (contract 4, §17.1): no broker call, effects via the outbox."""
 
 from __future__ import annotations
 

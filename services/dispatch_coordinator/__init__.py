@@ -1,1 +1,1 @@
-"""dispatch-coordinator: schedule scanner, aging, budgeted dispatch by lane, auto slow-down (seed §9, §12.4)."""
+"""dispatch-coordinator: schedule scanner, aging, budgeted dispatch by lane, auto slow-down (§9, §12.4)."""

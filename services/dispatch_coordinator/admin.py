@@ -194,7 +194,7 @@ async def set_rollout(conn: Conn, percentage: int) -> int:
 
 
 async def emergency_rollback(conn: Conn, *, force_in_flight: bool) -> dict[str, Any]:
-    """Seed §16.2.3. Step 1 always: rollout to 0% (new tasks take the legacy path). With
+    """docs/architecture.md §16.2.3. Step 1 always: rollout to 0% (new tasks take the legacy path). With
     `force_in_flight`: abort every active monitor execution (clients told through TaskControl
     'cancelled') and hand pending desktop_tasks-path business tasks back to legacy, in one transaction."""
     async with conn.transaction():

@@ -1,4 +1,4 @@
-"""Periodic work of the leader besides dispatch: backlog metrics, aging (seed §9.4), auto slow-down (§12.4)."""
+"""Periodic work of the leader besides dispatch: backlog metrics, aging (§9.4), auto slow-down (§12.4)."""
 
 from __future__ import annotations
 

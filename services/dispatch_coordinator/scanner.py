@@ -1,4 +1,4 @@
-"""Schedule scanner (seed §9.1): due plans become business tasks in bounded batches, idempotently."""
+"""Schedule scanner (docs/architecture.md §9.1): due plans become business tasks in bounded batches, idempotently."""
 
 from __future__ import annotations
 

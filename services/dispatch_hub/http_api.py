@@ -1,4 +1,4 @@
-"""HTTP and WebSocket routes of the desktop API (DESIGN.md §6)."""
+"""HTTP and WebSocket routes of the desktop API (docs/architecture.md, Interfaces)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Desktop execution calls (DESIGN contracts 5-7): lease, extend, cancel / interrupt-ack, result.
+"""Desktop execution calls (contracts 5-7 of docs/architecture.md): lease, extend, cancel / interrupt-ack, result.
 
 Each function takes a pool, the authenticated client and a typed body, and returns a typed
 response or raises ApiError; the HTTP layer only decodes and encodes.

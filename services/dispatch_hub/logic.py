@@ -48,7 +48,7 @@ class LeaseState:
 
 
 def check_lease(state: LeaseState | None, *, caller: uuid.UUID, token: str) -> LeaseCheck:
-    """Fencing of DESIGN contract 5: token hash AND epoch AND in_progress AND the caller owns the task."""
+    """Fencing of contract 5: token hash AND epoch AND in_progress AND the caller owns the task."""
     if state is None or state.target_client_id != caller:
         return LeaseCheck.NOT_FOUND
     epoch = lease_token_epoch(token)
@@ -59,7 +59,7 @@ def check_lease(state: LeaseState | None, *, caller: uuid.UUID, token: str) -> L
 
 
 def is_stale_generation(callback_generation: int, task_generation: int) -> bool:
-    """Seed §10.2: a preempt callback older than the task's current generation is ignored."""
+    """docs/architecture.md §10.2: a preempt callback older than the task's current generation is ignored."""
     return callback_generation < task_generation
 
 

@@ -1,4 +1,4 @@
-"""The one direct publish of the system (DESIGN §5): result callbacks to `monitor.result` with confirms."""
+"""The one direct publish of the system (contract 7): result callbacks to `monitor.result` with confirms."""
 
 from __future__ import annotations
 

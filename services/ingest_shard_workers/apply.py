@@ -1,4 +1,4 @@
-"""Applying a batch of MonitorResults of one shard in one transaction (contract #8, seed §12).
+"""Applying a batch of MonitorResults of one shard in one transaction (contract #8, docs/architecture.md §12).
 
 The batch is applied with set-based statements but with the outcome of applying its results one
 by one in delivery order: redelivered result ids are skipped (ledger), the run of each business key

@@ -1,4 +1,4 @@
-"""ingest-shard-workers: applies MonitorResults from the shard queues, shard-serially (seed §12.2)."""
+"""ingest-shard-workers: applies MonitorResults from the shard queues, shard-serially (docs/architecture.md §12.2)."""
 
 from __future__ import annotations
 

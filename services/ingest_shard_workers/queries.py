@@ -25,7 +25,7 @@ ON CONFLICT (result_id) DO NOTHING
 RETURNING result_id
 """
 
-# Success-priority upsert (seed §12.3): new succeeded overwrites; new failed overwrites only failed.
+# Success-priority upsert (docs/architecture.md §12.3): new succeeded overwrites; new failed overwrites only failed.
 UPSERT_RUNS = """
 INSERT INTO question_monitor_runs AS q (
     tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,

@@ -1,7 +1,7 @@
 """projection-worker loops: ProjectionRebuild events (fast path) and a periodic sweep of the queue table
 (requests whose event was lost, keys requested again during a rebuild, abandoned claims).
 
-Merge mode (seed §12.4): while the dispatch-coordinator publishes auto slow-down, events are acked without
+Merge mode (§12.4): while the dispatch-coordinator publishes auto slow-down, events are acked without
 a rebuild (their queue rows stay the durable requests) and once per merge window the queued keys are
 rebuilt in batches of up to `merge_batch`, one transaction each, batch after batch while they come back
 full. When slow-down ends, per-event rebuilds resume and the sweep drains what is left. Sweep and merge

@@ -1,4 +1,4 @@
-"""Per-event rebuilds, or batch merging while the coordinator reports auto slow-down (seed §12.4)."""
+"""Per-event rebuilds, or batch merging while the coordinator reports auto slow-down (docs/architecture.md §12.4)."""
 
 from __future__ import annotations
 

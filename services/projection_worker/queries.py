@@ -192,7 +192,7 @@ SELECT count(*) AS depth,
 FROM projection_rebuild_queue
 """
 
-# ---- merge mode (auto slow-down, seed §12.4): many keys in one transaction ------------------------
+# ---- merge mode (auto slow-down, §12.4): many keys in one transaction ------------------------
 
 # REBUILD_KEY for an array of keys: every key's projections from one snapshot, in one statement. A key
 # without runs loses its rows, exactly as when rebuilt alone.

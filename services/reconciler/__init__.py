@@ -1,2 +1,2 @@
 """reconciler: expired leases, request TTLs, offline clients, interrupt hard timeouts, `unknown`
-convergence, business-day expiry and the §16.2.4 migration reconcile (DESIGN.md §2, §7)."""
+convergence, business-day expiry and the §16.2.4 migration reconcile (docs/architecture.md, Services; contract 9)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from services.reconciler.rules import parse_intervals
 
-# Seconds between runs of each short job (seed §8.2, §10.5, §10.6: "every few seconds").
+# Seconds between runs of each short job (docs/architecture.md §8.2, §10.5, §10.6: "every few seconds").
 # `migration_reconcile` follows dispatch_settings.reconcile_interval_seconds (§16.2.4) instead.
 DEFAULT_INTERVALS: dict[str, float] = {
     "expired_leases": 5.0,

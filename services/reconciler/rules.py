@@ -11,7 +11,7 @@ RequestFinal = Literal["succeeded", "partial", "failed"]
 
 @dataclass(frozen=True, slots=True)
 class UnknownEvidence:
-    """What the database says about an `unknown` execution (seed §8.2)."""
+    """What the database says about an `unknown` execution (docs/architecture.md §8.2)."""
 
     run_status: str | None  # status of the question_monitor_runs row written for this lease, if any
     lease_alive: bool  # lease_expires_at still in the future

@@ -53,7 +53,7 @@ class Job:
     description: str
     run: JobRun
     interval: IntervalOf
-    # Counted in `phase2_reconcile_fixed_count` (seed §15.1/§15.2: the §16.2.4 dual-path consistency
+    # Counted in `phase2_reconcile_fixed_count` (§15.1/§15.2: the §16.2.4 dual-path consistency
     # reconcile; its alert fires when 3 runs in a row fixed something). Routine repairs (a crashed
     # client's lease, a stale heartbeat) are not inconsistencies and only count per job.
     phase2_consistency: bool = False

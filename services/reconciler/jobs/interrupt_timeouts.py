@@ -1,4 +1,4 @@
-"""Job 4 — interrupt hard timeouts (seed §10.5 level 3).
+"""Job 4 — interrupt hard timeouts (docs/architecture.md §10.5 level 3).
 
 An in_progress execution asked to yield (`control_flags.interrupt_requested`) that is still running
 past its platform's `interrupt_hard_timeout_ms` (from `interrupted_at`):

@@ -1,4 +1,4 @@
-"""Job 3 — offline clients (seed §10.6, contract #9).
+"""Job 3 — offline clients (docs/architecture.md §10.6, contract #9).
 
 - `online` clients whose last heartbeat is older than `heartbeat_timeout_seconds` -> online=false,
   lifecycle `client.offline`.

@@ -1,4 +1,4 @@
-"""Job 2 — collect-request TTL (seed §10.6): requests nobody could serve in time end `timed_out`;
+"""Job 2 — collect-request TTL (docs/architecture.md §10.6): requests nobody could serve in time end `timed_out`;
 requests accepted without any dispatch for `request_no_dispatch_warn_seconds` raise a warning once.
 
 Decisions: `accepted` / `dispatching` requests past `ttl_expires_at` time out. A `running` request

@@ -1,4 +1,4 @@
-"""Job 5 — unknown executions (seed §8.2, contract #9).
+"""Job 5 — unknown executions (docs/architecture.md §8.2, contract #9).
 
 1. An in_progress execution whose result the hub accepted (`result_received_at`) but ingest has not
    applied after `unknown_grace_seconds` becomes `unknown` (still active: it blocks a second one).
