@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# One image for every service of the control plane (DESIGN.md §2). The process is chosen per
+# One image for every service of the control plane (docs/architecture.md, Services). The process is chosen per
 # container: docker-compose.yml `command:` / Kubernetes `command:` name a console script
 # (collect-now-api, dispatch-hub, dispatch-coordinator, outbox-pump, ingest-shard-workers,
 # projection-worker, reconciler, monitorctl, desktop-sim). No HEALTHCHECK here: liveness and
