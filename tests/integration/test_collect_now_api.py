@@ -1,4 +1,4 @@
-"""collect-now-api against real Postgres: contract 4 of the brief, seed §10, §13.1, §13.5, §15.3."""
+"""collect-now-api against real Postgres: contract 4, docs/architecture.md §10, §13.1, §13.5, §15.3."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""libs.demo.seed_demo and `monitorctl seed-demo` / `client create`: the DESIGN.md §6 shape, real rows."""
+"""libs.demo.seed_demo and `monitorctl seed-demo` / `client create`: the shape in docs/architecture.md, real rows."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""projection-worker merge mode (seed §12.4) against real Postgres and RabbitMQ: while the coordinator publishes
+"""projection-worker merge mode (§12.4) against real Postgres and RabbitMQ: while the coordinator publishes
 auto slow-down, events are acked without a rebuild and the queue is rebuilt in batches, one transaction each."""
 
 from __future__ import annotations

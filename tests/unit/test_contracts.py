@@ -1,4 +1,4 @@
-"""Contracts decode the seed's example bodies unchanged and reject bad input precisely."""
+"""Contracts decode the example bodies of docs/architecture.md §13 unchanged and reject bad input precisely."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from libs.contracts.http import (
 )
 from libs.contracts.wire import Heartbeat, ServerEvent, TaskAvailable, TaskControl, client_message_decoder
 
-# The seed's example bodies (shared/examples), vendored as test vectors.
+# The example bodies of docs/architecture.md §13, kept as test vectors.
 EXAMPLES = Path(__file__).resolve().parents[1] / "vectors"
 
 VECTORS = [

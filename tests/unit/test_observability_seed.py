@@ -1,5 +1,5 @@
-"""Seed §15.1 metrics and §15.2 alerts: every metric is registered and exposed under its exact name,
-every alert exists in the PrometheusRule with the seed's metric / aggregation / window / threshold /
+"""docs/architecture.md §15.1 metrics and §15.2 alerts: every metric is registered and exposed under its exact name,
+every alert exists in the PrometheusRule with the §15.2 metric / aggregation / window / threshold /
 duration, and every metric a rule or a dashboard panel queries is one the services expose."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from libs.telemetry.metrics import exposition as render_exposition
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s" / "base"
 
-# Seed §15.1, every metric with its type and the labels alerts and dashboards group by.
+# docs/architecture.md §15.1, every metric with its type and the labels alerts and dashboards group by.
 SEED_15_1_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     # existing metrics
     "collect_now_accept_count": ("counter", ()),
@@ -71,7 +71,7 @@ def runs_pattern(counter: str) -> str:
 FIXED = 'phase2_reconcile_fixed_count{check="migration_reconcile"}'
 RECONCILE_RUNS = 'reconciler_job_runs_count{job="migration_reconcile",outcome="ok"}'
 
-# Seed §15.2 (+ note 2 and the outbox backstop): alert -> (metric, expression patterns, `for`).
+# §15.2 (+ note 2 and the outbox backstop): alert -> (metric, expression patterns, `for`).
 # Patterns are matched against the expression with whitespace collapsed.
 SEED_15_2_ALERTS: dict[str, tuple[str, list[str], str | None]] = {
     "MonitorHighLaneBacklog": (
@@ -183,7 +183,7 @@ def _types(text: str) -> dict[str, str]:
 def _rules() -> dict[str, dict[str, Any]]:
     rule = yaml.safe_load((K8S / "prometheusrule.yaml").read_text())
     assert rule["kind"] == "PrometheusRule"
-    # ServiceDown and LeaderMissing have one rule per service / role; the seed's alerts one each.
+    # ServiceDown and LeaderMissing have one rule per service / role; the §15.2 alerts one each.
     return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
 
 
@@ -226,7 +226,7 @@ def test_seed_metric_is_exposed_with_its_exact_sample_name(name: str, exposition
         assert {f"{name}_bucket", f"{name}_sum", f"{name}_count"} <= samples
     else:
         assert name in samples
-        assert f"{name}_total" not in samples, "alerts use the seed's bare counter names"
+        assert f"{name}_total" not in samples, "alerts use the bare counter names of §15.1"
     if kind == "gauge":
         assert _types(exposition).get(name) == "gauge"
 

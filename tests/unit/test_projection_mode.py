@@ -1,4 +1,4 @@
-"""Projection rebuild mode (seed §12.4): merge while the coordinator's published slow-down is active and fresh."""
+"""Projection rebuild mode (§12.4): merge while the coordinator's published slow-down is active and fresh."""
 
 from __future__ import annotations
 

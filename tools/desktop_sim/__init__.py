@@ -1,4 +1,4 @@
-"""A faithful simulated desktop client (seed §14): one serial scheduler loop per client, WebSocket
+"""A faithful simulated desktop client (docs/architecture.md §14): one serial scheduler loop per client, WebSocket
 push + pull-lease, execution phases with safe points, generation checks. Library + `desktop-sim` CLI."""
 
 from tools.desktop_sim.client import SimClient, SimOptions, SimStats

@@ -1,4 +1,4 @@
-"""The desktop client's local rules as pure functions (seed §10.2, §10.4, §14.2, §14.4)."""
+"""The desktop client's local rules as pure functions (docs/architecture.md §10.2, §10.4, §14.2, §14.4)."""
 
 from __future__ import annotations
 

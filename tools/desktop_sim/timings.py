@@ -11,7 +11,7 @@ _FAST = {"PREPARING": 0.02, "NAVIGATING": 0.03, "AUTHENTICATING": 0.02, "INPUTTI
          "WAITING": 0.10, "PARSING": 0.03, "POSTING": 0.0}
 _DEMO_BASE = {"PREPARING": 0.6, "NAVIGATING": 1.8, "AUTHENTICATING": 1.0, "INPUTTING": 1.2, "SUBMITTING": 0.5,
               "WAITING": 7.0, "PARSING": 1.2, "POSTING": 0.0}
-# Seed §10.5: platforms answer at different speeds (OpenAI quick, Gemini slower, Perplexity slowest).
+# docs/architecture.md §10.5: platforms answer at different speeds (OpenAI quick, Gemini slower, Perplexity slowest).
 _DEMO_WAITING = {"openai": 7.0, "gemini": 12.0, "perplexity": 16.0}
 
 

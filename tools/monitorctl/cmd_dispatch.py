@@ -67,13 +67,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pho.add_argument("--reason", default="", help="why (shown by `monitorctl status`)")
     pho.set_defaults(func=platform_health_override)
 
-    rollout = sub.add_parser("rollout", help="Phase 2 rollout percentage (seed §16.2.2)")
+    rollout = sub.add_parser("rollout", help="Phase 2 rollout percentage (docs/architecture.md §16.2.2)")
     roll_inner = rollout.add_subparsers(dest="rollout_cmd", required=True)
     rset = roll_inner.add_parser("set", help="tenant_id %% 100 < PCT -> new tasks on the desktop_tasks path")
     rset.add_argument("percentage", type=int)
     rset.set_defaults(func=rollout_set)
 
-    rollback = sub.add_parser("rollback", help="emergency rollback of seed §16.2.3 (rollout to 0%%)")
+    rollback = sub.add_parser("rollback", help="emergency rollback, docs/architecture.md §16.2.3 (rollout to 0%%)")
     rollback.add_argument("--yes", action="store_true", help="required: confirms the emergency rollback")
     rollback.add_argument("--keep-in-flight", action="store_true",
                           help="only set rollout to 0%%; let in-flight desktop_tasks executions finish naturally")
