@@ -61,6 +61,11 @@ class CoordinatorConfig:
     relay_lease_seconds: float = 5.0
 
 
+# The lifecycle events the coordinator consumes: completions and client changes wake dispatch; a collect-now's
+# acceptance is the fallback wake-up of the high pass when its NOTIFY was lost with the LISTEN connection.
+LIFECYCLE_KEYS = ("task.#", "client.#", "collect_now.#")
+
+
 class Coordinator:
     def __init__(self, pool: AsyncConnectionPool[Conn], config: CoordinatorConfig,
                  amqp: AbstractRobustConnection | None = None, relay: OutboxRelay | None = None) -> None:
@@ -269,7 +274,7 @@ class Coordinator:
             try:
                 channel = await self._amqp.channel()
                 await channel.set_qos(prefetch_count=200)
-                queue = await declare_lifecycle(channel, topology, "coordinator")
+                queue = await declare_lifecycle(channel, topology, "coordinator", routing_keys=LIFECYCLE_KEYS)
                 self.consuming.set()
                 async with queue.iterator() as messages:
                     async for message in messages:
