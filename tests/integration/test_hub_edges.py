@@ -5,6 +5,7 @@ interrupt, sockets per client, upgrade rate limits, the unknown-token cache, and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import date
@@ -54,7 +55,10 @@ async def post(http: aiohttp.ClientSession, hub: TestServer, path: str, token: s
 
 
 async def connect(http: aiohttp.ClientSession, hub: TestServer, token: str) -> aiohttp.ClientWebSocketResponse:
-    ws = await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers={"Authorization": f"Bearer {token}"})
+    # autoclose off: the test reads the server's close frame itself (answering it could race the server's own
+    # closing of the transport and raise instead of returning the frame)
+    ws = await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers={"Authorization": f"Bearer {token}"},
+                               autoclose=False)
     hello = await ws.receive_json(timeout=5)
     assert hello["type"] == "hello", hello
     return ws
@@ -66,6 +70,8 @@ async def closed_with(ws: aiohttp.ClientWebSocketResponse, timeout: float = 10.0
         while True:
             msg = await ws.receive()
             if msg.type is aiohttp.WSMsgType.CLOSE:
+                with contextlib.suppress(Exception):
+                    await ws.close()
                 return int(msg.data)
             if msg.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
                 return None
