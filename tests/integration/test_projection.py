@@ -57,7 +57,11 @@ async def test_thousand_results_for_one_brand_day_coalesce_into_few_rebuilds(poo
 
         await eventually(settled, timeout=30, message="all applied and the projection served")
     rebuilt = sum(m.projection_rebuild_count.value(trigger=t) for t in ("event", "sweep")) - rebuilds
-    assert 1 <= rebuilt <= 6, f"{rebuilt} rebuilds for one brand/day"
+    # Each ingest transaction requests the rebuild once for its brand/day, and requests made while one is
+    # pending coalesce: at most one rebuild per ingest transaction, never one per result. How many of them
+    # coalesce further depends on how the projection worker's pace meets ingest's (the machine's load).
+    batches = await fetch(pool, "SELECT count(DISTINCT xmin::text) AS n FROM ingest_applied_results")
+    assert 1 <= rebuilt <= batches[0]["n"] <= 100, f"{rebuilt} rebuilds for one brand/day, {batches} batches"
     requests = await fetch(pool, "SELECT count(*) AS n FROM outbox WHERE exchange = 'monitor.projection'")
     assert 1 <= requests[0]["n"] <= rebuilt + 1  # type: ignore[operator]
     brand_id = world.brand_ids[0]
