@@ -141,7 +141,9 @@ class ShardConsumer:
     async def subscribe(self) -> None:
         channel = await self.connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=self.config.prefetch)
-        queue = await channel.get_queue(self.queue_name, ensure=False)
+        # Declared (passively), not just named: only a queue declared on the robust channel is restored with its
+        # consumer when the connection comes back; `ensure=False` would leave the shard without a consumer for good.
+        queue = await channel.get_queue(self.queue_name)
         self._subscriptions += 1
         await queue.consume(self._on_message, consumer_tag=f"{self.config.instance_id}.s{self.shard}."
                                                            f"{self._subscriptions}")

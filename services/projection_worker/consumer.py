@@ -66,7 +66,9 @@ class ProjectionWorker:
     async def run(self, stop: asyncio.Event) -> None:
         channel = await self.connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=self.concurrency * 4)
-        queue = await channel.get_queue(self.topology.projection_queue, ensure=False)
+        # Declared (passively), not just named: only a queue declared on the robust channel is restored with its
+        # consumer when the connection comes back (`ensure=False` loses the consumer at the first reconnect).
+        queue = await channel.get_queue(self.topology.projection_queue)
         m.projection_merge_mode_active.set(0)
         await self._refresh_mode()  # before the first event, so it is handled in the current mode
         tag = await queue.consume(self.inbox.put)
