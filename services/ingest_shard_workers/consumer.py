@@ -215,7 +215,17 @@ class ShardConsumer:
         log.info("yielding shard to its assigned replica", extra={"shard": self.shard})
         m.ingest_shard_yield_count.inc()
         await self.close()
-        await self.subscribe()
+        # The broker connection may be down right now (the robust connection is reconnecting): opening the new
+        # channel then fails, and must be retried, not end the replica (every shard loop of it would stop).
+        while not self._stop.is_set():
+            try:
+                await self.subscribe()
+                return
+            except (*BROKER_ERRORS, RuntimeError) as exc:  # aio-pika: RuntimeError("Connection was not opened")
+                log.warning("re-subscribing after a yield failed; retrying", extra={"shard": self.shard,
+                                                                                    "error": str(exc)[:200]})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 1.0)
 
     async def _process(self, batch: list[AbstractIncomingMessage]) -> None:
         started = time.monotonic()
