@@ -9,6 +9,7 @@ scanner, at the start of every budget window, and on a periodic tick as a safety
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import socket
@@ -271,6 +272,7 @@ class Coordinator:
         topology = self._config.topology
         dlq = topology.lifecycle_dlq("coordinator")
         while not stop.is_set():
+            channel = None
             try:
                 channel = await self._amqp.channel()
                 await channel.set_qos(prefetch_count=200)
@@ -285,6 +287,12 @@ class Coordinator:
                 self.consuming.clear()
                 log.warning("lifecycle consumer failed; retrying", extra={"error": str(exc)[:300]})
                 await self._wait(stop, None, 1.0)
+            finally:
+                # Closed, not left open: a robust channel left behind is restored with its consumer on every
+                # reconnect (a consumer that stopped leading but keeps taking the leader's events, unacked).
+                if channel is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(channel.close(), 5)
 
     async def _on_lifecycle(self, dlq: str, message: AbstractIncomingMessage) -> None:
         try:
