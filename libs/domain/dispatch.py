@@ -17,7 +17,9 @@ one waits.
 
 Budget accounting: an execution row counts against the window it was created in. High work counts
 against the cluster budget only (it bypasses the tenant budget, so it also does not spend it). An
-execution cancelled by collect-now while still queued gives its budget back (see `REFUNDED_SQL`).
+execution cancelled by collect-now while still queued gives its budget back (`dispatch_budget_counts`,
+migration 021). The coordinator reads a window's use from the budget ledger the database keeps in the
+transaction of every execution it counts (or counts it, until the ledger is started: queries.BUDGET_USE).
 
 Lane quotas on top of the tree (§9.3 and an operator's headroom for collect-now):
 - `high_reserved_share` of every window is kept for high: non-high lanes stop at

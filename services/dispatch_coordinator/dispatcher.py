@@ -148,7 +148,7 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
     start = window_start(now, window)
     ledger = Ledger()
     async with conn.pipeline():  # one round trip for the five reads
-        budget = await conn.execute(q.BUDGET_USED, {"window_start": start, "window_end": start + window})
+        budget = await conn.execute(q.BUDGET_USE, {"window_start": int(start), "window": window})
         platforms = await conn.execute(q.PLATFORM_SETTINGS)
         active = await conn.execute(q.PLATFORM_ACTIVE)
         loads = await conn.execute(CLIENTS_SQL, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
@@ -249,6 +249,9 @@ class Dispatcher:
         self._pairs: set[tuple[int, int]] = set()
         self._pair_tenants: set[int] = set()  # the tenants of `pairs`, for a per-completion lookup
         self._pairs_at = 0.0
+        # A re-read of the pairs in flight (see `_refresh_pairs_in_background`), and what `add_pairs` added meanwhile.
+        self._pairs_refresh: asyncio.Task[None] | None = None
+        self._pairs_added: set[tuple[int, int]] = set()
         self.write_stats = WriteStats()
         self.slowdown = False
         # Refreshed by the maintenance loop: ready backlog, for the retry low-water rule.
@@ -260,6 +263,8 @@ class Dispatcher:
         self.high_waiting: Callable[[], bool] | None = None
         self._preempted_in_a_row = 0
         self._pause_labels: set[tuple[str, str, str]] = set()  # monitor_tenant_platform_paused series
+        # (window length, window start) the budget ledger was last checked for (see `_ensure_ledger`).
+        self._ledger_window: tuple[int, float] = (0, 0.0)
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
@@ -284,11 +289,51 @@ class Dispatcher:
         """New work the scanner just created (so the pass need not wait for the next pair refresh)."""
         self._pairs.update(pairs)
         self._pair_tenants.update(tenant for tenant, _ in pairs)
+        self._pairs_added.update(pairs)
 
     async def _refresh_pairs(self, conn: Conn) -> None:
+        self._pairs_added = set()
         cur = await conn.execute(q.PENDING_PAIRS)
-        self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()}
+        self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()} | self._pairs_added
         self._pairs_at = time.monotonic()
+
+    def _refresh_pairs_in_background(self) -> None:
+        """Re-read the pairs on a connection of their own while passes go on with the ones they have: the read is a
+        probe per pair (40-65 ms for 3,000 pairs, 1,000 tenants), and on the dispatch loop a click arriving meanwhile
+        waited for it before its high pass could start."""
+        if self._pairs_refresh is not None and not self._pairs_refresh.done():
+            return
+        self._pairs_refresh = asyncio.create_task(self._refresh_pairs_pooled(), name="dispatch-pairs")
+
+    async def _refresh_pairs_pooled(self) -> None:
+        try:
+            async with self._pool.connection() as conn:
+                await self._refresh_pairs(conn)
+        except Exception as exc:  # the next stale pass tries again
+            log.warning("reading the pending pairs failed", extra={"error": str(exc)[:300]})
+
+    async def _ensure_ledger(self, conn: Conn, window: int) -> None:
+        """Once a window, before a full pass: the budget ledger (migration 021) counts this window length (else it is
+        started: one count of the executions from the current window on, under the pass lock and the ledger's lock),
+        and windows over an hour old are pruned. Until it runs the passes count instead (BUDGET_USE), so the budget
+        read is exact either way; a zombie ex-leader with another window length restarts it for its own, which this
+        undoes at its next window."""
+        async with conn.transaction():
+            await conn.execute(q.PASS_LOCK)
+            cur = await conn.execute(q.NOW)
+            row = await cur.fetchone()
+            assert row is not None
+            start = int(window_start(float(row["now"]), window))
+            cur = await conn.execute(q.LEDGER_TRACKING)
+            tracking = {r["window_seconds"]: r["since_window_start"] for r in await cur.fetchall()}
+            params = {"window": window, "window_start": start}
+            if len(tracking) != 1 or tracking.get(window, start + 1) > start:
+                await conn.execute(q.LEDGER_LOCK)
+                for statement in (q.LEDGER_FORGET, q.LEDGER_CLEAR, q.LEDGER_TRACK, q.LEDGER_START):
+                    await conn.execute(statement, params)
+                log.info("budget ledger started", extra={"window_seconds": window, "window_start": start})
+            await conn.execute(q.LEDGER_PRUNE, params)
+        self._ledger_window = (window, start)
 
     async def _candidates(self, conn: Conn, snap: Snapshot, limits: PassLimits, settings: DispatchSettings,
                           blocked: Counter[str] | None = None) -> dict[str, list[Candidate]]:
@@ -451,8 +496,16 @@ class Dispatcher:
         outcome = PassOutcome()
         limits = limits_from(settings, slowdown=self.slowdown)
         async with self._pool.connection() as conn:
-            if time.monotonic() - self._pairs_at > PAIRS_MAX_AGE_S:
-                await self._refresh_pairs(conn)
+            if not self._pairs_at:
+                await self._refresh_pairs(conn)  # the first pass has none to go on with
+            elif time.monotonic() - self._pairs_at > PAIRS_MAX_AGE_S:
+                self._refresh_pairs_in_background()
+            window = max(1, settings.budget_window_seconds)
+            if self._ledger_window[0] != window or time.time() >= self._ledger_window[1] + window:
+                try:
+                    await self._ensure_ledger(conn, window)
+                except CONFLICT_ERRORS as exc:  # e.g. a lock timeout: this pass counts; the next one tries again
+                    log.warning("starting the budget ledger failed", extra={"error": str(exc)[:300]})
             write_started = 0.0
             written: _Written | None = None
             try:
@@ -635,9 +688,11 @@ class Dispatcher:
             return 0
 
     async def drain_relays(self, timeout: float) -> None:
-        """Let in-flight relays finish (shutdown): what is not published by then is left to the pumps."""
-        if self._relaying:
-            await asyncio.wait(set(self._relaying), timeout=timeout)
+        """Let in-flight relays finish (shutdown): what is not published by then is left to the pumps. A re-read of
+        the pairs in flight is let finish too (it holds a pool connection)."""
+        pending = {*self._relaying, *([self._pairs_refresh] if self._pairs_refresh is not None else [])}
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
 
     async def _after_commit(self, written: _Written) -> None:
         """Once the writes committed: start publishing what this pass claimed for itself, then first-dispatch

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import msgspec
 from prometheus_client import Gauge
@@ -30,31 +33,127 @@ class Backlog:
     tenant_normal: dict[int, int] = field(default_factory=dict)
 
 
-async def observe_backlog(conn: Conn) -> Backlog:
-    """Ready backlog per lane and tenant, into the §15.1 gauges."""
+# A census slice: this many heap blocks of monitoring_collect_tasks (8 MB, ~32,000 tasks), one TID range scan of
+# ~60 ms. A tick of the maintenance loop counts one slice, so no tick scans the whole backlog (the three
+# whole-backlog statements took 4.9 s a tick at 1,000,000 ready tasks) and the gauges move once a sweep is complete:
+# every tick while the table fits in one slice, every ~75 s at 1,000,000 ready tasks (docs/benchmarks.md "Cost as the
+# backlog grows").
+CENSUS_SLICE_BLOCKS = 1_000
+# The census's wait buckets: ln(1 + wait_s) * WAIT_BUCKETS_PER_E (queries.CENSUS_SLICE).
+WAIT_BUCKETS_PER_E = 64
+
+
+@dataclass(frozen=True, slots=True)
+class CensusTotals:
+    """One complete sweep: ready non-high tasks per (tenant, lane), pending tasks per execution path, and the ready
+    normal tasks' waits (bucket -> tasks) as of `reference` (epoch seconds)."""
+
+    tenant_lanes: dict[tuple[int, str], int]
+    owners: dict[str, int]
+    waits: dict[int, int]
+    reference: float
+
+    @property
+    def ready_normal(self) -> int:
+        return sum(n for (_, lane), n in self.tenant_lanes.items() if lane != "retry")
+
+    def wait_percentile_ms(self, quantile: float, now: float) -> float:
+        """The nearest-rank `quantile` of the ready normal tasks' waits, as of `now` (they all waited on since the
+        sweep measured them); 0 without any."""
+        total = sum(self.waits.values())
+        if total == 0:
+            return 0.0
+        rank, seen = max(1, math.ceil(quantile * total)), 0
+        for bucket in sorted(self.waits):
+            seen += self.waits[bucket]
+            if seen >= rank:
+                wait_s = math.exp((bucket + 0.5) / WAIT_BUCKETS_PER_E) - 1
+                return (wait_s + max(0.0, now - self.reference)) * 1000
+        return 0.0
+
+
+@dataclass(slots=True)
+class BacklogCensus:
+    """The whole ready backlog counted a slice of heap blocks per maintenance tick (`advance`). A slice's counts are
+    exact when it runs; a sweep's slices run seconds apart, so a task that moves between blocks meanwhile (an update
+    writing its new version in another block) can be counted twice or not at all: a gauge's accuracy, while no tick
+    and no statement costs more than one slice. The aging round takes its share from the last sweep's count."""
+
+    next_block: int = 0
+    reference: float = 0.0
+    tenant_lanes: Counter[tuple[int, str]] = field(default_factory=Counter)
+    owners: Counter[str] = field(default_factory=Counter)
+    waits: Counter[int] = field(default_factory=Counter)
+    done: CensusTotals | None = None
+
+    async def advance(self, conn: Conn, *, slices: int = 1) -> CensusTotals | None:
+        """Count up to `slices` slices (the whole table, before the first sweep is complete); the last complete
+        sweep."""
+        cur = await conn.execute(q.CENSUS_BLOCKS)
+        row = await cur.fetchone()
+        blocks = int(row["blocks"]) if row else 0
+        budget = slices if self.done is not None else blocks // CENSUS_SLICE_BLOCKS + 1
+        for _ in range(budget):
+            if self.next_block == 0:
+                self.reference = time.time()
+            end = self.next_block + CENSUS_SLICE_BLOCKS
+            cur = await conn.execute(q.CENSUS_SLICE, {"first": f"({self.next_block},0)", "end": f"({end},0)",
+                                                      "reference": self.reference})
+            for r in await cur.fetchall():
+                if r["by_lane"]:
+                    if r["ready"]:
+                        self.tenant_lanes[(int(r["tenant_id"]), str(r["lane"]))] += int(r["ready"])
+                elif r["by_owner"]:
+                    if r["pending"]:
+                        self.owners[str(r["owner"])] += int(r["pending"])
+                elif r["ready_normal"]:
+                    self.waits[int(r["bucket"])] += int(r["ready_normal"])
+            self.next_block = end
+            if end >= blocks:
+                self.done = CensusTotals(dict(self.tenant_lanes), dict(self.owners), dict(self.waits),
+                                         self.reference)
+                self.next_block = 0
+                self.tenant_lanes, self.owners, self.waits = Counter(), Counter(), Counter()
+                break
+        return self.done
+
+
+# The census of each database this process watches (one in production; tests use a database each).
+_censuses: dict[str, BacklogCensus] = {}
+
+
+def _database(conn: Conn) -> str:
+    return f"{conn.info.host}:{conn.info.port}/{conn.info.dbname}"
+
+
+def census_for(conn: Conn) -> BacklogCensus:
+    """The census `observe_backlog` keeps for the connection's database."""
+    return _censuses.setdefault(_database(conn), BacklogCensus())
+
+
+async def observe_backlog(conn: Conn, census: BacklogCensus | None = None) -> Backlog:
+    """Ready backlog per lane and tenant, into the §15.1 gauges: the high lane and the clients' queues exactly, the rest
+    from the census (`census_for(conn)` unless given), one slice further each call."""
     backlog = Backlog()
-    cur = await conn.execute(q.BACKLOG)
-    for r in await cur.fetchall():
-        n = int(r["n"])
-        if r["lane"] == "high":
-            backlog.high += n
-            backlog.high_oldest_ms = max(backlog.high_oldest_ms, float(r["oldest_ms"] or 0))
-        elif r["lane"] == "retry":
-            backlog.retry += n
-        else:
-            backlog.normal += n
-            backlog.tenant_normal[r["tenant_id"]] = backlog.tenant_normal.get(r["tenant_id"], 0) + n
-    metrics.monitor_dispatch_high_backlog.set(backlog.high)
-    metrics.monitor_dispatch_normal_backlog.set(backlog.normal)
-    metrics.monitor_dispatch_high_oldest_age_ms.set(backlog.high_oldest_ms)
-    _set_tenant_backlog(backlog.tenant_normal)
-    cur = await conn.execute(q.NORMAL_WAIT_P99)
+    cur = await conn.execute(q.HIGH_BACKLOG)
     row = await cur.fetchone()
-    metrics.monitor_normal_starvation_age_p99.set(float(row["p99_ms"]) if row else 0.0)
-    cur = await conn.execute(q.OWNER_COUNTS)
-    owners = {r["execution_owner"]: int(r["n"]) for r in await cur.fetchall()}
-    metrics.execution_owner_legacy_count.set(owners.get("legacy", 0))
-    metrics.execution_owner_desktop_tasks_count.set(owners.get("desktop_tasks", 0))
+    if row is not None:
+        backlog.high, backlog.high_oldest_ms = int(row["n"]), float(row["oldest_ms"] or 0)
+    totals = await (census or census_for(conn)).advance(conn)
+    if totals is not None:
+        for (tenant_id, lane), n in totals.tenant_lanes.items():
+            if lane == "retry":
+                backlog.retry += n
+            else:
+                backlog.normal += n
+                backlog.tenant_normal[tenant_id] = backlog.tenant_normal.get(tenant_id, 0) + n
+        metrics.monitor_normal_starvation_age_p99.set(totals.wait_percentile_ms(0.99, time.time()))
+        metrics.execution_owner_legacy_count.set(totals.owners.get("legacy", 0))
+        metrics.execution_owner_desktop_tasks_count.set(totals.owners.get("desktop_tasks", 0))
+        _set_tenant_backlog(backlog.tenant_normal)
+        metrics.monitor_dispatch_normal_backlog.set(backlog.normal)
+    metrics.monitor_dispatch_high_backlog.set(backlog.high)
+    metrics.monitor_dispatch_high_oldest_age_ms.set(backlog.high_oldest_ms)
     cur = await conn.execute(q.CLIENT_QUEUE_DEPTH)
     depths = {str(r["id"]): int(r["queued"]) for r in await cur.fetchall()}
     _set_labelled(metrics.desktop_client_monitor_queue_depth, "client_id", depths, _seen_clients)
@@ -80,35 +179,76 @@ def _set_labelled(gauge: Gauge, label: str, values: dict[str, int], seen: set[st
     seen.update(values)
 
 
+# An aging round's updates go in transactions of this many tasks (each a few tens of ms, so a collect-now promoting
+# one of them waits at most that long), oldest first.
+AGING_BATCH = 500
+
+
+def aging_round_limit(settings: DispatchSettings) -> int:
+    """The most tasks one aging round changes: twice what the cluster budget lets dispatch before the next round
+    (a boost stays; the next round boosts the next oldest). More reorders tasks none of which can go before then,
+    at ~0.17 ms of index maintenance a task: at 1,000,000 ready tasks a round's share is 100,000 tasks, 17 s of
+    updates every 30 s (docs/benchmarks.md "Cost as the backlog grows")."""
+    per_round = settings.cluster_dispatch_per_minute * max(1, settings.aging_interval_seconds) / 60
+    return max(AGING_BATCH, math.ceil(2 * per_round))
+
+
 async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings) -> int:
-    """One aging round: the oldest `aging_fraction` of ready normal work gets its boost (one transaction)."""
-    async with pool.connection() as conn, conn.transaction():
-        cur = await conn.execute(q.AGING_READY_COUNT)
-        row = await cur.fetchone()
-        ready = int(row["n"]) if row else 0
+    """One aging round: the oldest `aging_fraction` of ready normal work gets its boost, oldest first, in batches of
+    AGING_BATCH (one transaction each), at most `aging_round_limit` tasks. How many are ready comes from the last
+    complete census of the backlog (counted here only before there is one)."""
+    async with pool.connection() as conn:
+        totals = census_for(conn).done
+        if totals is not None:
+            ready = totals.ready_normal
+        else:
+            cur = await conn.execute(q.AGING_READY_COUNT)
+            row = await cur.fetchone()
+            ready = int(row["n"]) if row else 0
         limit = oldest_share(ready, settings.aging_fraction)
         if limit == 0:
             return 0
-        cur = await conn.execute(q.AGING_OLDEST, {"limit": limit})
-        ids: list[int] = []
-        lanes: list[str] = []
-        priorities: list[int] = []
-        boosts: list[int] = []
-        for r in await cur.fetchall():
-            aged = age_task(r["lane"], r["priority"], r["aging_boost"], float(r["wait_minutes"]), settings.aging_cap)
-            if aged is None:
-                continue
-            ids.append(r["id"])
-            lanes.append(aged.lane)
-            priorities.append(aged.priority)
-            boosts.append(aged.aging_boost)
-        if ids:
-            await conn.execute(q.AGING_APPLY, {"ids": ids, "lanes": lanes, "priorities": priorities,
-                                               "boosts": boosts})
-    if ids:
-        metrics.dispatch_aging_boosted_count.inc(len(ids))
-        log.info("aging round", extra={"ready": ready, "considered": limit, "boosted": len(ids)})
-    return len(ids)
+        cur = await conn.execute(q.AGING_BOUNDARY, {"limit": limit})
+        boundary = await cur.fetchone()
+    last = (boundary["enqueued_at"], boundary["id"]) if boundary else (_END_OF_TIME, _MAX_ID)
+    after: tuple[datetime, int] = (_START_OF_TIME, 0)
+    boosted, most = 0, aging_round_limit(settings)
+    while boosted < most:
+        batch = min(AGING_BATCH, most - boosted)
+        async with pool.connection() as conn, conn.transaction():
+            cur = await conn.execute(q.AGING_OLDEST, {
+                "cap": settings.aging_cap, "after_at": after[0], "after_id": after[1], "last_at": last[0],
+                "last_id": last[1], "batch": batch})
+            rows = await cur.fetchall()
+            ids: list[int] = []
+            lanes: list[str] = []
+            priorities: list[int] = []
+            boosts: list[int] = []
+            for r in rows:
+                aged = age_task(r["lane"], r["priority"], r["aging_boost"], float(r["wait_minutes"]),
+                                settings.aging_cap)
+                if aged is None:
+                    continue
+                ids.append(r["id"])
+                lanes.append(aged.lane)
+                priorities.append(aged.priority)
+                boosts.append(aged.aging_boost)
+            if ids:
+                await conn.execute(q.AGING_APPLY, {"ids": ids, "lanes": lanes, "priorities": priorities,
+                                                   "boosts": boosts})
+        boosted += len(ids)
+        if len(rows) < batch:
+            break
+        after = (rows[-1]["enqueued_at"], rows[-1]["id"])
+    if boosted:
+        metrics.dispatch_aging_boosted_count.inc(boosted)
+        log.info("aging round", extra={"ready": ready, "considered": limit, "boosted": boosted})
+    return boosted
+
+
+_START_OF_TIME = datetime(1970, 1, 1, tzinfo=UTC)
+_END_OF_TIME = datetime(9999, 12, 31, tzinfo=UTC)
+_MAX_ID = 2**63 - 1
 
 
 @dataclass(slots=True)

@@ -40,19 +40,101 @@ READY_PROBED = (
     "t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now() AND act.busy IS NULL"
 )
 
-# An execution collect-now cancelled while still queued (never leased) gives its budget back.
-REFUNDED = "(d.status = 'aborted' AND d.interrupt_reason = 'collect_now_preempt' AND d.lease_epoch = 0)"
+# An execution counts against its window's budget unless collect-now cancelled it while still queued (never
+# leased): that one gives its budget back. One SQL definition (migration 021) for the count and the ledger.
+COUNTS_AGAINST_BUDGET = "dispatch_budget_counts(d.kind, d.status, d.interrupt_reason, d.lease_epoch)"
 
 # Serialises dispatch passes (and fences a zombie ex-leader whose lock session died mid-pass).
 PASS_LOCK = "SELECT pg_advisory_xact_lock(7401552111)"
-NOW = "SELECT extract(epoch FROM clock_timestamp())::float8 AS now, clock_timestamp() AS ts"
+# One clock reading: the pass checks the window of `now` and stamps its executions with `ts`.
+NOW = "SELECT extract(epoch FROM c.ts)::float8 AS now, c.ts FROM (SELECT clock_timestamp() AS ts) c"
 
+# The window's executions, counted: what the ledger below replaces on the passes. Still the ledger's start and the
+# ops status (`monitorctl status`), and the reference the ledger's tests compare it with.
 BUDGET_USED = f"""
 SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
 FROM desktop_tasks d
 WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s)
-  AND d.created_at < to_timestamp(%(window_end)s) AND NOT {REFUNDED}
+  AND d.created_at < to_timestamp(%(window_end)s) AND {COUNTS_AGAINST_BUDGET}
 GROUP BY 1, 2
+"""
+
+# ---- budget ledger (migration 021) ----------------------------------------------------------------------------
+# Triggers on desktop_tasks keep dispatch_budget_ledger in the transaction of every change it counts; the passes read
+# a window's use as at most four rows a tenant instead of counting the window's executions (at 1,000,000 ready
+# tasks and 5,000 executions a window: 10.8 ms a full pass and 18.7 of the high pass's 19.4 ms snapshot; see
+# docs/benchmarks.md "Cost as the backlog grows").
+#
+# Taken exclusively (after PASS_LOCK) to start the ledger; every trigger takes it shared. While it is held no
+# execution can be inserted (the pass lock) or start or stop counting (the triggers wait): the count that starts the
+# ledger is exact, and every later change lands in the rows it wrote.
+LEDGER_LOCK = "SELECT pg_advisory_xact_lock(7401552112)"
+LEDGER_TRACKING = "SELECT window_seconds, since_window_start FROM dispatch_budget_ledger_tracking"
+# Start (or restart, after a change of budget_window_seconds) the ledger for one window length: it counts from the
+# current window on. Executions already created in it or later (only the current window's, normally) are counted
+# here once; every later change comes from the triggers.
+LEDGER_FORGET = "DELETE FROM dispatch_budget_ledger_tracking"
+LEDGER_CLEAR = """
+WITH totals AS (DELETE FROM dispatch_budget_totals)
+DELETE FROM dispatch_budget_ledger
+"""
+LEDGER_TRACK = """
+INSERT INTO dispatch_budget_ledger_tracking (window_seconds, since_window_start)
+VALUES (%(window)s, %(window_start)s)
+"""
+LEDGER_START = f"""
+WITH c AS MATERIALIZED (
+    SELECT dispatch_budget_window(d.created_at, %(window)s) AS window_start, d.tenant_id, d.lane = 'high' AS high,
+           count(*)::int AS n
+    FROM desktop_tasks d
+    WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s) AND {COUNTS_AGAINST_BUDGET}
+    GROUP BY 1, 2, 3
+), per_tenant AS (
+    INSERT INTO dispatch_budget_ledger (window_start, window_seconds, tenant_id, high, source, used)
+    SELECT c.window_start, %(window)s, c.tenant_id, c.high, 0, c.n FROM c
+)
+INSERT INTO dispatch_budget_totals (window_start, window_seconds, high, shard, source, used)
+SELECT c.window_start, %(window)s, c.high, c.tenant_id %% 16, 0, sum(c.n) FROM c GROUP BY 1, 2, 3, 4
+"""
+# Windows long past (kept an hour for whoever looks at the tables).
+LEDGER_PRUNE = """
+WITH totals AS (DELETE FROM dispatch_budget_totals WHERE window_start < %(window_start)s - 3600)
+DELETE FROM dispatch_budget_ledger WHERE window_start < %(window_start)s - 3600
+"""
+
+# A window's budget use per tenant and lane class: from the ledger when it counts this window (the usual case), else
+# counted. The count runs only in the ledger's absence (the first window after a deployment or a change of the
+# window length, until the next full pass starts the ledger): EXISTS over an uncorrelated subquery is a one-time
+# filter, evaluated before either branch scans anything. {ws} is the window start (epoch seconds).
+_BUDGET_USE = f"""
+SELECT l.tenant_id, l.high, sum(l.used) AS n
+FROM dispatch_budget_ledger l
+WHERE l.window_start = {{ws}} AND l.window_seconds = %(window)s AND EXISTS ({{tracked}})
+GROUP BY 1, 2
+UNION ALL
+SELECT d.tenant_id, d.lane = 'high', count(*)
+FROM desktop_tasks d
+WHERE NOT EXISTS ({{tracked}}) AND d.kind = 'monitor' AND d.created_at >= to_timestamp({{ws}})
+  AND d.created_at < to_timestamp({{ws}} + %(window)s) AND {COUNTS_AGAINST_BUDGET}
+GROUP BY 1, 2
+"""
+_LEDGER_TRACKS = ("SELECT 1 FROM dispatch_budget_ledger_tracking k "
+                  "WHERE k.window_seconds = %(window)s AND k.since_window_start <= {ws}")
+BUDGET_USE = _BUDGET_USE.format(ws="%(window_start)s", tracked=_LEDGER_TRACKS.format(ws="%(window_start)s"))
+# The high pass needs the window's use per lane class only: from the totals (at most 64 rows, whatever the number of
+# tenants), else counted. For the window of its clock (its `w` row).
+_HIGH_TRACKED = _LEDGER_TRACKS.format(ws="(SELECT ws FROM w)")
+_HIGH_BUDGET_USE = f"""
+SELECT t.high, sum(t.used) AS n
+FROM dispatch_budget_totals t
+WHERE t.window_start = (SELECT ws FROM w) AND t.window_seconds = %(window)s AND EXISTS ({_HIGH_TRACKED})
+GROUP BY 1
+UNION ALL
+SELECT d.lane = 'high', count(*)
+FROM desktop_tasks d
+WHERE NOT EXISTS ({_HIGH_TRACKED}) AND d.kind = 'monitor' AND d.created_at >= to_timestamp((SELECT ws FROM w))
+  AND d.created_at < to_timestamp((SELECT ws FROM w) + %(window)s) AND {COUNTS_AGAINST_BUDGET}
+GROUP BY 1
 """
 
 # Eligible clients with their monitor load. ELIGIBLE_CLIENT_SQL is appended by the caller. Set-based: one
@@ -112,7 +194,7 @@ ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
 # PLATFORM_SETTINGS are substituted by the caller.
 HIGH_SNAPSHOT = f"""
 WITH w AS MATERIALIZED (
-    SELECT c.ts, floor(extract(epoch FROM c.ts) / %(window)s) * %(window)s AS ws
+    SELECT c.ts, (floor(extract(epoch FROM c.ts) / %(window)s) * %(window)s)::bigint AS ws
     FROM (SELECT clock_timestamp() AS ts) c
 ), cand AS MATERIALIZED (
     -- Where ready high work is (a superset of the candidates: tasks with an active execution are not filtered
@@ -145,12 +227,10 @@ SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_sta
                    OR (c.tenant_id, c.workspace_id) IN (SELECT tenant_id, workspace_id FROM cand
                                                         WHERE target_client_id IS NULL))
               AND {{eligible}}) l) AS clients
-FROM w CROSS JOIN LATERAL (
-    -- High work answers to the cluster budget only (no tenant budget): two counts, no per-tenant grouping.
-    SELECT count(*) AS cluster_used, count(*) FILTER (WHERE d.lane <> 'high') AS non_high_used
-    FROM desktop_tasks d
-    WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(w.ws) AND d.created_at < to_timestamp(w.ws + %(window)s)
-      AND NOT {REFUNDED}
+FROM w CROSS JOIN (
+    -- High work answers to the cluster budget only (no tenant budget): two sums of the window's totals.
+    SELECT coalesce(sum(u.n), 0) AS cluster_used, coalesce(sum(u.n) FILTER (WHERE NOT u.high), 0) AS non_high_used
+    FROM ({_HIGH_BUDGET_USE}) u
 ) b
 """
 
@@ -380,13 +460,30 @@ SELECT count(*) AS n FROM monitoring_collect_tasks t
 WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {READY_BACKLOG}
 """
 
-AGING_OLDEST = f"""
-SELECT t.id, t.dispatch_lane AS lane, t.dispatch_priority AS priority, t.aging_boost,
-       extract(epoch FROM (now() - t.enqueued_at)) / 60.0 AS wait_minutes
-FROM monitoring_collect_tasks t
-WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {READY}
+# The boundary of an aging round: the (enqueued_at, id) of the `limit`-th oldest ready normal task. An index-only
+# walk of ix_collect_tasks_aging (migration 021 includes dispatch_after), which stops there.
+AGING_BOUNDARY = f"""
+SELECT t.enqueued_at, t.id FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {READY_BACKLOG}
 ORDER BY t.enqueued_at, t.id
-LIMIT %(limit)s
+OFFSET %(limit)s - 1 LIMIT 1
+"""
+
+# The next batch of a round: ready normal tasks after `after` and up to the boundary whose boost is below the cap,
+# oldest first. The walk skips the tasks already at the cap from the index (it includes aging_boost) and reads the
+# heap row of only the tasks it returns. It read every task of the round's share before: 5.1 s at 1,000,000 ready
+# tasks (docs/benchmarks.md "Cost as the backlog grows").
+AGING_OLDEST = f"""
+SELECT t.id, t.dispatch_lane AS lane, t.dispatch_priority AS priority, t.aging_boost, t.enqueued_at,
+       extract(epoch FROM (now() - t.enqueued_at)) / 60.0 AS wait_minutes
+FROM (SELECT t.id FROM monitoring_collect_tasks t
+      WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {READY_BACKLOG} AND t.aging_boost < %(cap)s
+        AND (t.enqueued_at, t.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint)
+        AND (t.enqueued_at, t.id) <= (%(last_at)s::timestamptz, %(last_id)s::bigint)
+      ORDER BY t.enqueued_at, t.id
+      LIMIT %(batch)s) o
+CROSS JOIN LATERAL (SELECT * FROM monitoring_collect_tasks t WHERE t.id = o.id OFFSET 0) t
+ORDER BY t.enqueued_at, t.id
 """
 
 AGING_APPLY = """
@@ -399,8 +496,44 @@ WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'no
 
 # ---- observation ---------------------------------------------------------------------------------
 
-# A high task waits from when it became high work (collect-now sets dispatch_after to the click), not from when
-# the scanner first created it hours earlier: the high-lane alert must measure the click's wait.
+# Every maintenance tick: the high lane (bounded by what collect-now may promote), exactly. A high task waits from
+# when it became high work (collect-now sets dispatch_after to the click), not from when the scanner first created
+# it hours earlier: the high-lane alert must measure the click's wait.
+HIGH_BACKLOG = f"""
+SELECT count(*) AS n,
+       coalesce(extract(epoch FROM (now() - min(greatest(t.enqueued_at, t.dispatch_after)))) * 1000, 0) AS oldest_ms
+FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane = 'high' AND {READY_BACKLOG}
+"""
+
+# The rest of the backlog gauges come from a census of the table taken a slice of heap blocks at a time
+# (maintenance.BacklogCensus): one TID range scan per tick instead of the three statements below over the whole
+# backlog every tick (4.9 s at 1,000,000 ready tasks). Per slice, in one aggregation (grouping sets): ready non-high
+# tasks per tenant and lane, pending tasks per execution path, and the ready normal tasks' waits in logarithmic
+# buckets (64 a factor e: 1.6% wide), measured at %(reference)s (epoch seconds) so that the slices of a sweep add up.
+CENSUS_BLOCKS = """
+SELECT (pg_relation_size('monitoring_collect_tasks') / current_setting('block_size')::int)::int AS blocks
+"""
+# No condition but the TID range in WHERE: with `status = 'pending'` there, a planner trusting stale statistics (a
+# fresh table, a day's schedule just come due) walked a partial index of every pending task instead, per slice. The
+# OFFSET 0 keeps READY_BACKLOG's hashed set from being built and probed twice.
+CENSUS_SLICE = f"""
+SELECT grouping(s.tenant_id, s.lane) = 0 AS by_lane, grouping(s.owner) = 0 AS by_owner, s.tenant_id, s.lane, s.owner,
+       s.bucket, count(*) FILTER (WHERE s.ready AND s.lane <> 'high') AS ready,
+       count(*) FILTER (WHERE s.ready AND s.lane IN ('normal', 'normal_boosted')) AS ready_normal,
+       count(*) FILTER (WHERE s.pending) AS pending
+FROM (SELECT r.*, CASE WHEN r.ready AND r.lane IN ('normal', 'normal_boosted') THEN
+                      floor(ln(1 + greatest(0, %(reference)s::float8 - extract(epoch FROM r.enqueued_at)::float8)) * 64)
+                  END::int AS bucket
+      FROM (SELECT t.tenant_id, t.dispatch_lane AS lane, t.execution_owner AS owner, t.enqueued_at,
+                   t.status = 'pending' AS pending, coalesce({READY_BACKLOG}, false) AS ready
+            FROM monitoring_collect_tasks t
+            WHERE t.ctid >= %(first)s::tid AND t.ctid < %(end)s::tid
+            OFFSET 0) r) s
+GROUP BY GROUPING SETS ((s.tenant_id, s.lane), (s.owner), (s.bucket))
+"""
+
+# The same counts exactly, each in one statement over the whole backlog: what the census is tested against.
 BACKLOG = f"""
 SELECT t.tenant_id, t.dispatch_lane AS lane, count(*) AS n,
        extract(epoch FROM (now() - min(CASE WHEN t.dispatch_lane = 'high'
@@ -422,12 +555,16 @@ OWNER_COUNTS = """
 SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending' GROUP BY 1
 """
 
+# The queued executions counted once per client, looked up per online client in one JSON object: linear whatever the
+# statistics say. The join it replaces was planned as a nested loop over every queued execution per client once
+# `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500 queued executions).
 CLIENT_QUEUE_DEPTH = """
-SELECT c.id, count(d.id) AS queued
+SELECT c.id, coalesce((q.depths ->> c.id::text)::int, 0) AS queued
 FROM desktop_clients c
-LEFT JOIN desktop_tasks d ON d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'queued'
+CROSS JOIN (SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{}'::jsonb) AS depths
+            FROM (SELECT target_client_id, count(*) AS n FROM desktop_tasks
+                  WHERE status = 'queued' AND kind = 'monitor' GROUP BY 1) d) q
 WHERE c.online
-GROUP BY c.id
 """
 
 INGEST_LAG = """
