@@ -41,8 +41,10 @@ EXPECTED = {
     ("ingest-shard-workers", "ingest.result"),
     ("outbox-pump", "outbox.publish"),
     ("projection-worker", "projection.event"),
-    ("projection-worker", "projection.rebuild"),
 }
+# Not required: the event's `projection.rebuild` child. When the worker's periodic sweep claims the key before the
+# event arrives (the pump publishes an event written without NOTIFY at its next poll), the sweep rebuilds it in
+# a trace of its own and the event finds nothing left to do.
 
 
 def tracing_env(endpoint: str) -> dict[str, str | int]:
