@@ -54,6 +54,17 @@ async def post(http: aiohttp.ClientSession, hub: TestServer, path: str, token: s
         return resp.status, await resp.json()
 
 
+async def leased_execution(http: aiohttp.ClientSession, hub: TestServer, pool: AsyncConnectionPool[Conn],
+                           seed: Json) -> tuple[Json, Json]:
+    """A queued execution on the first client of the first tenant, leased by that client: (execution, leased task)."""
+    tenant, client, token = client_of(seed)
+    async with pool.connection() as conn:
+        ex = await dispatch_execution(conn, tenant=tenant, platform_id=seed["platforms"][0]["ai_platform_id"],
+                                      client_id=client)
+    _, leased = await post(http, hub, "/api/desktop/monitor/lease", token, {})
+    return ex, leased["tasks"][0]
+
+
 async def connect(http: aiohttp.ClientSession, hub: TestServer, token: str) -> aiohttp.ClientWebSocketResponse:
     # autoclose off: the test reads the server's close frame itself (answering it could race the server's own
     # closing of the transport and raise instead of returning the frame)
@@ -97,13 +108,9 @@ async def shard_messages(amqp: AbstractRobustConnection, topology: Topology, sha
 async def test_a_lease_takes_one_result_and_an_identical_retry_gets_the_same_answer(
         settings: Settings, http: aiohttp.ClientSession, pool: AsyncConnectionPool[Conn], seed: Json,
         amqp: AbstractRobustConnection, topology: Topology) -> None:
-    tenant, client, token = client_of(seed)
-    platform = seed["platforms"][0]["ai_platform_id"]
+    tenant, _, token = client_of(seed)
     async with running_hub(settings) as hub:
-        async with pool.connection() as conn:
-            ex = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client)
-        _, leased = await post(http, hub, "/api/desktop/monitor/lease", token, {})
-        task = leased["tasks"][0]
+        ex, task = await leased_execution(http, hub, pool, seed)
         path = f"/api/desktop/tasks/{ex['task_id']}/result"
         body = {"lease_token": task["lease_token"], "status": "succeeded", "answer_text": "Acme is fine.",
                 "brand_mentioned": True}
@@ -124,13 +131,9 @@ async def test_a_lease_takes_one_result_and_an_identical_retry_gets_the_same_ans
 
 async def test_a_preempt_cancel_is_refused_when_no_interrupt_was_requested(
         settings: Settings, http: aiohttp.ClientSession, pool: AsyncConnectionPool[Conn], seed: Json) -> None:
-    tenant, client, token = client_of(seed)
-    platform = seed["platforms"][0]["ai_platform_id"]
+    _, _, token = client_of(seed)
     async with running_hub(settings) as hub:
-        async with pool.connection() as conn:
-            ex = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client)
-        _, leased = await post(http, hub, "/api/desktop/monitor/lease", token, {})
-        task = leased["tasks"][0]
+        ex, task = await leased_execution(http, hub, pool, seed)
         status, body = await post(http, hub, f"/api/desktop/tasks/{ex['task_id']}/cancel", token, {
             "lease_token": task["lease_token"], "reason": "collect_now_preempt", "interrupt_generation": 0})
         assert status == 409 and body["error"] == "no_interrupt_requested" and body["field"] == "reason", body

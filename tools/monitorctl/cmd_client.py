@@ -88,23 +88,15 @@ async def _audit(conn: Conn, event: LifecycleKind, tenant_id: int, client_id: uu
 
 
 async def run_disable(args: argparse.Namespace, ctx: Context) -> int:
-    if getattr(args, "json", False):
-        ctx.as_json = True
-    conn = await ctx.conn()
-    async with conn.transaction():
-        state = await _locked_state(conn, args.client_id)
-        if state is None:
-            return fail(f"no desktop client {args.client_id}")
-        changed = state["disabled_at"] is None
-        if changed:
-            await conn.execute(DISABLE, {"id": args.client_id})
-            await _audit(conn, "client.disabled", int(state["tenant_id"]), args.client_id)
-    ctx.emit({"client_id": str(args.client_id), "disabled": True, "changed": changed},
-             f"client {args.client_id} disabled" if changed else f"client {args.client_id} was already disabled")
-    return 0
+    return await _set_disabled(args, ctx, disabled=True)
 
 
 async def run_enable(args: argparse.Namespace, ctx: Context) -> int:
+    return await _set_disabled(args, ctx, disabled=False)
+
+
+async def _set_disabled(args: argparse.Namespace, ctx: Context, *, disabled: bool) -> int:
+    """Disable or enable a client: one transaction with its audit event; nothing changes when it already is."""
     if getattr(args, "json", False):
         ctx.as_json = True
     conn = await ctx.conn()
@@ -112,12 +104,15 @@ async def run_enable(args: argparse.Namespace, ctx: Context) -> int:
         state = await _locked_state(conn, args.client_id)
         if state is None:
             return fail(f"no desktop client {args.client_id}")
-        changed = state["disabled_at"] is not None
+        changed = (state["disabled_at"] is None) == disabled
         if changed:
-            await conn.execute(ENABLE, {"id": args.client_id})
-            await _audit(conn, "client.enabled", int(state["tenant_id"]), args.client_id)
-    ctx.emit({"client_id": str(args.client_id), "disabled": False, "changed": changed},
-             f"client {args.client_id} enabled" if changed else f"client {args.client_id} was not disabled")
+            await conn.execute(DISABLE if disabled else ENABLE, {"id": args.client_id})
+            await _audit(conn, "client.disabled" if disabled else "client.enabled", int(state["tenant_id"]),
+                         args.client_id)
+    verb = "disabled" if disabled else "enabled"
+    unchanged = "was already disabled" if disabled else "was not disabled"
+    ctx.emit({"client_id": str(args.client_id), "disabled": disabled, "changed": changed},
+             f"client {args.client_id} {verb}" if changed else f"client {args.client_id} {unchanged}")
     return 0
 
 
