@@ -13,6 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 
+from psycopg import AsyncPipeline
+
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind, MonitorResult, ProjectionRebuild
 from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn, json_rows
@@ -80,13 +82,13 @@ async def apply_batch(conn: Conn, results: list[MonitorResult], *, applied_by: s
             unique[r.result_id] = r
     # Pipelined: BEGIN goes out with the first statement and COMMIT with the last (two round trips fewer per batch;
     # a statement's error still surfaces inside this block and rolls the whole batch back).
-    async with pipelined_transaction(conn):
-        await _apply(conn, list(unique.values()), outcome, applied_by=applied_by, settings=settings)
+    async with pipelined_transaction(conn) as pipe:
+        await _apply(conn, list(unique.values()), outcome, applied_by=applied_by, settings=settings, pipe=pipe)
     return outcome
 
 
 async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome, *, applied_by: str,
-                 settings: SettingsCache) -> None:
+                 settings: SettingsCache, pipe: AsyncPipeline) -> None:
     cur = await conn.execute(q.LOCK_BUSINESS_TASKS, {"ids": sorted({r.monitor_task_id for r in results})})
     tasks = {int(row["id"]): row for row in await cur.fetchall()}
     valid: list[MonitorResult] = []
@@ -142,6 +144,10 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
 
     events = await _request_projections(conn, won_keys, outcome)
     events += [_result_lifecycle(r, ended_by_task[r.task_id]) for r in enders]
+    if events and not conn.info.transaction_status:
+        # Nothing was synced since the pipeline's BEGIN (no run row changed: a failed result for a key that had
+        # succeeded already), so libpq still reports the connection idle and the outbox refuses to write.
+        await pipe.sync()
     await enqueue_many(conn, events)
     outcome.rows_written += written + len(events)
 
