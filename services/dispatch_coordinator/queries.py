@@ -216,17 +216,24 @@ SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_sta
        (SELECT coalesce(json_agg(l), '[]')::text FROM (
             SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth,
                    c.interrupt_generation, coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued
-            FROM desktop_clients c
+            -- A primary-key probe (LATERAL .. OFFSET 0, whatever the statistics say) per bound client and per client of
+            -- the tenant and workspace of unbound work: the filter over every online client it replaces took 3-12 ms
+            -- at 1,041 clients.
+            FROM (SELECT DISTINCT k.id FROM unnest(ARRAY(
+                      SELECT target_client_id FROM cand WHERE target_client_id IS NOT NULL
+                      UNION ALL
+                      SELECT s.id
+                      FROM (SELECT DISTINCT tenant_id, workspace_id FROM cand WHERE target_client_id IS NULL) u
+                      JOIN desktop_clients s ON s.tenant_id = u.tenant_id AND s.workspace_id = u.workspace_id)) AS k(id)
+                 ) k
+            CROSS JOIN LATERAL (SELECT * FROM desktop_clients c WHERE c.id = k.id OFFSET 0) c
             LEFT JOIN LATERAL (
                 SELECT count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
                        count(*) FILTER (WHERE d.status = 'queued') AS queued
                 FROM desktop_tasks d
                 WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
             ) a ON true
-            WHERE (c.id = ANY(ARRAY(SELECT target_client_id FROM cand WHERE target_client_id IS NOT NULL))
-                   OR (c.tenant_id, c.workspace_id) IN (SELECT tenant_id, workspace_id FROM cand
-                                                        WHERE target_client_id IS NULL))
-              AND {{eligible}}) l) AS clients
+            WHERE {{eligible}}) l) AS clients
 FROM w CROSS JOIN (
     -- High work answers to the cluster budget only (no tenant budget): two sums of the window's totals.
     SELECT coalesce(sum(u.n), 0) AS cluster_used, coalesce(sum(u.n) FILTER (WHERE NOT u.high), 0) AS non_high_used
