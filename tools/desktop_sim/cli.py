@@ -2,6 +2,7 @@
 
     desktop-sim --hub http://127.0.0.1:8082 --seed-json .run/demo.json --timings demo
     desktop-sim --hub http://127.0.0.1:8082 --token dct_... --token dct_...
+    desktop-sim --hub http://127.0.0.1:8082,http://127.0.0.1:8083 --seed-json .run/demo.json
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _jitter(value: str) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="desktop-sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hub", default="http://127.0.0.1:8082", help="dispatch-hub base URL")
+    parser.add_argument("--hub", default="http://127.0.0.1:8082",
+                        help="dispatch-hub base URL; several, comma-separated, to fail over between them")
     parser.add_argument("--seed-json", "--from-seed", dest="seed_json", type=Path,
                         help="JSON printed by `monitorctl seed-demo --json`: one client per token in it")
     parser.add_argument("--token", action="append", default=[], help="a client token (repeatable)")
@@ -86,6 +88,7 @@ async def run(args: argparse.Namespace) -> None:
     timings = TIMING_PROFILES[args.timings].scaled(args.scale)
     if args.jitter is not None:
         timings = timings.with_jitter(args.jitter)
+    hub_url, *more_hubs = [url.strip() for url in args.hub.split(",") if url.strip()] or [""]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -93,9 +96,9 @@ async def run(args: argparse.Namespace) -> None:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      trace_configs=tracing.client_trace_configs()) as session:
         clients = [SimClient(SimOptions(
-            hub_url=args.hub, token=token, name=name, timings=timings, max_concurrent=args.concurrency,
-            heartbeat_interval_s=args.heartbeat_interval, failure_rate=args.failure_rate,
-            mention_rate=args.mention_rate, ignore_interrupts=args.ignore_interrupts,
+            hub_url=hub_url, hub_urls=tuple(more_hubs), token=token, name=name, timings=timings,
+            max_concurrent=args.concurrency, heartbeat_interval_s=args.heartbeat_interval,
+            failure_rate=args.failure_rate, mention_rate=args.mention_rate, ignore_interrupts=args.ignore_interrupts,
             die_at_phase=args.die_at_phase, die_on_task=args.die_on_task,
             platform_health={"openai": "healthy", "gemini": "healthy", "perplexity": "healthy"}),
             session=session) for name, token in tokens]

@@ -67,6 +67,9 @@ class SimOptions:
     die_at_phase: str | None = None
     die_on_task: int = 1
     platform_health: dict[str, str] = field(default_factory=dict)
+    # More dispatch-hub base URLs (a load balancer's job in production): when the current hub cannot be reached,
+    # or its socket drops, the client moves on to the next one in the list (wrapping around to `hub_url`).
+    hub_urls: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -144,6 +147,8 @@ class SimClient:
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._leases_started = 0
+        self._hubs = (options.hub_url, *options.hub_urls)
+        self._hub_index = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -195,19 +200,38 @@ class SimClient:
         return active.phase if active else None
 
     # ---- HTTP --------------------------------------------------------------------------------
+    @property
+    def hub_url(self) -> str:
+        """The hub this client talks to now (one of `hub_url` and `hub_urls`)."""
+        return self._hubs[self._hub_index]
+
+    def _next_hub(self) -> None:
+        self._hub_index = (self._hub_index + 1) % len(self._hubs)
+
     def _url(self, path: str) -> str:
-        return self.options.hub_url.rstrip("/") + path
+        return self.hub_url.rstrip("/") + path
 
     async def _post(self, path: str, body: dict[str, Any], *, traceparent: str | None = None) -> tuple[int, Any]:
         """POST to the hub; `traceparent` (from the task's event) goes as the header, so the hub's spans continue
-        that trace (with tracing on here, the aiohttp client's span sits between, a child of it)."""
+        that trace (with tracing on here, the aiohttp client's span sits between, a child of it). A hub that
+        cannot be reached (or drops the call) is failed over to the next one; each hub is tried twice (a keep-alive
+        connection the hub closed fails once)."""
         assert self._session is not None
         headers = {"Authorization": f"Bearer {self.options.token}", "Content-Type": "application/json"}
         if traceparent:
             headers["traceparent"] = traceparent
-        with tracing.attached(traceparent):
-            async with self._session.post(self._url(path), data=msgspec.json.encode(body), headers=headers) as resp:
-                return resp.status, await resp.json(content_type=None)
+        attempts = 2 * len(self._hubs)
+        for tried in range(1, attempts + 1):
+            try:
+                with tracing.attached(traceparent):
+                    async with self._session.post(self._url(path), data=msgspec.json.encode(body),
+                                                  headers=headers) as resp:
+                        return resp.status, await resp.json(content_type=None)
+            except (aiohttp.ClientConnectionError, OSError):
+                if tried == attempts:
+                    raise
+                self._next_hub()
+        raise AssertionError("unreachable: the last hub's failure is raised")
 
     # ---- WebSocket ---------------------------------------------------------------------------
     async def _connection_loop(self) -> None:
@@ -257,6 +281,7 @@ class SimClient:
                     heartbeat.cancel()
             if self._stopping.is_set() or self.stats.died or self.stats.refused is not None:
                 return
+            self._next_hub()  # the socket dropped or never opened: the next hub, if there are more
             delay = backoff_delay(attempt, base_s=self.options.reconnect_base_s, max_s=self.options.reconnect_max_s,
                                   rng=self._rng)
             attempt += 1
@@ -304,8 +329,14 @@ class SimClient:
                 raise
             except Exception:
                 log.exception("scheduler command failed", extra={"sim": self.options.name, "command": command[0]})
-                if command[0] == "checkpoint" and not command[3].done():
-                    command[3].set_result(False)
+                if command[0] == "checkpoint":
+                    # No hub answered the extend (or the cancel): the task is given up here, and its lease expires
+                    # on the server. Kept, it would hold one of this client's slots for good.
+                    active = self._active.get(command[1])
+                    if active is not None:
+                        self._finish(active)
+                    if not command[3].done():
+                        command[3].set_result(False)
 
     async def _handle(self, command: Command) -> None:
         kind = command[0]
