@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: install backends lint test test-unit test-integration test-e2e run observe migrate bench clean
+.PHONY: install backends lint test test-unit test-integration test-e2e run observe migrate bench chaos soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,18 @@ observe: install
 
 bench: install backends
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/python -m bench
+
+# The service chaos test's long run (its quick one is part of `make test`): CHAOS_MINUTES of faults (15), then the
+# invariants; CHAOS_SEED=N replays a run, CHAOS_REPORT=PATH keeps its report. docs/reliability.md.
+CHAOS_MINUTES ?= 15
+chaos: install backends
+	CHAOS_MINUTES=$(CHAOS_MINUTES) DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) \
+		$(BIN)/pytest -s tests/e2e/test_service_chaos.py
+
+# The stack under steady work for SOAK_MINUTES (30), sampled every minute, with a growth verdict at the end.
+SOAK_MINUTES ?= 30
+soak: install backends
+	SOAK_MINUTES=$(SOAK_MINUTES) DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/python -m bench.soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
