@@ -33,12 +33,11 @@ class Backlog:
     tenant_normal: dict[int, int] = field(default_factory=dict)
 
 
-# A census slice: this many heap blocks of monitoring_collect_tasks (8 MB, ~32,000 tasks), one TID range scan of
-# ~60 ms. A tick of the maintenance loop counts one slice, so no tick scans the whole backlog (the three
-# whole-backlog statements took 4.9 s a tick at 1,000,000 ready tasks) and the gauges move once a sweep is complete:
-# every tick while the table fits in one slice, every ~75 s at 1,000,000 ready tasks (docs/benchmarks.md "Cost as the
-# backlog grows").
-CENSUS_SLICE_BLOCKS = 1_000
+# A census slice: this many pending tasks, in id order (~75 ms at 1,000,000 ready tasks). A tick of the maintenance
+# loop counts one slice, so no tick scans the whole backlog (the three whole-backlog statements took 4.9 s a tick at
+# 1,000,000 ready tasks) and the gauges move once a sweep is complete: every tick while the pending tasks fit in one
+# slice, every ~80 s at 1,000,000 (docs/benchmarks.md "Cost as the backlog grows").
+CENSUS_SLICE_ROWS = 25_000
 # The census's wait buckets: ln(1 + wait_s) * WAIT_BUCKETS_PER_E (queries.CENSUS_SLICE).
 WAIT_BUCKETS_PER_E = 64
 
@@ -74,12 +73,12 @@ class CensusTotals:
 
 @dataclass(slots=True)
 class BacklogCensus:
-    """The whole ready backlog counted a slice of heap blocks per maintenance tick (`advance`). A slice's counts are
-    exact when it runs; a sweep's slices run seconds apart, so a task that moves between blocks meanwhile (an update
-    writing its new version in another block) can be counted twice or not at all: a gauge's accuracy, while no tick
-    and no statement costs more than one slice. The aging round takes its share from the last sweep's count."""
+    """The pending tasks counted a slice per maintenance tick (`advance`), in id order. A slice's counts are exact when
+    it runs; a sweep's slices run seconds apart, so a task that changes meanwhile is counted as it was when its slice
+    ran (tasks created during a sweep are counted by it, being the newest ids): a gauge's accuracy, while no tick and
+    no statement costs more than one slice. The aging round takes its share from the last sweep's count."""
 
-    next_block: int = 0
+    after_id: int = 0
     reference: float = 0.0
     tenant_lanes: Counter[tuple[int, str]] = field(default_factory=Counter)
     owners: Counter[str] = field(default_factory=Counter)
@@ -87,32 +86,31 @@ class BacklogCensus:
     done: CensusTotals | None = None
 
     async def advance(self, conn: Conn, *, slices: int = 1) -> CensusTotals | None:
-        """Count up to `slices` slices (the whole table, before the first sweep is complete); the last complete
-        sweep."""
-        cur = await conn.execute(q.CENSUS_BLOCKS)
-        row = await cur.fetchone()
-        blocks = int(row["blocks"]) if row else 0
-        budget = slices if self.done is not None else blocks // CENSUS_SLICE_BLOCKS + 1
-        for _ in range(budget):
-            if self.next_block == 0:
+        """Count up to `slices` slices (every slice, before the first sweep is complete); the last complete sweep."""
+        counted = 0
+        while self.done is None or counted < slices:
+            if self.after_id == 0:
                 self.reference = time.time()
-            end = self.next_block + CENSUS_SLICE_BLOCKS
-            cur = await conn.execute(q.CENSUS_SLICE, {"first": f"({self.next_block},0)", "end": f"({end},0)",
+            cur = await conn.execute(q.CENSUS_SLICE, {"after": self.after_id, "rows": CENSUS_SLICE_ROWS,
                                                       "reference": self.reference})
+            size = 0
             for r in await cur.fetchall():
                 if r["by_lane"]:
                     if r["ready"]:
                         self.tenant_lanes[(int(r["tenant_id"]), str(r["lane"]))] += int(r["ready"])
                 elif r["by_owner"]:
-                    if r["pending"]:
-                        self.owners[str(r["owner"])] += int(r["pending"])
-                elif r["ready_normal"]:
-                    self.waits[int(r["bucket"])] += int(r["ready_normal"])
-            self.next_block = end
-            if end >= blocks:
+                    self.owners[str(r["owner"])] += int(r["pending"])
+                elif r["by_bucket"]:
+                    if r["ready_normal"]:
+                        self.waits[int(r["bucket"])] += int(r["ready_normal"])
+                else:  # the slice as a whole
+                    size = int(r["pending"])
+                    self.after_id = int(r["last_id"] or self.after_id)
+            counted += 1
+            if size < CENSUS_SLICE_ROWS:  # the sweep reached the newest pending task
                 self.done = CensusTotals(dict(self.tenant_lanes), dict(self.owners), dict(self.waits),
                                          self.reference)
-                self.next_block = 0
+                self.after_id = 0
                 self.tenant_lanes, self.owners, self.waits = Counter(), Counter(), Counter()
                 break
         return self.done

@@ -57,14 +57,18 @@ async def _exact(conn: Conn) -> dict[str, Any]:
     return {"lanes": lanes, "owners": owners, "p99_ms": float(row["p99_ms"]) if row else 0.0}
 
 
+async def _pending(conn: Conn) -> int:
+    cur = await conn.execute("SELECT count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending'")
+    return int((await cur.fetchone() or {"n": 0})["n"])
+
+
 async def test_a_sweep_of_many_slices_adds_up_to_the_exact_statements(pool: AsyncConnectionPool[Conn],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     await _seed(pool, 900)
-    monkeypatch.setattr(maintenance, "CENSUS_SLICE_BLOCKS", 2)
+    monkeypatch.setattr(maintenance, "CENSUS_SLICE_ROWS", 40)
     async with pool.connection() as conn:
-        cur = await conn.execute(q.CENSUS_BLOCKS)
-        blocks = (await cur.fetchone() or {"blocks": 0})["blocks"]
-        assert blocks > 10  # many slices
+        await conn.execute("UPDATE monitoring_collect_tasks SET status = 'completed' WHERE id % 3 = 0")  # history
+        assert await _pending(conn) > 10 * 40  # many slices
         census = BacklogCensus()
         totals = await census.advance(conn)  # the first sweep is counted at once
         exact = await _exact(conn)
@@ -78,36 +82,35 @@ async def test_a_sweep_of_many_slices_adds_up_to_the_exact_statements(pool: Asyn
 async def test_later_sweeps_count_one_slice_a_tick_and_publish_when_complete(pool: AsyncConnectionPool[Conn],
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     await _seed(pool, 600)
-    monkeypatch.setattr(maintenance, "CENSUS_SLICE_BLOCKS", 2)
+    monkeypatch.setattr(maintenance, "CENSUS_SLICE_ROWS", 50)
     async with pool.connection() as conn:
         census = census_for(conn)
         first = await observe_backlog(conn)
-        cur = await conn.execute(q.CENSUS_BLOCKS)
-        slices = -(-(await cur.fetchone() or {"blocks": 0})["blocks"] // 2)
+        slices = await _pending(conn) // 50 + 1
         # New ready high and normal work: the high lane is exact at once, the rest once the sweep is complete.
         await conn.execute("UPDATE monitoring_collect_tasks SET dispatch_lane = 'high', execution_owner = "
-                           "'desktop_tasks', dispatch_after = now() WHERE id = (SELECT max(id) FROM "
+                           "'desktop_tasks', dispatch_after = now() WHERE id = (SELECT min(id) FROM "
                            "monitoring_collect_tasks WHERE dispatch_lane = 'normal')")
         seen: list[int] = []
-        for _ in range(slices):
+        for n in range(slices):
             backlog = await observe_backlog(conn)
             assert backlog.high == first.high + 1
             seen.append(backlog.normal)
-            assert 0 < census.next_block <= slices * 2 or census.next_block == 0
+            assert census.after_id > 0 or n == slices - 1  # a cursor into the pending tasks until the sweep ends
         exact = await _exact(conn)
     assert seen[:-1] == [first.normal] * (slices - 1)  # unchanged until the sweep completed ...
     assert seen[-1] == first.normal - 1  # ... then the task that went high has left the normal count
     assert seen[-1] == sum(n for (_, lane), n in exact["lanes"].items() if lane != "retry")
 
 
-async def test_the_census_reads_a_slice_by_tid_range(pool: AsyncConnectionPool[Conn]) -> None:
-    """Only its slice's blocks, whatever the statistics say (this table has none: it was never analysed)."""
+async def test_a_census_slice_reads_only_pending_tasks_whatever_the_statistics(pool: AsyncConnectionPool[Conn]) -> None:
+    """The pending-only index, in id order (this table has no statistics: it was never analysed)."""
     await _seed(pool, 600)
     async with pool.connection() as conn:
         cur = await conn.execute("EXPLAIN (VERBOSE) " + q.CENSUS_SLICE,
-                                 {"first": "(1,0)", "end": "(3,0)", "reference": time.time()})
+                                 {"after": 0, "rows": 100, "reference": time.time()})
         plan = "\n".join(r["QUERY PLAN"] for r in await cur.fetchall())
-    assert "Tid Range Scan" in plan and "hashed SubPlan" in plan, plan
+    assert "ix_collect_tasks_pending_id" in plan and "hashed SubPlan" in plan, plan
 
 
 async def test_an_aging_round_takes_its_share_from_the_census_oldest_first_within_its_limit(
