@@ -55,7 +55,7 @@ async def test_service_chaos_keeps_every_invariant(
     settings: Settings, pool: AsyncConnectionPool[Conn], tmp_path: Path,
 ) -> None:
     print(f"\nservice chaos seed {SEED} (replay with CHAOS_SEED={SEED}); logs in {tmp_path}", flush=True)
-    # One generator per concern, each from the run's random seed: the coroutines draw concurrently, so a shared one would
+    # One generator per concern, each from the run's seed: the coroutines draw concurrently, so a shared one would
     # hand out its numbers in an order that depends on timing.
     async with pool.connection() as conn:
         seeded = await seed_world(conn, tenants=TENANTS, brands=BRANDS, questions=QUESTIONS,
