@@ -4,6 +4,7 @@ flowing; once it reports the login working again, the held work is dispatched an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from psycopg_pool import AsyncConnectionPool
@@ -32,10 +33,13 @@ async def test_a_broken_login_holds_its_platform_and_recovery_releases_it(
         return [r["status"] for r in rows]
 
     health = {"openai": "login_required", "gemini": "healthy"}
-    sim = SimClient(SimOptions(hub_url="", token=world.tokens[0], name="sim-0", timings=TIMING_PROFILES["fast"],
-                               heartbeat_interval_s=0.3, idle_poll_s=0.5, platform_health=health))
+    async with pool.connection() as conn:  # what the client reported before this run (its last heartbeat)
+        await conn.execute("UPDATE desktop_clients SET platform_health = %s::jsonb WHERE id = %s",
+                           (json.dumps(health), world.clients[0]))
     async with running_stack(settings, tmp_path, services=DISPATCH_SERVICES, **FAST_ENV) as stack:
-        sim.options.hub_url = stack.hub_url
+        sim = SimClient(SimOptions(hub_url=stack.hub_url, token=world.tokens[0], name="sim-0",
+                                   timings=TIMING_PROFILES["fast"], heartbeat_interval_s=0.3, idle_poll_s=0.5,
+                                   platform_health=health))
         await sim.start()
         try:
             async def gemini_done() -> bool | None:
