@@ -62,7 +62,7 @@ async def test_the_local_prometheus_scrapes_the_stack_and_fires_the_shipped_aler
             values = {r["metric"]["job"]: float(r["value"][1]) for r in result["result"]}
             return values if len(values) == 2 else None
 
-        assert await eventually(up, timeout=30, message="both targets scraped") == {
+        assert await eventually(up, timeout=60, message="both targets scraped") == {
             "collect-now-api": 1.0, "outbox-pump": 0.0}
         rules = await _api(url, "/api/v1/rules")
         loaded = sum(len(g["rules"]) for g in rules["groups"])
@@ -74,7 +74,8 @@ async def test_the_local_prometheus_scrapes_the_stack_and_fires_the_shipped_aler
             down = {n for n in names if n[0] in ("TargetDown", "ServiceDown") and n[2] == "outbox-pump"}
             return {f"{n}/{s}" for n, s, _ in down} or None
 
-        assert await eventually(firing, timeout=30, message="the down service's alert pending or firing")
+        # The shipped rule groups are evaluated every minute: the first evaluation can come a minute after start.
+        assert await eventually(firing, timeout=150, message="the down service's alert pending or firing")
     finally:
         prometheus.terminate()
         prometheus.wait(10)
