@@ -42,6 +42,7 @@ async def _api(url: str, path: str, **params: str) -> Any:
         return body["data"]
 
 
+@pytest.mark.timeout(300)  # Prometheus evaluates the shipped rule groups once a minute
 async def test_the_local_prometheus_scrapes_the_stack_and_fires_the_shipped_alerts(settings: Settings,
                                                                                    tmp_path: Path) -> None:
     binary = _prometheus()
