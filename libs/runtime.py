@@ -64,6 +64,10 @@ def background(app: web.Application, name: str, worker: Worker) -> None:
 
 
 SETTINGS = web.AppKey("settings", Settings)
+# Connections the kernel queues until the service accepts them (capped by net.core.somaxconn). aiohttp's 128
+# overflowed when a hub restart reconnected its clients at once: the dropped handshakes waited out the clients'
+# SYN retransmits (1, 3, 7, 15 s) and timed out (docs/benchmarks.md, "Hub at scale").
+LISTEN_BACKLOG = 4096
 
 
 def base_app(settings: Settings, app: web.Application) -> web.Application:
@@ -161,4 +165,5 @@ def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
         access_log=None,
         loop=loop,
         handle_signals=True,
+        backlog=LISTEN_BACKLOG,
     )
