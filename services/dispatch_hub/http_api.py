@@ -129,7 +129,12 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     # autoping off: pings and pongs reach this loop, so both count as heartbeats.
     # aiohttp refuses a message of max_msg_size bytes or more (1009); the limit is "at most 64 KiB", hence + 1.
     ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_MESSAGE + 1)
-    await ws.prepare(request)
+    try:
+        await ws.prepare(request)
+    except ConnectionResetError:
+        # The client gave up before its upgrade was answered (its handshake timeout, at a reconnect storm): as
+        # when aiohttp cancels a handler whose client went away, a 499, not a 500 with a traceback to log.
+        raise asyncio.CancelledError from None
     mark_upgraded()
     conn = Connection(ws, principal)
     conn.start()
