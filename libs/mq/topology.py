@@ -20,6 +20,12 @@ LOGICAL_EXCHANGES = (DISPATCH, RESULT, PROJECTION, LIFECYCLE)
 
 INGEST_DELIVERY_LIMIT = 5
 PROJECTION_DELIVERY_LIMIT = 5
+# What a hub's queue is bound to: every client's dispatch events (`monitor.<lane>.<client>`, `publish.<client>`);
+# the hub forwards those of the clients connected to it and drops the rest. Not one binding per connected client:
+# a binding is a broker round trip and a Mnesia write, ~800 a second measured on RabbitMQ 3.10, so a hub restart
+# reconnecting 10,000 clients spent 25 s binding (and the broker as long again deleting the dead hub's bindings).
+# The price: every hub replica receives every dispatch event (docs/benchmarks.md, "Hub at scale").
+HUB_DISPATCH_KEYS = ("monitor.*.*", "publish.*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,15 +173,18 @@ async def declare_lifecycle(channel: AbstractChannel, topology: Topology, consum
 
 
 async def declare_hub_queue(channel: AbstractChannel, topology: Topology, instance_id: str) -> AbstractQueue:
-    """A hub instance's own queue: exclusive, auto-delete; bound per connected client."""
+    """A hub instance's own queue: exclusive, auto-delete; bound to every client's dispatch routing keys."""
     await declare_exchanges(channel, topology)
     await _declare_dlq(channel, topology, topology.hub_dlq)
-    return await channel.declare_queue(
+    queue = await channel.declare_queue(
         topology.hub_queue(instance_id),
         exclusive=True,
         auto_delete=True,
         arguments=_dead_letter_args(topology, topology.hub_dlq),
     )
+    for key in HUB_DISPATCH_KEYS:
+        await queue.bind(topology.dispatch_exchange, routing_key=key)
+    return queue
 
 
 async def declare_all(channel: AbstractChannel, topology: Topology) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
@@ -13,6 +13,7 @@ from libs.auth import hash_token
 from libs.db.pool import Conn
 from libs.http import ApiError
 from services.dispatch_hub import queries as q
+from services.dispatch_hub.batching import Batcher
 from services.dispatch_hub.logic import bearer_token
 
 V = TypeVar("V")
@@ -33,7 +34,8 @@ class ClientAuthenticator:
     negative cache so made-up tokens cost no query after the first.
 
     A disabled client is refused within `cache_ttl_s` (the cache holds only enabled clients), and at once on
-    the hub that holds its sockets (the revocation sweep calls `forget`).
+    the hub that holds its sockets (the revocation sweep calls `forget`). Lookups that miss the cache are
+    batched: the tokens of every handshake that arrives while one lookup runs are looked up in the next one.
     """
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, cache_ttl_s: float = 5.0,
@@ -45,6 +47,7 @@ class ClientAuthenticator:
         self._cache: dict[str, tuple[float, ClientPrincipal]] = {}
         self._unknown: dict[str, float] = {}
         self.lookups = 0
+        self._batch: Batcher[str, dict[str, Any] | None] = Batcher(self._lookup, default=None, name="auth")
 
     async def authenticate(self, authorization: str | None) -> ClientPrincipal:
         token = bearer_token(authorization)
@@ -58,9 +61,7 @@ class ClientAuthenticator:
         if self._unknown.get(token_hash, 0.0) > now:
             raise ApiError(401, "unauthorized", "unknown client token")
         self.lookups += 1
-        async with self._pool.connection() as conn:
-            cur = await conn.execute(q.AUTHENTICATE_CLIENT, {"token_hash": token_hash})
-            row = await cur.fetchone()
+        row = await self._batch.submit(token_hash)
         if row is None:
             self._cache.pop(token_hash, None)
             _bounded_put(self._unknown, token_hash, now + self._negative_ttl, self._max)
@@ -73,6 +74,11 @@ class ClientAuthenticator:
                                     token_hash=token_hash)
         _bounded_put(self._cache, token_hash, (now + self._ttl, principal), self._max)
         return principal
+
+    async def _lookup(self, token_hashes: list[str]) -> dict[str, dict[str, Any]]:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(q.AUTHENTICATE_CLIENTS, {"token_hashes": token_hashes})
+            return {row["token_hash"]: row for row in await cur.fetchall()}
 
     def forget(self, client_id: uuid.UUID) -> None:
         """Drop a client's cached tokens (it was disabled, or its token rotated)."""

@@ -1,11 +1,13 @@
 """Batched heartbeat writes: every sign of life only marks the client; one UPDATE per flush
-interval covers every client that showed one (thousands of clients, one statement)."""
+interval covers every client that showed one (thousands of clients, one statement), each client at most once
+per `refresh_s`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable
 
@@ -28,10 +30,15 @@ class HeartbeatWriter:
     Liveness and health are written in separate transactions, and health reports set-based first and one by
     one (each in its own savepoint) only when the set-based write fails: nothing one client sends can fail
     another client's heartbeat, or make every client of this replica look offline.
+
+    A client's liveness is written at most once per `refresh_s` (a sign of life in between waits for the first
+    flush after that): readers judge it against the heartbeat timeout (30 s), and 10,000 clients heartbeating and
+    answering pings wrote 2,000 rows a second, each touching two indexes on `last_heartbeat_at`.
     """
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, hub: str, interval_s: float,
-                 is_connected: Callable[[uuid.UUID], bool], write_health: WriterHealth | None = None) -> None:
+                 is_connected: Callable[[uuid.UUID], bool], write_health: WriterHealth | None = None,
+                 refresh_s: float = 0.0) -> None:
         self._pool = pool
         self._timings = write_health or WriterHealth("hub", hub)
         self._hub = hub
@@ -39,6 +46,8 @@ class HeartbeatWriter:
         self._is_connected = is_connected
         self._touched: set[uuid.UUID] = set()
         self._health: dict[uuid.UUID, dict[str, str]] = {}
+        self._refresh = refresh_s
+        self._written: dict[uuid.UUID, float] = {}  # client -> when its liveness was written (monotonic)
         self.flushes = 0
         self.health_rejected = 0
 
@@ -50,13 +59,23 @@ class HeartbeatWriter:
         self._health[client_id] = dict(health)
         self._touched.add(client_id)
 
+    def forget(self, client_id: uuid.UUID) -> None:
+        """The client's last socket here closed."""
+        self._written.pop(client_id, None)
+
     async def flush(self) -> int:
         touched, self._touched = self._touched, set()
         health, self._health = self._health, {}
+        now = time.monotonic()
         # A client that disconnected since its last sign of life is not revived here.
-        ids = sorted((c for c in touched if self._is_connected(c)), key=str)
+        connected = [c for c in touched if self._is_connected(c)]
+        due = [c for c in connected if now - self._written.get(c, -self._refresh) >= self._refresh]
+        if len(due) < len(connected):
+            self._touched.update(set(connected).difference(due))  # written at a later flush
+        ids = sorted(due, key=str)
         if ids:
             await self._write_liveness(ids)
+            self._written.update(dict.fromkeys(ids, now))
         if health:
             await self._write_health(health)
         self.flushes += 1
@@ -68,10 +87,8 @@ class HeartbeatWriter:
         async with self._timings.timed(), self._pool.connection() as conn, pipelined_transaction(conn) as pipe:
             cur = await conn.execute(q.HEARTBEAT_BATCH, {"ids": ids, "hub": self._hub})
             await pipe.sync()
-            for row in await cur.fetchall():
-                if not row["was_online"]:
-                    await emit_lifecycle(conn, "client.online", tenant_id=int(row["tenant_id"]),
-                                         client_id=row["id"])
+            for row in await cur.fetchall():  # the clients that were marked offline meanwhile
+                await emit_lifecycle(conn, "client.online", tenant_id=int(row["tenant_id"]), client_id=row["id"])
 
     async def _write_health(self, health: dict[uuid.UUID, dict[str, str]]) -> None:
         rows = [{"id": str(client_id), "health": report} for client_id, report in sorted(health.items(),

@@ -1,14 +1,18 @@
 """Every SQL statement of the hub, with named parameters. Each filters by the caller's tenant."""
 
-AUTHENTICATE_CLIENT = """
-SELECT id, tenant_id, workspace_id, user_id, disabled_at
-FROM desktop_clients WHERE token_hash = %(token_hash)s
+# The tokens of every handshake and call that missed the hub's cache while the previous lookup ran.
+AUTHENTICATE_CLIENTS = """
+SELECT id, tenant_id, workspace_id, user_id, disabled_at, token_hash
+FROM desktop_clients WHERE token_hash = ANY(%(token_hashes)s)
 """
 
-# Revocation sweep: which of this hub's connected clients were disabled or had their token rotated.
-REVOKED_CLIENTS = """
-SELECT id, token_hash, disabled_at IS NOT NULL AS disabled
-FROM desktop_clients WHERE id = ANY(%(ids)s)
+# Revocation sweep: which of this hub's sockets (ids[i] authenticated with token_hashes[i]) belong to a client that
+# was disabled or deleted (`disabled`), or whose token was rotated since; only those come back.
+REVOKED_SOCKETS = """
+SELECT s.client_id, s.token_hash, (c.id IS NULL OR c.disabled_at IS NOT NULL) AS disabled
+FROM unnest(%(ids)s::uuid[], %(token_hashes)s::text[]) AS s(client_id, token_hash)
+LEFT JOIN desktop_clients c ON c.id = s.client_id
+WHERE c.id IS NULL OR c.disabled_at IS NOT NULL OR c.token_hash IS DISTINCT FROM s.token_hash
 """
 
 # Serialises concurrent lease calls of one client so the concurrency limit holds (no row lock on
@@ -136,52 +140,71 @@ RETURNING extract(epoch FROM (clock_timestamp() - created_at)) * 1000 AS age_ms
 
 PLATFORM_CODES = "SELECT id, code FROM ai_platforms"
 
-# Replay on (re)connect: everything queued for the client, in lane order ...
+# Replay on (re)connect, for a batch of clients (client_ids[i] of tenant_ids[i]): everything queued for each, in
+# lane order ...
 REPLAY_QUEUED = """
 SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.scheduler_group_key, d.business_date,
        d.interrupt_generation, d.updated_at, d.monitor_task_id, d.collect_request_id
-FROM desktop_tasks d
-WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s AND d.status = 'queued'
-ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
-LIMIT %(limit)s
+FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
+CROSS JOIN LATERAL (
+    SELECT d.*
+    FROM desktop_tasks d
+    WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'queued'
+    ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
+    LIMIT %(limit)s
+) d
+ORDER BY c.n, d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
 """
 
-# ... and every interrupt still outstanding on its running executions.
+# ... and every interrupt still outstanding on their running executions.
 REPLAY_INTERRUPTS = """
 SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags, d.interrupt_reason,
        d.updated_at, d.collect_request_id
-FROM desktop_tasks d
-WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s AND d.status = 'in_progress'
-  AND coalesce((d.control_flags ->> 'interrupt_requested')::boolean, false)
-ORDER BY d.leased_at
-LIMIT %(limit)s
+FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
+CROSS JOIN LATERAL (
+    SELECT d.*
+    FROM desktop_tasks d
+    WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'in_progress'
+      AND coalesce((d.control_flags ->> 'interrupt_requested')::boolean, false)
+    ORDER BY d.leased_at
+    LIMIT %(limit)s
+) d
+ORDER BY c.n, d.leased_at
 """
 
-CLIENT_ONLINE = """
+# A batch of attaching clients (rows locked in id order, as the heartbeat batch does: no deadlocks between them);
+# a disabled client is not marked online.
+CLIENTS_ONLINE = """
 UPDATE desktop_clients c
 SET online = true, connected_hub = %(hub)s, last_heartbeat_at = now(), offline_since = NULL, updated_at = now()
 FROM (SELECT id, online AS was_online FROM desktop_clients
-      WHERE id = %(client_id)s AND disabled_at IS NULL FOR UPDATE) p
+      WHERE id = ANY(%(ids)s) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
 WHERE c.id = p.id
-RETURNING c.interrupt_generation, p.was_online
+RETURNING c.id, c.tenant_id, c.interrupt_generation, p.was_online
 """
 
-CLIENT_OFFLINE = """
-UPDATE desktop_clients
+# A batch of clients whose last socket on this hub closed (another hub may already hold them).
+CLIENTS_OFFLINE = """
+UPDATE desktop_clients c
 SET online = false, offline_since = now(), updated_at = now()
-WHERE id = %(client_id)s AND connected_hub = %(hub)s AND online
-RETURNING tenant_id
+FROM (SELECT id FROM desktop_clients
+      WHERE id = ANY(%(ids)s) AND connected_hub = %(hub)s AND online ORDER BY id FOR UPDATE) p
+WHERE c.id = p.id
+RETURNING c.id, c.tenant_id
 """
 
 # One statement per flush for every client that showed a sign of life (ids sorted: no deadlocks); a disabled
-# client's heartbeats are ignored.
+# client's heartbeats are ignored. Only the clients that were offline come back (they get `client.online`).
 HEARTBEAT_BATCH = """
-UPDATE desktop_clients c
-SET last_heartbeat_at = now(), online = true, connected_hub = %(hub)s, offline_since = NULL
-FROM (SELECT id, online AS was_online FROM desktop_clients
-      WHERE id = ANY(%(ids)s) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
-WHERE c.id = p.id
-RETURNING c.id, c.tenant_id, p.was_online
+WITH beat AS (
+    UPDATE desktop_clients c
+    SET last_heartbeat_at = now(), online = true, connected_hub = %(hub)s, offline_since = NULL
+    FROM (SELECT id, online AS was_online FROM desktop_clients
+          WHERE id = ANY(%(ids)s) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
+    WHERE c.id = p.id
+    RETURNING c.id, c.tenant_id, p.was_online
+)
+SELECT id, tenant_id FROM beat WHERE NOT was_online
 """
 
 # A client's report replaces its stored platform health (a platform it no longer reports is not kept).
