@@ -21,6 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="bench")
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default all): {available()}")
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
+    parser.add_argument("--clients", type=int, help="hub_scale: WebSocket clients on the one hub (default 10000)")
     parser.add_argument("--tracing", action="store_true",
                         help="collect_now: the services trace every request (100%%) into a local trace sink")
     args = parser.parse_args()

@@ -1,0 +1,527 @@
+"""One dispatch-hub holding a whole fleet: 10,000 WebSocket desktops by default (`--clients N`; `--quick`: 1,000).
+
+Real service processes (outbox-pump, dispatch-coordinator, dispatch-hub, collect-now-api, ingest-shard-workers,
+as in `bench collect_now`) and the fleet in several client processes (`bench/hub_scale_client.py`, 2,000 lean
+clients each: authenticate, hello + replay, heartbeat at the hub's interval). Every seeded client has one queued
+execution, so every (re)connect carries a replay. Measured, in this order:
+
+1. connect: every client at once, until each has its hello and replay; hub RSS before and after (per connection);
+2. fan-out: one `task_available` per client published straight to the dispatch exchange, until all arrived;
+3. probe: click (POST collect-now) -> high `task_available` on one more client's socket, with the fleet connected
+   and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path);
+4. reconnect storm: the hub is killed (SIGKILL) and started again; until every client has its new hello and replay.
+
+All clients share 127.0.0.1, so the hub runs with HUB_UPGRADE_BURST_PER_ADDRESS and
+HUB_UPGRADES_PER_ADDRESS_PER_S far above the fleet (the per-address bucket would otherwise refuse the storm); the
+per-client limits stay at their defaults. The soft file-descriptor limit is raised to the hard one, for this
+process and the children (hub, clients) it starts.
+
+    .venv/bin/python -m bench hub_scale [--clients 10000] [--quick]
+    HUB_SCALE_PROFILE=/tmp/prof .venv/bin/python -m bench hub_scale   (py-spy, when installed, samples the hub in
+                                                                       each phase; the hottest frames are printed)
+    HUB_SCALE_PHASES=fan-out,probe,storm (the default: all of them; connect always runs first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import aiohttp
+import msgspec
+from aiormq.abc import ChannelFrame
+from pamqp import commands as spec
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
+
+from bench.common import bench_environment, percentile, summary
+from libs.auth import hash_token, new_client_token
+from libs.config import Settings
+from libs.contracts.wire import TaskAvailable
+from libs.db.pool import connect
+from libs.demo import seed_demo
+from libs.dispatch_settings import set_setting
+from libs.domain.lanes import lane_spec
+from libs.mq.topology import Topology
+from tests.support.procs import die_with_parent
+from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
+
+JWT_SECRET = "bench-hub-scale-gateway-secret-0123456789"
+CLIENTS_PER_PROCESS = 2000
+CLIENTS_PER_TENANT = 100
+CONNECT_DEADLINE_S = 300.0
+FANOUT_DEADLINE_S = 30.0
+FANOUT_ROUNDS = 3
+STORM_DEADLINE_S = 120.0
+
+_TENANTS = "INSERT INTO tenants (name, time_zone) SELECT 'scale-' || g, 'UTC' FROM generate_series(1, %(n)s) g " \
+           "RETURNING id"
+_CLIENTS_COPY = "COPY desktop_clients (id, tenant_id, workspace_id, user_id, name, token_hash) FROM STDIN"
+# One queued execution per fleet client (a publish task: it needs no business task), so that every hello
+# is followed by a replay.
+_REPLAY_TASKS = """
+INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
+                           source)
+SELECT gen_random_uuid(), 'publish', c.tenant_id, c.workspace_id, c.id, 'queued', %(priority)s, 'normal',
+       %(weight)s, 'publish'
+FROM desktop_clients c WHERE c.tenant_id = ANY(%(tenants)s)
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    fleet: list[tuple[str, str]]  # (client_id, token)
+    probe: dict[str, Any]  # a seed_demo tenant with one client and `clicks` questions
+
+
+async def _prepare(settings: Settings, *, fleet: int, clicks: int) -> World:
+    conn = await connect(settings.database_url)
+    try:
+        probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks, clients=1, platforms=("openai",),
+                                due=False)
+        cur = await conn.execute(_TENANTS, {"n": math.ceil(fleet / CLIENTS_PER_TENANT)})
+        tenants = [int(r["id"]) for r in await cur.fetchall()]
+        clients = []
+        async with conn.cursor().copy(_CLIENTS_COPY) as copy:
+            for i in range(fleet):
+                client_id, token, tenant = uuid.uuid4(), new_client_token(), tenants[i // CLIENTS_PER_TENANT]
+                await copy.write_row((client_id, tenant, tenant, tenant, f"scale-{i}", hash_token(token)))
+                clients.append((str(client_id), token))
+        spec = lane_spec("publish", "normal")
+        await conn.execute(_REPLAY_TASKS, {"priority": spec.default_priority, "weight": spec.weight,
+                                           "tenants": tenants})
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
+                           "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
+        await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
+        for key, value in {"max_active_requests_per_tenant": 10_000, "max_requests_per_user_per_hour": 10_000,
+                           "cluster_dispatch_per_minute": 20_000, "tenant_dispatch_per_minute": 300}.items():
+            await set_setting(conn, key, value)
+        await conn.execute("ANALYZE")
+    finally:
+        await conn.close()
+    return World(fleet=clients, probe=probe["tenants"][0])
+
+
+# ---- the fleet's processes ------------------------------------------------------------------------
+
+
+class ClientProcess:
+    """One `bench.hub_scale_client` process: JSON-line commands in, answers out."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, size: int) -> None:
+        self.proc = proc
+        self.size = size
+
+    @classmethod
+    async def start(cls, hub: str, tokens: list[str], folder: Path, index: int) -> ClientProcess:
+        config = folder / f"fleet-{index}.json"
+        config.write_text(json.dumps({"hub": hub, "tokens": tokens}))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.hub_scale_client", str(config), stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, limit=1 << 24, preexec_fn=die_with_parent)
+        client = cls(proc, len(tokens))
+        await client.read()  # {"started": n}
+        return client
+
+    async def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
+        if not line:
+            raise RuntimeError(f"a fleet process exited with {self.proc.returncode}")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    async def ask(self, **command: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(command) + "\n").encode())
+        await self.proc.stdin.drain()
+        return await self.read()
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.ask(cmd="stop"), 30)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.terminate()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), 10)
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def _status(fleet: list[ClientProcess], since: float) -> dict[str, Any]:
+    answers = await asyncio.gather(*(p.ask(cmd="status", since=since) for p in fleet))
+    errors: dict[str, int] = {}
+    for a in answers:
+        for key, n in a["errors"].items():
+            errors[key] = errors.get(key, 0) + n
+    return {"ready": sum(a["ready"] for a in answers), "last_ready": max(a["last_ready"] for a in answers),
+            "open": sum(a["open"] for a in answers), "hellos": sum(a["hellos"] for a in answers), "errors": errors}
+
+
+async def _until_ready(fleet: list[ClientProcess], *, since: float, deadline_s: float,
+                       stack: Stack, label: str) -> tuple[dict[str, Any], bool]:
+    """Poll the fleet until every client's current socket had its hello and replay after `since`."""
+    total = sum(p.size for p in fleet)
+    deadline = time.monotonic() + deadline_s
+    status: dict[str, Any] = {}
+    next_note = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status = await _status(fleet, since)
+        if status["ready"] >= total:
+            return status, True
+        if time.monotonic() >= next_note:
+            next_note += 10
+            print(f"    {label}: {status['ready']}/{total} ready after {time.time() - since:.0f} s; hub RSS "
+                  f"{_rss_mib(stack):.0f} MiB; handshake failures so far {status['errors']}", flush=True)
+        await asyncio.sleep(0.1)  # polling the fleet's processes with a deadline
+    return status, False
+
+
+# ---- the hub process ------------------------------------------------------------------------------
+
+
+def _hub_pid(stack: Stack) -> int:
+    proc = stack.procs["dispatch-hub"].proc
+    assert proc is not None
+    return proc.pid
+
+
+def _rss_mib(stack: Stack) -> float:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{_hub_pid(stack)}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _cpu_s(stack: Stack) -> float:
+    """The hub's CPU time so far (user + system), seconds."""
+    return _pid_cpu_s(_hub_pid(stack))
+
+
+def _pid_cpu_s(pid: int) -> float:
+    with contextlib.suppress(OSError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return float("nan")
+
+
+def _others_cpu_s(stack: Stack, fleet: list[ClientProcess]) -> dict[str, float]:
+    """CPU seconds so far of the fleet's processes (together) and of the other services."""
+    times = {"fleet": sum(_pid_cpu_s(p.proc.pid) for p in fleet)}
+    for name, service in stack.procs.items():
+        if name != "dispatch-hub" and service.proc is not None:
+            times[name] = _pid_cpu_s(service.proc.pid)
+    return times
+
+
+def _cpu_note(before: dict[str, float], after: dict[str, float]) -> str:
+    return ", ".join(f"{name} {after[name] - before.get(name, 0.0):.1f} s" for name in after)
+
+
+class Profile:
+    """`py-spy record` on the hub for one phase, when HUB_SCALE_PROFILE names a folder (py-spy is not a dependency
+    of the project: `pip install py-spy` to profile)."""
+
+    def __init__(self, stack: Stack, phase: str) -> None:
+        self.folder = os.environ.get("HUB_SCALE_PROFILE", "")
+        self.stack, self.phase = stack, phase
+        self.proc: asyncio.subprocess.Process | None = None
+        if self.folder:
+            os.makedirs(self.folder, exist_ok=True)
+
+    async def __aenter__(self) -> Profile:
+        spy = Path(sys.executable).with_name("py-spy")
+        if self.folder and spy.exists():
+            self.proc = await asyncio.create_subprocess_exec(
+                str(spy), "record", "--pid", str(_hub_pid(self.stack)), "--format", "raw", "--rate", "100",
+                "--nonblocking", "-o", str(Path(self.folder) / f"{self.phase}.raw"), stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), 30)
+        print(f"    profile ({self.phase}): " + "; ".join(_hottest(Path(self.folder) / f"{self.phase}.raw", 12)),
+              flush=True)
+
+
+def _hottest(raw: Path, n: int) -> list[str]:
+    """The frames most often on the stack (inclusive), from py-spy's collapsed stacks, skipping the entry points."""
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in (raw.read_text() if raw.exists() else "").splitlines():
+        stack, _, count = line.rpartition(" ")
+        total += int(count)
+        for frame in set(stack.split(";")):
+            inclusive[frame] = inclusive.get(frame, 0) + int(count)
+    ranked = sorted(inclusive.items(), key=lambda kv: -kv[1])
+    return [f"{c / total * 100:.0f}% {f}" for f, c in ranked if c < total * 0.9][:n]
+
+
+def _listen_overflows() -> int:
+    """The kernel's count of connections dropped because a listen queue was full (the whole machine)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+        names, values = lines[0].split(), lines[1].split()
+        return int(values[names.index("ListenOverflows")])
+    return 0
+
+
+def _load() -> str:
+    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def _hub_errors(stack: Stack) -> list[str]:
+    """The distinct errors and warnings the hub logged (with the exception's last line), most frequent first; the
+    first traceback of each follows its line."""
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for line in stack.procs["dispatch-hub"].logs().splitlines():
+        if '"level": "error"' not in line and '"level": "warning"' not in line:
+            continue
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            exc = str(record.get("exc") or "").strip().splitlines()
+            key = f"{record.get('level')}: {record.get('event')}{': ' + exc[-1] if exc else ''}"
+            counts[key] = counts.get(key, 0) + 1
+            first.setdefault(key, "\n".join(f"      {line}" for line in exc[-12:]))
+    return [f"{n}x {key}\n{first[key]}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
+# ---- phases ---------------------------------------------------------------------------------------
+
+
+async def _fan_out(settings: Settings, fleet: list[ClientProcess], clients: list[tuple[str, str]]) -> None:
+    """One `task_available` per client, published straight to the dispatch exchange. The publishes are marshalled
+    before the clock starts and written to the broker in one go: a Python publisher's own cost (~130-500 µs a
+    message on this box, over a second for 10,000) would otherwise be most of the figure, and in production the
+    events come from publishers on other machines."""
+    topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        channel: Any = await (await connection.channel(publisher_confirms=False)).get_underlay_channel()
+        for round_no in range(1, FANOUT_ROUNDS + 1):
+            marker = uuid.uuid4()
+            now = datetime.now(UTC)
+            frames: list[Any] = []
+            for client_id, _ in clients:
+                body = msgspec.json.encode(TaskAvailable(
+                    kind="monitor", task_id=marker, target_client_id=uuid.UUID(client_id), priority=100,
+                    lane="normal", updated_at=now))
+                frames += [spec.Basic.Publish(exchange=topology.dispatch_exchange,
+                                              routing_key=f"monitor.normal.{client_id}"),
+                           ContentHeader(properties=spec.Basic.Properties(delivery_mode=1), body_size=len(body)),
+                           ContentBody(body)]
+            written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames, drain_future=written)
+            started = time.time()
+            await channel.write_queue.put(payload)
+            await written
+            published = time.time()
+            deadline = time.monotonic() + FANOUT_DEADLINE_S
+            times: list[float] = []
+            while time.monotonic() < deadline:
+                answers = await asyncio.gather(*(p.ask(cmd="arrivals", task_id=str(marker)) for p in fleet))
+                times = [t for a in answers for t in a["times"]]
+                if len(times) >= len(clients):
+                    break
+                await asyncio.sleep(0.05)  # polling the fleet's processes with a deadline
+            spans = [(t - started) * 1000 for t in times]
+            print(f"  fan-out #{round_no}: {len(times)}/{len(clients)} arrived; the {len(clients)} publishes written "
+                  f"in {(published - started) * 1000:.0f} ms; publish -> arrival (ms): "
+                  f"{summary(spans) if spans else 'none'}; {_load()}", flush=True)
+            await asyncio.sleep(1)
+    finally:
+        await connection.close()
+
+
+async def _probe(stack: Stack, world: World, clicks: int) -> list[float]:
+    """Click -> high task_available on the probe's socket; then lease and post the result, as a desktop does."""
+    probe = world.probe
+    client, brand = probe["clients"][0], probe["brands"][0]
+    jwt = stack.jwt(probe)
+    hub, api = stack.hub_url, stack.api_url
+    auth = {"Authorization": f"Bearer {client['token']}"}
+    to_socket: list[float] = []
+    async with aiohttp.ClientSession() as http, http.ws_connect(f"{hub}/api/desktop/ws", headers=auth) as ws:
+        assert msgspec.json.decode((await ws.receive(timeout=30)).data)["type"] == "hello"
+        refused = 0
+        for question_id in brand["question_ids"][:clicks]:
+            for _ in range(10):  # a click refused while the tenant's previous one still holds its lock: again
+                clicked = time.perf_counter()
+                async with http.post(f"{api}/api/tenant/monitoring/brands/{brand['brand_id']}/collect-now",
+                                     json={"target_client_id": client["client_id"], "question_ids": [question_id]},
+                                     headers={"Authorization": f"Bearer {jwt}"}) as resp:
+                    if resp.status in (200, 201, 202):
+                        break
+                    assert resp.status in (409, 429), await resp.text()
+                    refused += 1
+                await asyncio.sleep(0.5)
+            try:
+                while True:
+                    event = msgspec.json.decode((await ws.receive(timeout=5)).data)
+                    if event.get("type") == "task_available" and event.get("lane") == "high":
+                        break
+            except TimeoutError:
+                print("  probe: a click's task_available did not arrive within 5 s", flush=True)
+                continue
+            to_socket.append((time.perf_counter() - clicked) * 1000)
+            async with http.post(f"{hub}/api/desktop/monitor/lease", json={"max_tasks": 1}, headers=auth) as resp:
+                tasks = (await resp.json())["tasks"]
+            for task in tasks:
+                async with http.post(f"{hub}/api/desktop/tasks/{task['task_id']}/result", json={
+                        "lease_token": task["lease_token"], "status": "succeeded", "answer_text": "bench"},
+                        headers=auth) as resp:
+                    await resp.read()
+            await asyncio.sleep(0.1)  # clicks are human-paced; keep them apart
+        hops = await _hub_hop(stack, ws, client["client_id"], samples=clicks)
+        print(f"  probe: hub hop (event published straight to the exchange -> on the probe's socket, ms): "
+              f"{summary(hops)}", flush=True)
+    if refused:
+        print(f"  probe: {refused} clicks refused as busy (409/429) and clicked again", flush=True)
+    return to_socket
+
+
+async def _hub_hop(stack: Stack, ws: aiohttp.ClientWebSocketResponse, client_id: str, *,
+                   samples: int) -> list[float]:
+    """The hub's own share of a click: an event published to the dispatch exchange -> on the socket."""
+    topology = Topology(stack.settings.mq_prefix, stack.settings.ingest_shards)
+    connection = await aio_pika.connect(stack.settings.amqp_url)
+    hops: list[float] = []
+    try:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(topology.dispatch_exchange)
+        for _ in range(samples):
+            event = TaskAvailable(kind="monitor", task_id=uuid.uuid4(), target_client_id=uuid.UUID(client_id),
+                                  priority=5000, lane="high", updated_at=datetime.now(UTC))
+            sent = time.perf_counter()
+            await exchange.publish(aio_pika.Message(msgspec.json.encode(event)),
+                                   routing_key=f"monitor.high.{client_id}")
+            while msgspec.json.decode((await ws.receive(timeout=10)).data).get("task_id") != str(event.task_id):
+                pass
+            hops.append((time.perf_counter() - sent) * 1000)
+            await asyncio.sleep(0.05)
+    finally:
+        await connection.close()
+    return hops
+
+
+async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
+    hub = stack.procs["dispatch-hub"]
+    killed = time.time()
+    overflows, others = _listen_overflows(), _others_cpu_s(stack, fleet)
+    hub.kill()
+    await asyncio.to_thread(hub.start, timeout=60)
+    up = time.time()
+    cpu0 = _cpu_s(stack)
+    async with Profile(stack, "storm"):
+        status, done = await _until_ready(fleet, since=killed, deadline_s=STORM_DEADLINE_S, stack=stack,
+                                          label="storm")
+    last = status["last_ready"]
+    print(f"  reconnect storm: {status['ready']}/{total} reconnected with their replay; kill -> all ready "
+          f"{last - killed:.1f} s (hub back up after {up - killed:.1f} s; up -> all ready {last - up:.1f} s)"
+          f"{'' if done else f' -- deadline of {STORM_DEADLINE_S:.0f} s reached'}; hub RSS {_rss_mib(stack):.0f} MiB, "
+          f"hub CPU {_cpu_s(stack) - cpu0:.1f} s; handshake failures seen by clients: {status['errors']}; "
+          f"listen queue overflows {_listen_overflows() - overflows}; {_load()}; CPU meanwhile: "
+          f"{_cpu_note(others, _others_cpu_s(stack, fleet))}", flush=True)
+
+
+async def _scenario(clients: int, clicks: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    fleet_size = clients - 1  # the probe is the last client
+    processes = math.ceil(fleet_size / CLIENTS_PER_PROCESS)
+    print(f"  {clients} clients ({fleet_size} in {processes} fleet processes + 1 probe); file descriptors: soft "
+          f"limit {soft} raised to {hard} for this process and its children; {_load()}", flush=True)
+    async with bench_environment(shards=16) as base:
+        settings = replace(base, gateway_jwt_secret=JWT_SECRET)
+        world = await _prepare(settings, fleet=fleet_size, clicks=clicks)
+        with tempfile.TemporaryDirectory() as logs:
+            env: dict[str, Any] = {"DB_POOL_MAX": 6, "HUB_UPGRADE_BURST_PER_ADDRESS": 4 * clients + 1000,
+                                   "HUB_UPGRADES_PER_ADDRESS_PER_S": 4 * clients + 1000}
+            async with running_stack(settings, Path(logs), services=DISPATCH_SERVICES, **env) as stack:
+                fleet: list[ClientProcess] = []
+                try:
+                    await _run(stack, world, fleet, Path(logs), clicks=clicks)
+                finally:
+                    await asyncio.gather(*(p.stop() for p in fleet))
+                    errors = _hub_errors(stack)
+                    print(f"  hub errors and warnings logged: {len(errors)} kinds"
+                          + "".join(f"\n    {e}" for e in errors[:5]), flush=True)
+
+
+async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: Path, *, clicks: int) -> None:
+    tokens = [token for _, token in world.fleet]
+    total = len(tokens)
+    chunks = [tokens[i:i + CLIENTS_PER_PROCESS] for i in range(0, total, CLIENTS_PER_PROCESS)]
+    fleet += await asyncio.gather(*(ClientProcess.start(stack.hub_url, chunk, folder, i)
+                                    for i, chunk in enumerate(chunks)))
+    rss0, cpu0, overflows, others = _rss_mib(stack), _cpu_s(stack), _listen_overflows(), _others_cpu_s(stack, fleet)
+    async with Profile(stack, "connect"):
+        started = time.time()
+        await asyncio.gather(*(p.ask(cmd="connect") for p in fleet))
+        status, done = await _until_ready(fleet, since=started, deadline_s=CONNECT_DEADLINE_S, stack=stack,
+                                          label="connect")
+    rss = _rss_mib(stack)
+    per = (rss - rss0) * 1024 / max(1, status["ready"])
+    took = f"{status['last_ready'] - started:.1f} s" if status["ready"] else "-"
+    print(f"  connect: {status['ready']}/{total} with hello + replay in {took}"
+          f"{'' if done else f' -- deadline of {CONNECT_DEADLINE_S:.0f} s reached'}; hub RSS {rss0:.0f} -> "
+          f"{rss:.0f} MiB ({per:.1f} KiB per connection), hub CPU {_cpu_s(stack) - cpu0:.1f} s; handshake failures "
+          f"seen by clients: {status['errors']}; listen queue overflows {_listen_overflows() - overflows}; {_load()}; "
+          f"CPU meanwhile: {_cpu_note(others, _others_cpu_s(stack, fleet))}", flush=True)
+    if not done:
+        return
+    phases = os.environ.get("HUB_SCALE_PHASES", "fan-out,probe,storm").split(",")
+    cpu0 = _cpu_s(stack)
+    async with Profile(stack, "steady"):
+        await asyncio.sleep(12)  # a heartbeat interval: every client heartbeated once, the hub pinged every socket
+    print(f"  steady: hub RSS {_rss_mib(stack):.0f} MiB after a heartbeat interval; hub CPU "
+          f"{(_cpu_s(stack) - cpu0) / 12 * 100:.0f}% of a core; {_load()}", flush=True)
+    if "fan-out" in phases:
+        async with Profile(stack, "fan-out"):
+            await _fan_out(stack.settings, fleet, world.fleet)
+    if "probe" in phases:
+        cpu0 = _cpu_s(stack)
+        async with Profile(stack, "probe"):
+            to_socket = await _probe(stack, world, clicks)
+        print(f"  probe with {total} others connected: click -> task_available (ms): "
+              f"{summary(to_socket) if to_socket else 'none arrived'}; p99 {percentile(to_socket, 99):.1f} ms; "
+              f"hub CPU {_cpu_s(stack) - cpu0:.1f} s; {_load()}", flush=True)
+    if "storm" in phases:
+        await _storm(stack, fleet, total)
+
+
+async def run(args: argparse.Namespace) -> None:
+    clients = int(getattr(args, "clients", None) or (1000 if args.quick else 10_000))
+    clicks = 20 if args.quick else 100
+    await _scenario(clients, clicks)
+
+
+if __name__ == "__main__":  # `python -m bench.b_hub_scale` works too
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--clients", type=int)
+    parser.add_argument("--quick", action="store_true")
+    import uvloop
+
+    uvloop.run(run(parser.parse_args()))

@@ -1,0 +1,270 @@
+"""A lean desktop fleet for `bench hub_scale`: thousands of WebSocket clients in one process, each only
+authenticating, reading its hello and replay, heartbeating at the hub's announced interval, answering pings and
+recording when events arrive. No leases, no tasks: what a hub holds for an idle desktop.
+
+Each client is an `asyncio.Protocol` speaking just enough RFC 6455 (the upgrade request, unmasked server frames,
+masked client frames), not an aiohttp session: with 2,000 aiohttp clients a process, the fleet took more CPU than
+the hub it measured on the benchmark's two cores (the handshakes, and a heartbeat loop over every client).
+
+    python -m bench.hub_scale_client CONFIG.json
+
+CONFIG: {"hub": "http://127.0.0.1:PORT", "tokens": [...]}. Commands arrive on stdin as JSON lines, answers go to
+stdout as JSON lines; clocks are `time.time()`, so the benchmark compares them across processes on one machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import random
+import resource
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import msgspec
+import uvloop
+
+from tools.desktop_sim.rules import backoff_delay
+
+# The desktop simulator's reconnect policy (tools/desktop_sim/client.py): exponential, jittered, 0.1 s to 5 s.
+RECONNECT_BASE_S = 0.1
+RECONNECT_MAX_S = 5.0
+HANDSHAKE_TIMEOUT_S = 30.0
+TEXT, CLOSE, PING, PONG = 0x1, 0x8, 0x9, 0xA
+
+
+class Event(msgspec.Struct):
+    """The fields of a hub message this fleet looks at."""
+
+    type: str = ""
+    task_id: str | None = None
+    replayed_available: int = 0
+    replayed_controls: int = 0
+    heartbeat_interval_s: float = 10.0
+
+
+_decode = msgspec.json.Decoder(Event).decode
+
+
+def client_frame(opcode: int, payload: bytes) -> bytes:
+    """A masked client frame (RFC 6455 §5.3); payloads here are short (< 126 bytes)."""
+    mask = os.urandom(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return struct.pack("!BB", 0x80 | opcode, 0x80 | len(payload)) + mask + masked
+
+
+HEARTBEAT = client_frame(TEXT, b'{"type":"heartbeat"}')
+
+
+@dataclass(slots=True)
+class Desktop:
+    token: str
+    # When the current socket's hello and its whole replay had arrived (0: not ready).
+    ready_at: float = 0.0
+    hellos: int = 0
+    connected: bool = False
+    # task_id -> first arrival (wall clock) of a task_available / task_control.
+    arrivals: dict[str, float] = field(default_factory=dict)
+
+
+class Socket(asyncio.Protocol):
+    """One desktop's WebSocket: the upgrade, then frames; `done` resolves with how it ended."""
+
+    def __init__(self, fleet: Fleet, desktop: Desktop) -> None:
+        self.fleet, self.desktop = fleet, desktop
+        self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.upgraded = False
+        self.expected = -1  # replay messages still to come after the hello
+        self.handshake_timer: asyncio.TimerHandle | None = None
+        self.beat_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.transport.write((f"GET /api/desktop/ws HTTP/1.1\r\nHost: {self.fleet.host}\r\nUpgrade: websocket\r\n"
+                         f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                         f"Authorization: Bearer {self.desktop.token}\r\n\r\n").encode())
+        self.handshake_timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._timeout)
+
+    def _timeout(self) -> None:
+        if not self.upgraded:
+            self._end("TimeoutError")
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if not self.upgraded:
+            head, sep, _ = bytes(self.buffer).partition(b"\r\n\r\n")
+            if not sep:
+                return
+            status = head.split(b" ", 2)[1].decode() if b" " in head else "?"
+            if status != "101":
+                self._end(f"http_{status}")
+                return
+            del self.buffer[:len(head) + 4]
+            self.upgraded = True
+            self.desktop.connected = True
+        self._frames()
+
+    def _frames(self) -> None:
+        buffer = self.buffer
+        while len(buffer) >= 2:
+            opcode, length, start = buffer[0] & 0x0F, buffer[1] & 0x7F, 2
+            if length == 126:
+                if len(buffer) < 4:
+                    return
+                length, start = struct.unpack_from("!H", buffer, 2)[0], 4
+            elif length == 127:
+                if len(buffer) < 10:
+                    return
+                length, start = struct.unpack_from("!Q", buffer, 2)[0], 10
+            if len(buffer) < start + length:
+                return
+            payload = bytes(buffer[start:start + length])
+            del buffer[:start + length]
+            if opcode == TEXT:
+                self._message(payload)
+            elif opcode == PING and self.transport is not None:
+                self.transport.write(client_frame(PONG, payload))
+            elif opcode == CLOSE:
+                self._end("closed")
+                return
+
+    def _message(self, payload: bytes) -> None:
+        now = time.time()
+        event = _decode(payload)
+        desktop = self.desktop
+        if event.type == "hello":
+            desktop.hellos += 1
+            self.expected = event.replayed_available + event.replayed_controls
+            # spread the fleet's heartbeats over the interval
+            self._beat_in(self.fleet.rng.uniform(0, event.heartbeat_interval_s), event.heartbeat_interval_s)
+        elif event.type in ("task_available", "task_control") and event.task_id:
+            desktop.arrivals.setdefault(event.task_id, now)
+            if self.expected > 0:
+                self.expected -= 1
+        if self.expected == 0 and desktop.ready_at == 0.0:
+            desktop.ready_at = now
+
+    def _beat_in(self, delay: float, interval: float) -> None:
+        def beat() -> None:
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(HEARTBEAT)
+                self._beat_in(interval, interval)
+
+        self.beat_timer = asyncio.get_running_loop().call_later(delay, beat)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end("closed" if self.upgraded else type(exc).__name__ if exc else "closed")
+
+    def _end(self, why: str) -> None:
+        for timer in (self.handshake_timer, self.beat_timer):
+            if timer is not None:
+                timer.cancel()
+        self.desktop.connected, self.desktop.ready_at = False, 0.0
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        if not self.done.done():
+            self.done.set_result(why)
+
+
+class Fleet:
+    def __init__(self, hub: str, tokens: list[str]) -> None:
+        url = urlsplit(hub)
+        self.host, self.address = url.netloc, (url.hostname or "127.0.0.1", url.port or 80)
+        self.desktops = [Desktop(token) for token in tokens]
+        self.handshake_errors: dict[str, int] = {}
+        self.stopping = asyncio.Event()
+        self.sockets: set[Socket] = set()
+        self.rng = random.Random()
+
+    async def run_one(self, desktop: Desktop) -> None:
+        loop = asyncio.get_running_loop()
+        attempt = 0
+        while not self.stopping.is_set():
+            try:
+                _, socket = await loop.create_connection(lambda: Socket(self, desktop), *self.address)
+            except OSError as exc:
+                self._count(type(exc).__name__)
+            else:
+                self.sockets.add(socket)
+                why = await socket.done
+                self.sockets.discard(socket)
+                if socket.upgraded:
+                    attempt = 0
+                else:
+                    self._count(why)
+            delay = backoff_delay(attempt, base_s=RECONNECT_BASE_S, max_s=RECONNECT_MAX_S, rng=self.rng)
+            attempt += 1
+            try:
+                await asyncio.wait_for(self.stopping.wait(), delay)
+            except TimeoutError:
+                pass
+
+    def _count(self, what: str) -> None:
+        self.handshake_errors[what] = self.handshake_errors.get(what, 0) + 1
+
+    def status(self, since: float) -> dict[str, Any]:
+        ready = [d.ready_at for d in self.desktops if d.ready_at and d.ready_at >= since]
+        return {"clients": len(self.desktops), "ready": len(ready), "last_ready": max(ready, default=0.0),
+                "open": sum(1 for d in self.desktops if d.connected),
+                "hellos": sum(d.hellos for d in self.desktops), "errors": self.handshake_errors}
+
+    def arrivals(self, task_id: str) -> list[float]:
+        return [d.arrivals[task_id] for d in self.desktops if task_id in d.arrivals]
+
+    def close_all(self) -> None:
+        for socket in tuple(self.sockets):
+            if socket.transport is not None and socket.upgraded:
+                socket.transport.write(client_frame(CLOSE, struct.pack("!H", 1000)))
+            socket._end("stopped")
+
+
+def _raise_fd_limit() -> int:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _answer(payload: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+async def main(config_path: str) -> None:
+    with open(config_path) as f:  # noqa: ASYNC230 - read once, before any socket opens
+        config = json.load(f)
+    fd_limit = _raise_fd_limit()
+    fleet = Fleet(config["hub"], config["tokens"])
+    loop = asyncio.get_running_loop()
+    commands = asyncio.StreamReader(limit=1 << 20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(commands), sys.stdin)
+    tasks: list[asyncio.Task[None]] = []
+    _answer({"started": len(fleet.desktops), "fd_limit": fd_limit})
+    while line := await commands.readline():
+        command = json.loads(line)
+        if command["cmd"] == "connect" and not tasks:  # every desktop at once, as after a hub restart
+            tasks = [asyncio.create_task(fleet.run_one(d)) for d in fleet.desktops]
+            _answer({"connecting": len(fleet.desktops)})
+        elif command["cmd"] == "status":
+            _answer(fleet.status(float(command.get("since", 0.0))))
+        elif command["cmd"] == "arrivals":
+            _answer({"times": fleet.arrivals(command["task_id"])})
+        elif command["cmd"] == "stop":
+            break
+    fleet.stopping.set()
+    fleet.close_all()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    _answer({"stopped": True})
+
+
+if __name__ == "__main__":
+    uvloop.run(main(sys.argv[1]))
