@@ -53,7 +53,7 @@ _decode = msgspec.json.Decoder(Event).decode
 
 
 def client_frame(opcode: int, payload: bytes) -> bytes:
-    """A masked client frame (RFC 6455 §5.3); payloads here are short (< 126 bytes)."""
+    """A masked client frame (RFC 6455, section 5.3); payloads here are short (< 126 bytes)."""
     mask = os.urandom(4)
     masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
     return struct.pack("!BB", 0x80 | opcode, 0x80 | len(payload)) + mask + masked
