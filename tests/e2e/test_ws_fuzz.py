@@ -155,9 +155,11 @@ class GoodClient:
 
 @pytest.fixture
 def hub_process(settings: Settings, tmp_path: Path) -> Iterator[ServiceProcess]:
-    # Fast heartbeat writes, so the good client's last_heartbeat_at visibly moves during the run; the bad client
+    # Fast heartbeat writes (flushed every 0.2 s, a client's liveness rewritten at most once per ping interval), so
+    # the good client's last_heartbeat_at visibly moves during the few seconds of fuzzing; the bad client
     # reconnects after each over-limit frame, within its upgrade budget.
-    env = service_env(settings, HUB_HEARTBEAT_FLUSH_S="0.2", HUB_UPGRADE_BURST_PER_CLIENT=20)
+    env = service_env(settings, HUB_HEARTBEAT_FLUSH_S="0.2", HUB_PING_INTERVAL_S="0.25",
+                      HUB_UPGRADE_BURST_PER_CLIENT=20)
     proc = ServiceProcess("dispatch-hub", env, log_dir=tmp_path)
     proc.start()
     try:
