@@ -135,6 +135,10 @@ class LeasedTask(msgspec.Struct, kw_only=True):
     platform: PlatformRef
     lease_epoch: int = 1
     interrupt_requested: bool = False
+    # Which execution path the task is on (docs/legacy-path.md): `desktop_tasks` (preempted at safe points) or
+    # `legacy` (Phase 1: yields to an interrupt only while PREPARING or NAVIGATING, otherwise finishes). The calls are
+    # the same on both; task_id is opaque either way.
+    execution_owner: Literal["desktop_tasks", "legacy"] = "desktop_tasks"
 
 
 class LeaseResponse(msgspec.Struct, kw_only=True):

@@ -4,7 +4,8 @@ Semantics every service relies on:
 - `dispatch_attempts` is counted by the coordinator at dispatch; a preemption yield (or a queued
   execution cancelled by collect-now) gives it back, so a yield never consumes a retry.
 - On the desktop_tasks path the business row stays `pending` while executing, and only moves to
-  completed / failed / skipped / expired.
+  completed / failed / skipped / expired. On the legacy path it is `leased` / `received` while a lease lives, and
+  ending the lease puts it back to `pending` first (libs/tasks/legacy.py), so the same transitions follow.
 - An execution is active while queued / in_progress / unknown (`uq_desktop_tasks_monitor_active`).
 """
 
@@ -20,6 +21,7 @@ from libs.db.pool import Conn
 from libs.domain.lanes import RETRY_PRIORITY
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
+from libs.tasks import legacy
 
 # Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
 DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
@@ -75,8 +77,10 @@ async def end_execution(
     cur = await conn.execute(_END_EXECUTION, {"status": status, "task_id": task_id, "lease_epoch": lease_epoch,
                                               "reason": reason, "error": error})
     row = await cur.fetchone()
-    if row is None:
-        return None
+    if row is None:  # not an execution: a lease of the legacy path, or nothing active
+        legacy_ended = await _end_legacy(conn, [ExecutionEnd(task_id=task_id, outcome=outcome, lease_epoch=lease_epoch,
+                                                             reason=reason, error=error)])
+        return legacy_ended[0] if legacy_ended else None
     await conn.execute(_END_ATTEMPT, {"status": outcome, "task_id": task_id, "lease_epoch": row["lease_epoch"],
                                       "error": error, "reason": reason, "phase": phase})
     return EndedExecution(task_id=row["id"], monitor_task_id=row["monitor_task_id"], tenant_id=row["tenant_id"],
@@ -102,9 +106,13 @@ WHERE id = %(id)s AND status = 'pending'
 RETURNING status
 """
 
+# Finishing clears a legacy lease still on the row (a result of an earlier lease completed the task while a later one
+# was out: that one is ended by ingest's abort of the other active work).
 _FINISH_BUSINESS = """
 UPDATE monitoring_collect_tasks
-SET status = %(status)s, completed_at = now(), last_error = %(error)s, updated_at = now()
+SET status = %(status)s, completed_at = now(), last_error = %(error)s, updated_at = now(),
+    leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL, leased_at = NULL,
+    lease_expires_at = NULL
 WHERE id = %(id)s AND status NOT IN ('completed', 'skipped', 'expired')
   AND NOT (status = 'failed' AND %(status)s = 'failed')
 RETURNING id
@@ -196,7 +204,9 @@ WHERE a.id = x.id
 
 _FINISH_BUSINESS_MANY = """
 UPDATE monitoring_collect_tasks
-SET status = %(status)s, completed_at = now(), last_error = NULL, updated_at = now()
+SET status = %(status)s, completed_at = now(), last_error = NULL, updated_at = now(),
+    leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL, leased_at = NULL,
+    lease_expires_at = NULL
 WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('completed', 'skipped', 'expired')
   AND NOT (status = 'failed' AND %(status)s = 'failed')
 RETURNING id
@@ -225,6 +235,11 @@ async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExec
                             client_id=row["target_client_id"], ai_platform_id=row["ai_platform_id"],
                             lane=row["lane"], lease_epoch=row["lease_epoch"], previous_status=row["previous_status"])
              for row in await cur.fetchall()]
+    if len(ended) < len(items):  # the others may be leases of the legacy path
+        found = {e.task_id for e in ended}
+        legacy_ended = await _end_legacy(conn, [e for e in items if e.task_id not in found])
+    else:
+        legacy_ended = []
     if ended:
         by_id = {e.task_id: unique[e.task_id] for e in ended}
         await conn.execute(_END_ATTEMPTS, {
@@ -234,7 +249,22 @@ async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExec
             "errors": [by_id[e.task_id].error for e in ended],
             "reasons": [by_id[e.task_id].reason for e in ended],
         })
-    return ended
+    return ended + legacy_ended
+
+
+async def _end_legacy(conn: Conn, items: list[ExecutionEnd]) -> list[EndedExecution]:
+    """End the live legacy leases among `items` (sorted by id): history row ended, business row back to pending with
+    the lease cleared (libs/tasks/legacy.py)."""
+    if not items:
+        return []
+    cur = await conn.execute(legacy.END_LEASES, {
+        "task_ids": [e.task_id for e in items], "statuses": [e.outcome for e in items],
+        "epochs": [e.lease_epoch for e in items], "reasons": [e.reason for e in items],
+        "errors": [e.error for e in items]})
+    return [EndedExecution(task_id=row["id"], monitor_task_id=row["monitor_task_id"], tenant_id=row["tenant_id"],
+                           client_id=row["target_client_id"], ai_platform_id=row["ai_platform_id"], lane=row["lane"],
+                           lease_epoch=row["lease_epoch"], previous_status=row["previous_status"])
+            for row in await cur.fetchall()]
 
 
 _RETRY_BUSINESS_MANY = """

@@ -118,6 +118,13 @@ _GENERATION = (
     "WHERE id = %(client_id)s::uuid AND tenant_id = %(tenant_id)s), 0)"
 )
 
+# The execution path of a task this click creates or re-collects (docs/legacy-path.md, rollout): the rollout as
+# stored now, not as cached (a rollback applies to the next click). libs.domain.schedule.execution_owner_for in SQL.
+_ROLLOUT_OWNER = (
+    "CASE WHEN %(tenant_id)s::bigint %% 100 < coalesce((SELECT (v.value #>> '{}')::int FROM dispatch_settings v "
+    "WHERE v.key = 'rollout_percentage'), 100) THEN 'desktop_tasks' ELSE 'legacy' END"
+)
+
 INCREMENT_GENERATION = """
 UPDATE desktop_clients SET interrupt_generation = interrupt_generation + 1, updated_at = now()
 WHERE id = %(client_id)s AND tenant_id = %(tenant_id)s
@@ -165,6 +172,47 @@ WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 
 RETURNING id, monitor_task_id, ai_platform_id, lane
 """
 
+# The same two steps on the legacy path (Phase 1, docs/legacy-path.md). The client's offers of scheduled work it
+# has not pulled yet are withdrawn (the twin of CANCEL_QUEUED_SCHEDULED: the offer ends aborted at epoch 0, so its
+# budget is given back; the business row is pending again with its dispatch attempt back) ...
+WITHDRAW_LEGACY_OFFERS = """
+WITH g AS (SELECT """ + _GENERATION + """ AS gen),
+withdrawn AS (
+    UPDATE legacy_leases
+    SET status = 'aborted', finished_at = now(), updated_at = now(), interrupt_reason = 'collect_now_preempt',
+        interrupt_generation = g.gen,
+        control_flags = control_flags || jsonb_build_object('cancelled', true, 'interrupt_generation', g.gen,
+                                                            'collect_request_id', %(request_id)s::text)
+    FROM g
+    WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'queued'
+      AND lane IN ('normal', 'normal_boosted')
+    RETURNING id, monitor_task_id, ai_platform_id, lane
+), released AS (
+    UPDATE monitoring_collect_tasks t
+    SET status = 'pending', leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL,
+        leased_at = NULL, lease_expires_at = NULL, dispatch_attempts = greatest(t.dispatch_attempts - 1, 0),
+        updated_at = now()
+    FROM withdrawn w
+    WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
+)
+SELECT * FROM withdrawn
+"""
+
+# ... and its pulled leases of scheduled work are told to yield, without clearing them here: the client cancels only
+# while PREPARING or NAVIGATING, and otherwise finishes the task (the lease then ends as any other).
+INTERRUPT_LEGACY_LEASES = """
+WITH g AS (SELECT """ + _GENERATION + """ AS gen)
+UPDATE legacy_leases
+SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
+                                                        'interrupt_generation', g.gen,
+                                                        'collect_request_id', %(request_id)s::text),
+    interrupt_generation = g.gen, interrupt_reason = 'collect_now_preempt', updated_at = now()
+FROM g
+WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'in_progress'
+  AND lane IN ('normal', 'normal_boosted') AND result_received_at IS NULL AND interrupt_generation < g.gen
+RETURNING id, monitor_task_id, ai_platform_id, lane
+"""
+
 # The interrupted executions' replacement (task_control.replacement_task_id): the id the coordinator gives the
 # high execution of the first promoted task, decided here so the interrupt can name it; kept in the interrupted
 # executions' control flags for the hub's replay.
@@ -187,7 +235,7 @@ INSERT INTO monitoring_collect_tasks
      collect_request_id, ingest_shard_key, execution_owner)
 SELECT %(tenant_id)s, %(workspace_id)s, %(brand_id)s, s.question_id, s.ai_platform_id, %(business_date)s,
        s.plan_id, 'manual', %(priority)s, 'high', %(client_id)s, now(), """ + _GENERATION + """, %(request_id)s,
-       %(shard_key)s, 'desktop_tasks'
+       %(shard_key)s, """ + _ROLLOUT_OWNER + """
 FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(plan_ids)s::bigint[])
      AS s(question_id, ai_platform_id, plan_id)
 ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date)
@@ -196,8 +244,10 @@ RETURNING id
 """
 
 # Promotion (contract 4): pending tasks, and finished ones reset for a fresh collection, move to the
-# high lane bound to the client and the request. Legacy rows a legacy executor holds (leased /
-# received) are in the scope but left alone. Returns every scope task with whether it was promoted.
+# high lane bound to the client and the request, in place: a pending task keeps its execution path (a task never
+# changes owner mid-flight); a finished one starts a new run on the path the rollout gives it now. Legacy rows a
+# client holds (leased / received) are in the scope but left alone: that lease finishes or yields (Phase 1).
+# Returns every scope task with whether it was promoted.
 PROMOTE_SCOPE = """
 WITH scope AS (
     SELECT * FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[]) AS s(question_id, ai_platform_id)
@@ -213,7 +263,7 @@ WITH scope AS (
     SET status = 'pending', dispatch_lane = 'high', dispatch_priority = %(priority)s,
         target_client_id = %(client_id)s, interrupt_generation = """ + _GENERATION + """,
         collect_request_id = %(request_id)s, superseded_by_request_id = NULL, dispatch_after = now(),
-        execution_owner = 'desktop_tasks',
+        execution_owner = CASE WHEN t.status = 'pending' THEN t.execution_owner ELSE """ + _ROLLOUT_OWNER + """ END,
         dispatch_attempts = CASE WHEN t.status = 'pending' THEN t.dispatch_attempts ELSE 0 END,
         completed_at = CASE WHEN t.status = 'pending' THEN t.completed_at END,
         last_error = CASE WHEN t.status = 'pending' THEN t.last_error END,
@@ -269,9 +319,11 @@ WHERE id = %(request_id)s AND tenant_id = %(tenant_id)s
 REQUEST_STATUS = """
 SELECT r.*,
        greatest(0, floor(extract(epoch FROM r.ttl_expires_at - now()) * 1000))::bigint AS ttl_remaining_ms,
-       EXISTS (SELECT 1 FROM desktop_tasks d
-               WHERE d.tenant_id = r.tenant_id AND d.collect_request_id = r.id
-                 AND d.leased_at IS NOT NULL) AS execution_leased
+       (EXISTS (SELECT 1 FROM desktop_tasks d
+                WHERE d.tenant_id = r.tenant_id AND d.collect_request_id = r.id AND d.leased_at IS NOT NULL)
+        OR EXISTS (SELECT 1 FROM legacy_leases l
+                   WHERE l.tenant_id = r.tenant_id AND l.collect_request_id = r.id AND l.leased_at IS NOT NULL))
+           AS execution_leased
 FROM monitoring_collect_requests r
 WHERE r.id = %(request_id)s AND r.tenant_id = %(tenant_id)s AND r.workspace_id = %(workspace_id)s
 """
@@ -284,9 +336,12 @@ SELECT t.id AS monitor_task_id, t.question_id, t.ai_platform_id, t.status, t.dis
 FROM monitoring_collect_tasks t
 LEFT JOIN LATERAL (
     SELECT d.status, d.execution_phase
-    FROM desktop_tasks d
-    WHERE d.monitor_task_id = t.id AND d.tenant_id = t.tenant_id
-      AND (d.status IN ('queued', 'in_progress', 'unknown') OR d.collect_request_id = %(request_id)s)
+    FROM (SELECT d.status, d.execution_phase, d.collect_request_id, d.created_at FROM desktop_tasks d
+          WHERE d.monitor_task_id = t.id AND d.tenant_id = t.tenant_id
+          UNION ALL  -- a legacy lease is this task's execution on the legacy path
+          SELECT l.status, l.execution_phase, l.collect_request_id, l.created_at FROM legacy_leases l
+          WHERE l.monitor_task_id = t.id AND l.tenant_id = t.tenant_id) d
+    WHERE d.status IN ('queued', 'in_progress', 'unknown') OR d.collect_request_id = %(request_id)s
     ORDER BY (d.status IN ('queued', 'in_progress', 'unknown')) DESC, d.created_at DESC
     LIMIT 1
 ) e ON true
@@ -307,5 +362,6 @@ WARM_UP_PARAMS: dict[str, object] = {
     "traceparent": None,
 }
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
-    READS, INCREMENT_GENERATION, CANCEL_QUEUED_SCHEDULED, MARK_INTERRUPT_REQUESTED, CREATE_MISSING_TASKS,
+    READS, INCREMENT_GENERATION, CANCEL_QUEUED_SCHEDULED, MARK_INTERRUPT_REQUESTED, WITHDRAW_LEGACY_OFFERS,
+    INTERRUPT_LEGACY_LEASES, CREATE_MISSING_TASKS,
     PROMOTE_SCOPE, MARK_TASKS_SUPERSEDED, SUPERSEDE_REQUESTS, INSERT_REQUEST)]

@@ -236,12 +236,15 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
             "priority": HIGH_PRIORITY, "question_ids": [r.question_id for r in scope],
             "platform_ids": [r.ai_platform_id for r in scope], "plan_ids": [r.plan_id for r in scope],
             "shard_key": ingest_shard_key(tenant_id, brand_id, business_date)}
-        generation_cur = cancelled_cur = interrupted_cur = None
+        generation_cur = None
+        preempt_curs = []  # (cancelled, interrupted) statements of each path
         if client_id is not None:
             generation_cur = await conn.execute(q.INCREMENT_GENERATION, params)
             if body.preempt:
-                cancelled_cur = await conn.execute(q.CANCEL_QUEUED_SCHEDULED, params)
-                interrupted_cur = await conn.execute(q.MARK_INTERRUPT_REQUESTED, params)
+                for cancel_sql, interrupt_sql in ((q.CANCEL_QUEUED_SCHEDULED, q.MARK_INTERRUPT_REQUESTED),
+                                                  (q.WITHDRAW_LEGACY_OFFERS, q.INTERRUPT_LEGACY_LEASES)):
+                    preempt_curs.append((await conn.execute(cancel_sql, params),
+                                         await conn.execute(interrupt_sql, params)))
         created_cur = await conn.execute(q.CREATE_MISSING_TASKS, params)
         scope_tasks_cur = await conn.execute(q.PROMOTE_SCOPE, params)
         if old_ids:
@@ -253,8 +256,11 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
             row = await generation_cur.fetchone()
             assert row is not None, "the chosen client belongs to the tenant"
             generation = int(row["interrupt_generation"])
-        cancelled = [_execution(r) for r in await cancelled_cur.fetchall()] if cancelled_cur else []
-        interrupted = [_execution(r) for r in await interrupted_cur.fetchall()] if interrupted_cur else []
+        cancelled: list[_Execution] = []
+        interrupted: list[_Execution] = []
+        for cancelled_cur, interrupted_cur in preempt_curs:
+            cancelled += [_execution(r) for r in await cancelled_cur.fetchall()]
+            interrupted += [_execution(r) for r in await interrupted_cur.fetchall()]
         created = await created_cur.fetchall()
         scope_tasks = await scope_tasks_cur.fetchall()
         promoted_ids = [int(r["id"]) for r in scope_tasks if r["promoted"]]

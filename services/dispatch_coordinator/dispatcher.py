@@ -50,13 +50,14 @@ from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
+from libs.tasks import legacy
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
 
 log = logging.getLogger("dispatch.pass")
 
-CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, active_probe=q.ACTIVE_PROBE)
+CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, active_probe=q.ACTIVE_PROBE, active_work=q.ACTIVE_WORK)
 HIGH_SNAPSHOT_SQL = q.HIGH_SNAPSHOT.format(eligible=ELIGIBLE_CLIENT_SQL, platform_settings=q.PLATFORM_SETTINGS)
 CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
@@ -647,12 +648,18 @@ class Dispatcher:
                 requests[r["collect_request_id"]] += 1
         refs = [r["row_ref"] for r in rows]
         await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": refs})
-        await conn.execute(q.INSERT_EXECUTIONS, {"ts": ts, "rows": json_rows(
-            (r["id"], r["tenant_id"], r["workspace_id"], r["target_client_id"], r["priority"], r["lane"],
-             r["lane_weight"], r["source"], r["scheduler_group_key"], r["monitor_task_id"], r["interrupt_generation"],
-             r["enqueued_at"], r["brand_id"], r["question_id"], r["ai_platform_id"], r["business_date"],
-             r["collect_request_id"])
-            for r in rows)})
+        # Routed by owner (docs/legacy-path.md): an execution for desktop_tasks work, an offer on the business row
+        # for legacy work; the same event tells the client either way.
+        executions = [r for r in rows if r["execution_owner"] != "legacy"]
+        if executions:
+            await conn.execute(q.INSERT_EXECUTIONS, {"ts": ts, "rows": json_rows(
+                (r["id"], r["tenant_id"], r["workspace_id"], r["target_client_id"], r["priority"], r["lane"],
+                 r["lane_weight"], r["source"], r["scheduler_group_key"], r["monitor_task_id"],
+                 r["interrupt_generation"], r["enqueued_at"], r["brand_id"], r["question_id"], r["ai_platform_id"],
+                 r["business_date"], r["collect_request_id"])
+                for r in executions)})
+        if len(executions) < len(rows):
+            await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
         high = any(r["lane"] == "high" for r in rows)
         relay = self._relay if high and self._relay is not None and self._relay.ready() else None
         event_ids = await enqueue_many(conn, events, notify=high and relay is None)
@@ -796,6 +803,7 @@ def _still_dispatchable(decision: Decision, task: dict[str, Any] | None,
         "ai_platform_id": task["ai_platform_id"], "business_date": task["business_date"],
         "collect_request_id": task["collect_request_id"],
         "collect_traceparent": task.get("collect_traceparent"),
+        "execution_owner": task["execution_owner"],
     }
 
 

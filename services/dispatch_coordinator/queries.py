@@ -13,7 +13,7 @@ NO_ACTIVE_EXECUTION = (
     "AND d.status IN ('queued', 'in_progress', 'unknown') LIMIT 1) IS NULL"
 )
 READY = (
-    "t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now() AND "
+    "t.status = 'pending' AND t.dispatch_after <= now() AND "
     + NO_ACTIVE_EXECUTION
 )
 # READY for aggregates over the whole backlog (the gauges, aging's count): the active executions are read once
@@ -22,7 +22,7 @@ READY = (
 # statement over a 10,000-task backlog (6-11 ms now), twice every maintenance tick, on the cores collect-now
 # shares. monitor_task_id IS NOT NULL keeps NOT IN's NULL semantics out of it.
 READY_BACKLOG = (
-    "t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now() AND t.id NOT IN ("
+    "t.status = 'pending' AND t.dispatch_after <= now() AND t.id NOT IN ("
     "SELECT d.monitor_task_id FROM desktop_tasks d WHERE d.kind = 'monitor' "
     "AND d.status IN ('queued', 'in_progress', 'unknown') AND d.monitor_task_id IS NOT NULL)"
 )
@@ -37,8 +37,19 @@ ACTIVE_PROBE = (
     "AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown') LIMIT 1) act ON true"
 )
 READY_PROBED = (
-    "t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now() AND act.busy IS NULL"
+    "t.status = 'pending' AND t.dispatch_after <= now() AND act.busy IS NULL"
 )
+
+# The monitor work a client holds or has been sent, on both paths: queued or in-progress executions, and legacy offers
+# (queued) and leases (in_progress) (docs/legacy-path.md). Client concurrency, queue depth and platform concurrency
+# count both alike.
+ACTIVE_WORK = """(
+    SELECT d.target_client_id, d.tenant_id, d.ai_platform_id, d.status, d.lane, d.control_flags, d.interrupted_at
+    FROM desktop_tasks d WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+    UNION ALL
+    SELECT l.target_client_id, l.tenant_id, l.ai_platform_id, l.status, l.lane, l.control_flags,
+           NULL::timestamptz
+    FROM legacy_leases l WHERE l.status IN ('queued', 'in_progress'))"""
 
 # An execution counts against its window's budget unless collect-now cancelled it while still queued (never
 # leased): that one gives its budget back. One SQL definition (migration 021) for the count and the ledger.
@@ -53,7 +64,7 @@ NOW = "SELECT extract(epoch FROM c.ts)::float8 AS now, c.ts FROM (SELECT clock_t
 # ops status (`monitorctl status`), and the reference the ledger's tests compare it with.
 BUDGET_USED = f"""
 SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
-FROM desktop_tasks d
+FROM dispatch_budget_rows d
 WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s)
   AND d.created_at < to_timestamp(%(window_end)s) AND {COUNTS_AGAINST_BUDGET}
 GROUP BY 1, 2
@@ -86,7 +97,7 @@ LEDGER_START = f"""
 WITH c AS MATERIALIZED (
     SELECT dispatch_budget_window(d.created_at, %(window)s) AS window_start, d.tenant_id, d.lane = 'high' AS high,
            count(*)::int AS n
-    FROM desktop_tasks d
+    FROM dispatch_budget_rows d
     WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s) AND {COUNTS_AGAINST_BUDGET}
     GROUP BY 1, 2, 3
 ), per_tenant AS (
@@ -113,7 +124,7 @@ WHERE l.window_start = {{ws}} AND l.window_seconds = %(window)s AND EXISTS ({{tr
 GROUP BY 1, 2
 UNION ALL
 SELECT d.tenant_id, d.lane = 'high', count(*)
-FROM desktop_tasks d
+FROM dispatch_budget_rows d
 WHERE NOT EXISTS ({{tracked}}) AND d.kind = 'monitor' AND d.created_at >= to_timestamp({{ws}})
   AND d.created_at < to_timestamp({{ws}} + %(window)s) AND {COUNTS_AGAINST_BUDGET}
 GROUP BY 1, 2
@@ -131,7 +142,7 @@ WHERE t.window_start = (SELECT ws FROM w) AND t.window_seconds = %(window)s AND 
 GROUP BY 1
 UNION ALL
 SELECT d.lane = 'high', count(*)
-FROM desktop_tasks d
+FROM dispatch_budget_rows d
 WHERE NOT EXISTS ({_HIGH_TRACKED}) AND d.kind = 'monitor' AND d.created_at >= to_timestamp((SELECT ws FROM w))
   AND d.created_at < to_timestamp((SELECT ws FROM w) + %(window)s) AND {COUNTS_AGAINST_BUDGET}
 GROUP BY 1
@@ -149,15 +160,14 @@ WITH load AS MATERIALIZED (
            bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
                    AND d.interrupted_at < now() - make_interval(
                        secs => coalesce(ps.interrupt_soft_timeout_ms, 15000) / 1000.0)) AS interrupt_overdue
-    FROM desktop_tasks d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
-    WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+    FROM {active_work} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
     GROUP BY 1
 ), high AS MATERIALIZED (
     -- Clients with pending high business work not yet running (its ready-list index, lane = 'high').
     SELECT DISTINCT t.target_client_id AS client_id
     FROM monitoring_collect_tasks t {active_probe}
     WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.target_client_id IS NOT NULL
-      AND t.execution_owner = 'desktop_tasks' AND act.busy IS NULL
+      AND act.busy IS NULL
 )
 SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
        c.platform_health, coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued,
@@ -172,10 +182,9 @@ WHERE {eligible}
 # An operator's per-(tenant, platform) override of the platform-health pause: 'pause' or 'ignore_health'.
 PLATFORM_HEALTH_OVERRIDES = "SELECT tenant_id, ai_platform_id, mode FROM platform_health_overrides"
 
-PLATFORM_ACTIVE = """
-SELECT tenant_id, ai_platform_id, count(*) AS n
-FROM desktop_tasks
-WHERE kind = 'monitor' AND status IN ('queued', 'in_progress')
+PLATFORM_ACTIVE = f"""
+SELECT w.tenant_id, w.ai_platform_id, count(*) AS n
+FROM {ACTIVE_WORK} w
 GROUP BY 1, 2
 """
 
@@ -201,17 +210,15 @@ WITH w AS MATERIALIZED (
     -- out): a walk of the high lane of ix_collect_tasks_ready, without the candidate query's per-task probes.
     SELECT DISTINCT t.tenant_id, t.workspace_id, t.target_client_id
     FROM monitoring_collect_tasks t
-    WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
-      AND t.dispatch_after <= now()
+    WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.dispatch_after <= now()
 )
 SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_start,
        b.cluster_used, b.non_high_used,
        (SELECT coalesce(json_agg(p), '[]')::text FROM ({{platform_settings}}) p) AS platforms,
        (SELECT coalesce(json_agg(a), '[]')::text FROM (
             SELECT d.tenant_id, d.ai_platform_id, count(*) AS n
-            FROM desktop_tasks d
-            WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
-              AND d.tenant_id = ANY(ARRAY(SELECT tenant_id FROM cand))
+            FROM {ACTIVE_WORK} d
+            WHERE d.tenant_id = ANY(ARRAY(SELECT tenant_id FROM cand))
             GROUP BY 1, 2) a) AS active,
        (SELECT coalesce(json_agg(l), '[]')::text FROM (
             SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth,
@@ -230,8 +237,11 @@ SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_sta
             LEFT JOIN LATERAL (
                 SELECT count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
                        count(*) FILTER (WHERE d.status = 'queued') AS queued
-                FROM desktop_tasks d
-                WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+                FROM (SELECT d.status FROM desktop_tasks d
+                      WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
+                      UNION ALL
+                      SELECT l.status FROM legacy_leases l
+                      WHERE l.target_client_id = c.id AND l.status IN ('queued', 'in_progress')) d
             ) a ON true
             WHERE {{eligible}}) l) AS clients
 FROM w CROSS JOIN (
@@ -248,17 +258,17 @@ SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) 
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 """
 
-# (tenant, platform) pairs with pending desktop_tasks-path work: a loose index scan, one probe per pair.
+# (tenant, platform) pairs with pending work (either path): a loose index scan, one probe per pair.
 PENDING_PAIRS = """
 WITH RECURSIVE pairs AS (
     (SELECT tenant_id, ai_platform_id FROM monitoring_collect_tasks
-     WHERE status = 'pending' AND execution_owner = 'desktop_tasks'
+     WHERE status = 'pending'
      ORDER BY tenant_id, ai_platform_id LIMIT 1)
     UNION ALL
     SELECT n.tenant_id, n.ai_platform_id FROM pairs p
     CROSS JOIN LATERAL (
         SELECT tenant_id, ai_platform_id FROM monitoring_collect_tasks
-        WHERE status = 'pending' AND execution_owner = 'desktop_tasks'
+        WHERE status = 'pending'
           AND (tenant_id, ai_platform_id) > (p.tenant_id, p.ai_platform_id)
         ORDER BY tenant_id, ai_platform_id LIMIT 1) n
 )
@@ -291,7 +301,7 @@ LIMIT %(limit)s
 LOCK_HIGH_CLIENTS = """
 SELECT c.id FROM desktop_clients c
 WHERE c.id IN (SELECT t.target_client_id FROM monitoring_collect_tasks t
-               WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
+               WHERE t.dispatch_lane = 'high' AND t.status = 'pending'
                  AND t.target_client_id IS NOT NULL)
 ORDER BY c.id
 FOR SHARE OF c
@@ -300,7 +310,7 @@ FOR SHARE OF c
 HIGH_CANDIDATES_LOCKED = f"""
 SELECT {_CANDIDATE_COLUMNS}, t.ctid AS row_ref, t.dispatch_priority, t.dispatch_lane, t.trigger_source,
        t.collect_request_id, t.question_id, t.enqueued_at AS enqueued_ts, t.brand_id, t.business_date,
-       t.next_execution_id, {_CLICK_TRACEPARENT}
+       t.next_execution_id, t.execution_owner, {_CLICK_TRACEPARENT}
 FROM monitoring_collect_tasks t {ACTIVE_PROBE}
 WHERE t.dispatch_lane = 'high' AND {READY_PROBED}
 ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
@@ -342,7 +352,7 @@ FROM unnest(%(task_ids)s::bigint[]) WITH ORDINALITY AS u(id, n)
 CROSS JOIN LATERAL (
     SELECT t.ctid AS row_ref, t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane,
            t.trigger_source, t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id,
-           t.business_date, t.target_client_id, t.next_execution_id, {_CLICK_TRACEPARENT}
+           t.business_date, t.target_client_id, t.next_execution_id, t.execution_owner, {_CLICK_TRACEPARENT}
     FROM monitoring_collect_tasks t {ACTIVE_PROBE}
     WHERE t.id = u.id AND {READY_PROBED}
     OFFSET 0
@@ -359,7 +369,7 @@ FROM monitoring_collect_tasks h
 LEFT JOIN LATERAL (SELECT true AS busy FROM desktop_tasks x WHERE x.monitor_task_id = h.id AND x.kind = 'monitor'
                    AND x.status IN ('in_progress', 'unknown') LIMIT 1) run ON true
 WHERE h.target_client_id = ANY(%(clients)s::uuid[]) AND h.status = 'pending' AND h.dispatch_lane = 'high'
-  AND h.execution_owner = 'desktop_tasks' AND run.busy IS NULL
+  AND run.busy IS NULL
 """
 
 COUNT_ATTEMPTS = """
@@ -567,8 +577,8 @@ CLIENT_QUEUE_DEPTH = """
 SELECT c.id, coalesce((q.depths ->> c.id::text)::int, 0) AS queued
 FROM desktop_clients c
 CROSS JOIN (SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{}'::jsonb) AS depths
-            FROM (SELECT target_client_id, count(*) AS n FROM desktop_tasks
-                  WHERE status = 'queued' AND kind = 'monitor' GROUP BY 1) d) q
+            FROM (SELECT w.target_client_id, count(*) AS n FROM """ + ACTIVE_WORK + """ w
+                  WHERE w.status = 'queued' GROUP BY 1) d) q
 WHERE c.online
 """
 

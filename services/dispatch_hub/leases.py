@@ -47,6 +47,7 @@ from libs.domain.shard import shard_for
 from libs.http import ApiError
 from libs.mq.topology import DISPATCH
 from libs.outbox import enqueue
+from libs.tasks import legacy
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
 from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
@@ -190,13 +191,16 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             await conn.execute(q.LOCK_CLIENT_LEASES, params)
             capacity_cur = await conn.execute(q.CLIENT_CAPACITY, params)
             pick_cur = await conn.execute(q.PICK_QUEUED, params)
+            offers_cur = await conn.execute(legacy.PICK_OFFERS, params)
             await pipe.sync()
-            if await capacity_cur.fetchone() is None:
+            capacity = await capacity_cur.fetchone()
+            if capacity is None:
                 raise ApiError(404, "not_found", "client not found")
-            for row in await pick_cur.fetchall():
+            for row in _best_first(await pick_cur.fetchall(), await offers_cur.fetchall(), int(capacity["free"])):
                 epoch = int(row["lease_epoch"]) + 1
                 token = new_lease_token(epoch)
-                leased_cur = await conn.execute(q.MARK_LEASED, {
+                mark = legacy.MARK_LEASED if row["execution_owner"] == "legacy" else q.MARK_LEASED
+                leased_cur = await conn.execute(mark, {
                     "task_id": row["id"], "epoch": epoch, "token_hash": hash_token(token),
                     "ttl_s": dispatch.lease_ttl_seconds})
                 if row["collect_request_id"] is not None:
@@ -221,13 +225,34 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             brand=BrandRef(brand_id=int(row["brand_id"]), name=row["brand_name"]),
             question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
             platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
-            lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False))))
+            lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False)),
+            execution_owner=row["execution_owner"]))
     tracing.set_attributes(leased=len(tasks), task_id=tasks[0].task_id if len(tasks) == 1 else None)
     for task in tasks:
         log.info("task leased", extra={"task_id": str(task.task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "lane": task.lane,
-                                       "lease_epoch": task.lease_epoch})
+                                       "lease_epoch": task.lease_epoch, "execution_owner": task.execution_owner})
     return LeaseResponse(tasks=tasks)
+
+
+def _best_first(queued: list[dict[str, Any]], offers: list[dict[str, Any]], free: int) -> list[dict[str, Any]]:
+    """The client's queued executions and legacy offers merged in dispatch order (lane weight, priority, enqueued),
+    as many as it has free slots."""
+    rows = sorted([*queued, *offers], key=lambda r: (-int(r["lane_weight"]), -int(r["priority"]), r["enqueued_at"]))
+    return rows[:free]
+
+
+async def _lease_state(conn: Conn, task_id: uuid.UUID, tenant_id: int, *, for_update: bool = False) -> (
+    dict[str, Any] | None
+):
+    """An execution's lease state, or a legacy lease's (same columns, plus `execution_owner`); None: neither."""
+    params = {"task_id": task_id, "tenant_id": tenant_id}
+    cur = await conn.execute(q.LEASE_STATE_FOR_UPDATE if for_update else q.LEASE_STATE, params)
+    row = await cur.fetchone()
+    if row is None:
+        cur = await conn.execute(legacy.LEASE_STATE_FOR_UPDATE if for_update else legacy.LEASE_STATE, params)
+        row = await cur.fetchone()
+    return row
 
 
 # ---- extend -----------------------------------------------------------------------------------
@@ -244,14 +269,16 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         dispatch = await ctx.settings.get(conn)
         row = None
         if epoch is not None:
-            cur = await conn.execute(q.EXTEND_LEASE, {
-                "task_id": task_id, "tenant_id": principal.tenant_id, "client_id": principal.client_id,
-                "epoch": epoch, "token_hash": hash_token(body.lease_token), "ttl_s": dispatch.lease_ttl_seconds,
-                "phase": body.execution_phase})
+            params = {"task_id": task_id, "tenant_id": principal.tenant_id, "client_id": principal.client_id,
+                      "epoch": epoch, "token_hash": hash_token(body.lease_token),
+                      "ttl_s": dispatch.lease_ttl_seconds, "phase": body.execution_phase}
+            cur = await conn.execute(q.EXTEND_LEASE, params)
             row = await cur.fetchone()
+            if row is None:  # a lease of the legacy path?
+                cur = await conn.execute(legacy.EXTEND, params)
+                row = await cur.fetchone()
         if row is None:
-            cur = await conn.execute(q.LEASE_STATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
-            _fence(await cur.fetchone(), principal, body.lease_token)
+            _fence(await _lease_state(conn, task_id, principal.tenant_id), principal, body.lease_token)
             raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, row["ai_platform_id"])
@@ -292,8 +319,8 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         preempt_age_ms: float | None = None
         induced_retry = False
         async with conn.transaction():
-            cur = await conn.execute(q.LEASE_STATE_FOR_UPDATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
-            row = _fence(await cur.fetchone(), principal, body.lease_token)
+            row = _fence(await _lease_state(conn, task_id, principal.tenant_id, for_update=True), principal,
+                         body.lease_token)
             client = principal.client_id
             if body.reason == PREEMPT_REASON and not preempt_cancel_allowed(row["control_flags"]):
                 raise ApiError(409, "no_interrupt_requested", f"reason {PREEMPT_REASON!r} acknowledges an interrupt "
@@ -373,16 +400,16 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                            status=body.status)
     digest = result_digest(msgspec.json.encode(body))
     async with ctx.pool.connection() as conn:
-        cur = await conn.execute(q.LEASE_STATE, {"task_id": task_id, "tenant_id": principal.tenant_id})
-        row = await cur.fetchone()
+        row = await _lease_state(conn, task_id, principal.tenant_id)
         replayed = _result_replay(row, principal, body.lease_token, digest)
         if replayed is not None:
             return replayed
         row = _fence(row, principal, body.lease_token)
+        on_legacy = row["execution_owner"] == "legacy"
         epoch = int(row["lease_epoch"])
         claim_params = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch, "digest": digest}
         async with conn.transaction():
-            cur = await conn.execute(q.CLAIM_RESULT, claim_params)
+            cur = await conn.execute(legacy.CLAIM_RESULT if on_legacy else q.CLAIM_RESULT, claim_params)
             claim = await cur.fetchone()
         assert claim is not None  # the fence passed: the row is there at this epoch
         post = classify_result_post(claim["previous"], digest, received=claim["result_received_at"] is not None)
@@ -400,12 +427,12 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         await ctx.publisher.publish(message, routing_key=f"shard.{message.shard}")
     except BrokerUnavailable as exc:
         async with ctx.pool.connection() as conn:
-            await conn.execute(q.RELEASE_RESULT_CLAIM, claim_params)
+            await conn.execute(legacy.RELEASE_RESULT_CLAIM if on_legacy else q.RELEASE_RESULT_CLAIM, claim_params)
         raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
                        retry_after_s=2) from exc
     async with ctx.pool.connection() as conn:
-        await conn.execute(q.MARK_RESULT_RECEIVED, {"task_id": task_id, "tenant_id": principal.tenant_id,
-                                                    "epoch": epoch})
+        await conn.execute(legacy.MARK_RESULT_RECEIVED if on_legacy else q.MARK_RESULT_RECEIVED,
+                           {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch})
     log.info("result accepted", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "result_id": str(message.result_id),
                                        "shard": message.shard, "status": body.status,

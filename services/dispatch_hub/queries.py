@@ -1,4 +1,7 @@
-"""Every SQL statement of the hub, with named parameters. Each filters by the caller's tenant."""
+"""Every SQL statement of the hub, with named parameters. Each filters by the caller's tenant. The legacy path's
+statements (the same calls on a lease of the business row) are in libs/tasks/legacy.py."""
+
+from libs.tasks import legacy
 
 # The tokens of every handshake and call that missed the hub's cache while the previous lookup ran.
 AUTHENTICATE_CLIENTS = """
@@ -26,7 +29,7 @@ SELECT greatest(0, least(%(max_tasks)s, c.max_concurrent_monitor - (
            SELECT count(*) FROM desktop_tasks d
            WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
              -- a posted result waits for ingest, not for the client: the client is free again
-             AND d.result_received_at IS NULL))) AS free
+             AND d.result_received_at IS NULL) - """ + legacy.IN_PROGRESS_OF_CLIENT + """)) AS free
 FROM desktop_clients c
 WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
 """
@@ -34,10 +37,10 @@ WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
 # Contract 5: the best queued executions of this client in dispatch order, as many as it has free slots (the
 # capacity is computed in the statement, so that the lease reads and locks in one round trip).
 PICK_QUEUED = """
-SELECT d.id, d.monitor_task_id, d.lane, d.priority, d.lease_epoch, d.interrupt_generation, d.business_date,
-       d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags,
+SELECT d.id, d.monitor_task_id, d.lane, d.lane_weight, d.priority, d.lease_epoch, d.interrupt_generation,
+       d.business_date, d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags, d.enqueued_at,
        b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
-       p.code AS platform_code
+       p.code AS platform_code, 'desktop_tasks' AS execution_owner
 FROM desktop_tasks d
 JOIN brands b ON b.id = d.brand_id
 JOIN monitoring_questions q ON q.id = d.question_id
@@ -91,12 +94,12 @@ LEASE_STATE = """
 SELECT d.id, d.target_client_id, d.status, d.lease_epoch, d.lease_token_hash, d.interrupt_generation,
        d.control_flags, d.monitor_task_id, d.tenant_id, d.workspace_id, d.ai_platform_id, d.lane, d.kind,
        d.collect_request_id, d.brand_id, d.question_id, d.business_date, d.interrupt_reason,
-       d.result_digest, d.result_received_at, d.execution_phase
+       d.result_digest, d.result_received_at, d.execution_phase, 'desktop_tasks' AS execution_owner
 FROM desktop_tasks d
 WHERE d.id = %(task_id)s AND d.tenant_id = %(tenant_id)s
 """
 
-LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE"
+LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE OF d"
 
 # What a result message needs from the business task.
 RESULT_CONTEXT = """

@@ -103,6 +103,13 @@ SELECT id, tenant_id, target_client_id, monitor_task_id, ai_platform_id, lane, i
 FROM desktop_tasks
 WHERE kind = 'monitor' AND monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
   AND status IN ('queued', 'in_progress', 'unknown') AND NOT (id = ANY(%(task_ids)s::uuid[]))
+UNION ALL
+-- and live legacy leases (libs/tasks/legacy.py)
+SELECT id, tenant_id, target_client_id, monitor_task_id, ai_platform_id, lane, interrupt_generation,
+       collect_request_id
+FROM legacy_leases
+WHERE monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
+  AND status IN ('queued', 'in_progress') AND NOT (id = ANY(%(task_ids)s::uuid[]))
 ORDER BY id
 """
 

@@ -31,6 +31,7 @@ from tools.desktop_sim.rules import (
     handles_interrupt_now,
     is_safe_point,
     order_locally,
+    yields_at_checkpoint,
 )
 from tools.desktop_sim.timings import TIMING_PROFILES, TimingProfile
 
@@ -89,6 +90,10 @@ class SimStats:
     interrupt_generation_mismatch_count: int = 0
     safe_point_intervals_ms: list[float] = field(default_factory=list)
     phases: dict[str, list[str]] = field(default_factory=dict)
+    # Legacy tasks that were asked to yield after they had really started, and so ran to their result (Phase 1).
+    finished_despite_interrupt: list[str] = field(default_factory=list)
+    # task id -> execution_owner of each lease this client took.
+    owners: dict[str, str] = field(default_factory=dict)
     died: bool = False
     # Why the hub told this client to stop reconnecting (close code 4401/4403/4409 or a 401 handshake).
     refused: str | None = None
@@ -113,6 +118,8 @@ class ActiveTask:
     phase: str = "PREPARING"
     interrupt_requested: bool = False
     interrupt_reason: str | None = None
+    # The lease response's `execution_owner`: legacy work yields to an interrupt only before it really started.
+    execution_owner: str = "desktop_tasks"
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     last_safe_point_at: float = field(default_factory=time.monotonic)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -431,9 +438,12 @@ class SimClient:
             interval_ms = (now - active.last_safe_point_at) * 1000
             active.last_safe_point_at = now
             self.stats.safe_point_intervals_ms.append(interval_ms)
-            if active.interrupt_requested and not self.options.ignore_interrupts:
+        if active.interrupt_requested and not self.options.ignore_interrupts:
+            if yields_at_checkpoint(active.execution_owner, active.phase, next_phase):
                 await self._abort(active, safe_point_interval_ms=interval_ms)
                 return False
+            if active.execution_owner == "legacy" and task_id not in self.stats.finished_despite_interrupt:
+                self.stats.finished_despite_interrupt.append(task_id)
         if (self.options.die_at_phase == next_phase and active.ordinal == self.options.die_on_task
                 and not self.stats.died):
             await self._die()
@@ -529,7 +539,9 @@ class SimClient:
                             brand=leased["brand"]["name"], question=leased["question"]["text"],
                             last_seen_generation=generation,
                             interrupt_requested=bool(leased.get("interrupt_requested", False)),
+                            execution_owner=str(leased.get("execution_owner") or "desktop_tasks"),
                             traceparent=traceparent)
+        self.stats.owners[task_id] = active.execution_owner
         self._active[task_id] = active
         self._leases_started += 1
         active.ordinal = self._leases_started

@@ -61,6 +61,18 @@ def handles_interrupt_now(phase: str) -> bool:
     return phase in NOT_STARTED
 
 
+def yields_at_checkpoint(execution_owner: str, phase: str, next_phase: str) -> bool:
+    """Whether an interrupted task cancels at the end of `phase` (about to enter `next_phase`).
+
+    desktop_tasks work yields at a safe point (§10.4); legacy work follows Phase 1 (docs/legacy-path.md): it yields
+    only while it has not really started (PREPARING or NAVIGATING) and otherwise runs to its result. The lease
+    response says which path a task is on, so the choice is per task.
+    """
+    if execution_owner == "legacy":
+        return phase in NOT_STARTED
+    return is_safe_point(next_phase)
+
+
 def backoff_delay(attempt: int, *, base_s: float, max_s: float, rng: random.Random | None = None) -> float:
     """Exponential backoff with jitter in [50%, 100%] of the capped delay."""
     capped = min(max_s, base_s * (2 ** min(attempt, 30)))

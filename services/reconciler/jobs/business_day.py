@@ -1,5 +1,5 @@
-"""Job 6 — business-day expiry: pending business tasks of a business date that is over in the tenant's
-time zone end `expired`; their active executions are aborted (a client still holding one is told
+"""Job 6 — business-day expiry: pending (or, on the legacy path, leased) business tasks of a business date that is
+over in the tenant's time zone end `expired`; their active executions are aborted (a client still holding one is told
 with TaskControl(cancelled)), and their collect-now requests count them as not collected."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ NAME = "business_day_expiry"
 # The tenant's "today" is computed by Postgres from tenants.time_zone (IANA name).
 _CANDIDATES = """
 SELECT t.id FROM monitoring_collect_tasks t JOIN tenants tn ON tn.id = t.tenant_id
-WHERE t.status = 'pending' AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
+WHERE t.status IN ('pending', 'leased', 'received') AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
 ORDER BY t.business_date, t.id
 LIMIT %(limit)s
 """
@@ -29,7 +29,8 @@ LIMIT %(limit)s
 _LOCK = """
 SELECT t.id, t.tenant_id, t.business_date, t.collect_request_id, t.execution_owner
 FROM monitoring_collect_tasks t JOIN tenants tn ON tn.id = t.tenant_id
-WHERE t.id = %(id)s AND t.status = 'pending' AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
+WHERE t.id = %(id)s AND t.status IN ('pending', 'leased', 'received')
+  AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
 FOR UPDATE OF t SKIP LOCKED
 """
 
@@ -37,6 +38,14 @@ _ACTIVE = """
 SELECT id, target_client_id, status, interrupt_generation, lane, ai_platform_id, collect_request_id
 FROM desktop_tasks
 WHERE monitor_task_id = %(id)s AND status IN ('queued', 'in_progress', 'unknown')
+FOR UPDATE
+"""
+
+# On the legacy path: its live lease (ending it puts the business row back to pending, then it expires).
+_ACTIVE_LEGACY = """
+SELECT id, target_client_id, status, interrupt_generation, lane, ai_platform_id, collect_request_id
+FROM legacy_leases
+WHERE monitor_task_id = %(id)s AND status IN ('queued', 'in_progress')
 FOR UPDATE
 """
 
@@ -60,7 +69,9 @@ async def run(ctx: JobContext) -> JobResult:
                 if task is None:
                     continue
                 cur = await conn.execute(_ACTIVE, {"id": task["id"]})
-                for d in await cur.fetchall():
+                active = await cur.fetchall()
+                cur = await conn.execute(_ACTIVE_LEGACY, {"id": task["id"]})
+                for d in active + await cur.fetchall():
                     if await end_execution(conn, task_id=d["id"], outcome="aborted",
                                            reason="business_day_expired") is None:
                         continue

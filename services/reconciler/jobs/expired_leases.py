@@ -1,6 +1,6 @@
 """Job 1 — expired leases (contract #9): the holder is gone or too slow; the attempt ends `expired`,
 the business task goes back to pending in the retry lane (high stays high), or `failed` once
-`max_dispatch_attempts` dispatches were used."""
+`max_dispatch_attempts` dispatches were used. On both paths: executions, and legacy leases on the business row."""
 
 from __future__ import annotations
 
@@ -29,6 +29,15 @@ ORDER BY lease_expires_at
 LIMIT %(limit)s
 """
 
+# Legacy leases (the lease on the business row, libs/tasks/legacy.py) past their expiry, likewise.
+_LEGACY_CANDIDATES = """
+SELECT l.id FROM monitoring_collect_tasks t JOIN legacy_leases l ON l.id = t.legacy_lease_id
+WHERE t.status = 'leased' AND t.execution_owner = 'legacy' AND t.lease_expires_at < now()
+  AND l.status = 'in_progress' AND l.result_received_at IS NULL
+ORDER BY t.lease_expires_at
+LIMIT %(limit)s
+"""
+
 # Re-checked under the row lock: an extend or a result that landed meanwhile wins.
 _LOCK = """
 SELECT id, tenant_id, monitor_task_id, target_client_id, lease_epoch, interrupted_at, interrupt_generation,
@@ -38,12 +47,25 @@ WHERE id = %(id)s AND status = 'in_progress' AND lease_expires_at < now() AND re
 FOR UPDATE SKIP LOCKED
 """
 
+_LOCK_LEGACY = """
+SELECT l.id, l.tenant_id, l.monitor_task_id, l.target_client_id, l.lease_epoch,
+       CASE WHEN (l.control_flags ->> 'interrupt_requested') = 'true' THEN l.updated_at END AS interrupted_at,
+       l.interrupt_generation, l.collect_request_id, l.lane, l.ai_platform_id, l.execution_phase
+FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id AND t.legacy_lease_id = l.id
+WHERE l.id = %(id)s AND l.status = 'in_progress' AND l.result_received_at IS NULL AND t.status = 'leased'
+  AND t.lease_expires_at < now()
+FOR UPDATE OF l, t SKIP LOCKED
+"""
+
 
 async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> None:
     conn = ctx.conn
     async with conn.transaction():
         cur = await conn.execute(_LOCK, {"id": task_id})
         row = await cur.fetchone()
+        if row is None:  # a legacy lease?
+            cur = await conn.execute(_LOCK_LEGACY, {"id": task_id})
+            row = await cur.fetchone()
         if row is None:
             return
         ended = await end_execution(conn, task_id=task_id, outcome="expired", lease_epoch=row["lease_epoch"],
@@ -79,9 +101,10 @@ async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> 
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    await fix_each(ctx, await candidates(ctx, _CANDIDATES, {}), expire_one, result, what="lease expiry")
+    ids = await candidates(ctx, _CANDIDATES, {}) + await candidates(ctx, _LEGACY_CANDIDATES, {})
+    await fix_each(ctx, ids, expire_one, result, what="lease expiry")
     return result
 
 
-JOB = Job(NAME, "in_progress executions past lease_expires_at -> expired attempt, business retry/failed",
+JOB = Job(NAME, "in_progress executions and legacy leases past lease_expires_at -> expired, business retry/failed",
           run, configured_interval(NAME))

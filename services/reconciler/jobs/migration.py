@@ -1,55 +1,111 @@
-"""Job 7 — the §16.2.4 dual-path consistency reconcile, every `reconcile_interval_seconds`.
+"""Job 7 — the §16.2.4 dual-path consistency reconcile, every `reconcile_interval_seconds` (and once when the
+reconciler starts).
 
-1. Legacy zombie leases (`execution_owner='legacy'`, lease expired) are cleared; a `leased` row goes
-   back to `pending`. Legacy lease columns left on a desktop_tasks-owned row (the legacy path leased
-   after the owner switched: forbidden) are cleared too.
-2. desktop_tasks-owned READY tasks (contract #1) waiting longer than the interval without an active
-   execution are counted (`reconciler_migration_stalled_ready_tasks`) and the coordinator is woken
-   (`pg_notify('dispatch_wakeup')`) to dispatch them.
-3. desktop_tasks-owned tasks that look executed (dispatched or terminal completed/failed) but have
-   no desktop_tasks row at all are alerts for a human: logged one by one and counted in
-   `reconciler_migration_orphan_tasks`.
+1. Zombie leases are cleared: legacy lease columns on a business row that no live legacy lease backs (the row says
+   `leased` / `received` but its `legacy_leases` row ended, or there is none), and legacy lease columns left on a
+   desktop_tasks-owned row; a `leased` / `received` row goes back to `pending`. A legacy lease whose result the hub
+   accepted but ingest never applied within `unknown_grace_seconds` (the result was dead-lettered) is ended and its
+   business task retried, as the unknown-execution job does for an execution.
+2. READY tasks of either path (contract #1) waiting longer than the interval without an execution or a lease are
+   counted (`reconciler_migration_stalled_ready_tasks`) and the coordinator is woken (`pg_notify('dispatch_wakeup')`)
+   to dispatch them.
+3. Owner / execution mismatches are alerts for a human, logged one by one and counted in
+   `reconciler_migration_orphan_tasks`: a desktop_tasks-owned task that looks executed (dispatched, or completed /
+   failed) with no execution and no legacy lease at all, and a task with live work on the path it is not owned by (a
+   live legacy lease on a desktop_tasks-owned task, an active execution on a legacy-owned one).
 """
 
 from __future__ import annotations
 
 from libs.dispatch_settings import DispatchSettings
-from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
+from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle, end_execution, retry_business_task
 from libs.telemetry import metrics
 from services.reconciler.config import ReconcilerConfig
-from services.reconciler.jobs.base import Job, JobContext, JobResult, log
+from services.reconciler.jobs.base import Job, JobContext, JobResult, log, refresh_request_progress
 
 NAME = "migration_reconcile"
 ORPHAN_LOOKBACK_DAYS = 7
 ORPHANS_LOGGED = 100
 
 _CLEAR_LEGACY_ZOMBIES = """
-UPDATE monitoring_collect_tasks
-SET status = CASE WHEN status = 'leased' THEN 'pending' ELSE status END,
+UPDATE monitoring_collect_tasks t
+SET status = CASE WHEN t.status IN ('leased', 'received') THEN 'pending' ELSE t.status END,
     lease_token_hash = NULL, leased_to_executor = NULL, leased_at = NULL, lease_expires_at = NULL,
-    updated_at = now()
-WHERE leased_to_executor IS NOT NULL
-  AND ((execution_owner = 'legacy' AND lease_expires_at < now()) OR execution_owner = 'desktop_tasks')
-RETURNING id, tenant_id, execution_owner, leased_to_executor
+    legacy_lease_id = NULL, updated_at = now()
+WHERE (t.leased_to_executor IS NOT NULL OR t.legacy_lease_id IS NOT NULL OR t.status IN ('leased', 'received'))
+  AND (t.execution_owner = 'desktop_tasks'
+       OR NOT EXISTS (SELECT 1 FROM legacy_leases l
+                      WHERE l.id = t.legacy_lease_id AND l.status IN ('queued', 'in_progress')))
+RETURNING t.id, t.tenant_id, t.execution_owner, t.leased_to_executor
+"""
+
+# Legacy leases whose accepted result never reached the raw facts (dead-lettered): ended, business task retried.
+_LEGACY_RESULTS_LOST = """
+SELECT l.id, l.monitor_task_id, l.tenant_id, l.target_client_id, l.ai_platform_id, l.lane, l.lease_epoch,
+       l.collect_request_id
+FROM legacy_leases l
+WHERE l.status = 'in_progress' AND l.result_received_at < now() - make_interval(secs => %(grace_s)s)
+  AND NOT EXISTS (SELECT 1 FROM ingest_applied_results a WHERE a.task_id = l.id)
+ORDER BY l.id
+LIMIT %(limit)s
+FOR UPDATE OF l SKIP LOCKED
 """
 
 _STALLED_READY = """
 SELECT count(*) AS n FROM monitoring_collect_tasks t
-WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.dispatch_after <= now()
+WHERE t.status = 'pending' AND t.dispatch_after <= now()
   AND coalesce(t.last_dispatched_at, t.enqueued_at) < now() - make_interval(secs => %(stall_s)s)
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
                   AND d.status IN ('queued', 'in_progress', 'unknown'))
 """
 
 _ORPHANS = """
-SELECT t.id, t.tenant_id, t.status, t.dispatch_attempts, t.last_dispatched_at, t.business_date
+SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
+       'executed without an execution record' AS problem
 FROM monitoring_collect_tasks t
 WHERE t.execution_owner = 'desktop_tasks'
   AND t.business_date >= current_date - %(lookback_days)s::int
   AND (t.last_dispatched_at IS NOT NULL OR t.dispatch_attempts > 0 OR t.status IN ('completed', 'failed'))
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id)
-ORDER BY t.id
+  AND NOT EXISTS (SELECT 1 FROM legacy_leases l WHERE l.monitor_task_id = t.id)
+UNION ALL
+SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
+       'live legacy lease on a desktop_tasks-owned task'
+FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
+WHERE l.status IN ('queued', 'in_progress') AND t.execution_owner = 'desktop_tasks'
+UNION ALL
+SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
+       'active execution on a legacy-owned task'
+FROM desktop_tasks d JOIN monitoring_collect_tasks t ON t.id = d.monitor_task_id
+WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown') AND t.execution_owner = 'legacy'
+ORDER BY 1
 """
+
+
+async def _end_lost_legacy_results(ctx: JobContext, result: JobResult) -> None:
+    conn = ctx.conn
+    async with conn.transaction():
+        cur = await conn.execute(_LEGACY_RESULTS_LOST, {"grace_s": ctx.settings.unknown_grace_seconds,
+                                                        "limit": ctx.config.batch_size})
+        for row in await cur.fetchall():
+            ended = await end_execution(conn, task_id=row["id"], outcome="expired", lease_epoch=row["lease_epoch"],
+                                        reason="result_not_applied", error="the accepted result was never applied")
+            if ended is None:
+                continue
+            status = await retry_business_task(conn, row["monitor_task_id"],
+                                               max_attempts=ctx.settings.max_dispatch_attempts,
+                                               error="result not applied")
+            await emit_lifecycle(conn, "task.aborted", tenant_id=row["tenant_id"], client_id=row["target_client_id"],
+                                 task_id=row["id"], monitor_task_id=row["monitor_task_id"],
+                                 ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason="result_not_applied",
+                                 collect_request_id=row["collect_request_id"])
+            if status == "failed":
+                await refresh_request_progress(conn, row["collect_request_id"])
+            result.fixed += 1
+            result.add("legacy_results_lost")
+            log.warning("legacy lease ended: its accepted result was never applied", extra={
+                "task_id": str(row["id"]), "monitor_task_id": row["monitor_task_id"], "tenant_id": row["tenant_id"],
+                "business_status": status})
 
 
 async def run(ctx: JobContext) -> JobResult:
@@ -64,6 +120,7 @@ async def run(ctx: JobContext) -> JobResult:
                                                    "executor": str(row["leased_to_executor"])})
     result.fixed += len(cleared)
     result.add("zombie_leases_cleared", len(cleared))
+    await _end_lost_legacy_results(ctx, result)
 
     cur = await conn.execute(_STALLED_READY, {"stall_s": ctx.settings.reconcile_interval_seconds})
     count = await cur.fetchone()
@@ -72,7 +129,7 @@ async def run(ctx: JobContext) -> JobResult:
     result.add("stalled_ready", stalled)
     if stalled:
         await conn.execute("SELECT pg_notify(%(channel)s, '')", {"channel": DISPATCH_WAKE_CHANNEL})
-        log.warning("ready desktop_tasks-owned tasks without an active execution; coordinator woken",
+        log.warning("ready tasks waiting longer than the reconcile interval; coordinator woken",
                     extra={"count": stalled})
 
     cur = await conn.execute(_ORPHANS, {"lookback_days": ORPHAN_LOOKBACK_DAYS})
@@ -80,9 +137,9 @@ async def run(ctx: JobContext) -> JobResult:
     metrics.reconciler_migration_orphan_tasks.set(len(orphans))
     result.add("orphans", len(orphans))
     for orphan in orphans[:ORPHANS_LOGGED]:
-        log.error("ALERT: desktop_tasks-owned business task has no execution record; needs a human", extra={
+        log.error(f"ALERT: {orphan['problem']}; needs a human", extra={
             "monitor_task_id": orphan["id"], "tenant_id": orphan["tenant_id"], "status": orphan["status"],
-            "dispatch_attempts": orphan["dispatch_attempts"],
+            "execution_owner": orphan["execution_owner"], "dispatch_attempts": orphan["dispatch_attempts"],
             "business_date": orphan["business_date"].isoformat()})
     return result
 
@@ -91,5 +148,6 @@ def interval(_: ReconcilerConfig, settings: DispatchSettings) -> float:
     return float(max(settings.reconcile_interval_seconds, 1))
 
 
-JOB = Job(NAME, "§16.2.4: legacy zombie leases cleared, stalled ready tasks woken, orphan tasks alerted",
+JOB = Job(NAME, "§16.2.4: zombie leases cleared, lost legacy results retried, stalled ready tasks woken, "
+          "owner/execution mismatches alerted",
           run, interval, phase2_consistency=True)

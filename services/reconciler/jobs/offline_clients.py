@@ -8,8 +8,8 @@
   reconnects within the timeout keeps its binding.
 - Queued (never leased) executions waiting for such a client are aborted and their business tasks
   released with the dispatch attempt given back: they never ran, and otherwise the active execution
-  would block the business task until the client returns. In-progress ones are left to their lease
-  (job `expired_leases`).
+  would block the business task until the client returns; legacy offers not pulled yet, likewise. In-progress
+  ones are left to their lease (job `expired_leases`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,21 @@ ORDER BY d.created_at
 LIMIT %(limit)s
 """
 
+# Legacy offers (not pulled) to such a client, likewise.
+_LEGACY_QUEUED_CANDIDATES = f"""
+SELECT l.id FROM legacy_leases l JOIN desktop_clients c ON c.id = l.target_client_id
+WHERE l.status = 'queued' AND ({_STALE} OR c.disabled_at IS NOT NULL)
+ORDER BY l.created_at
+LIMIT %(limit)s
+"""
+
+_LOCK_LEGACY_QUEUED = f"""
+SELECT l.id, l.tenant_id, l.monitor_task_id, l.target_client_id, l.lane, l.ai_platform_id, l.collect_request_id
+FROM legacy_leases l JOIN desktop_clients c ON c.id = l.target_client_id
+WHERE l.id = %(id)s AND l.status = 'queued' AND ({_STALE} OR c.disabled_at IS NOT NULL)
+FOR UPDATE OF l SKIP LOCKED
+"""
+
 _LOCK_QUEUED = f"""
 SELECT d.id, d.tenant_id, d.monitor_task_id, d.target_client_id, d.lane, d.ai_platform_id, d.collect_request_id
 FROM desktop_tasks d JOIN desktop_clients c ON c.id = d.target_client_id
@@ -68,8 +83,12 @@ FOR UPDATE OF d SKIP LOCKED
 async def release_queued(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> None:
     conn = ctx.conn
     async with conn.transaction():
-        cur = await conn.execute(_LOCK_QUEUED, {"id": task_id, "timeout_s": ctx.settings.heartbeat_timeout_seconds})
+        params = {"id": task_id, "timeout_s": ctx.settings.heartbeat_timeout_seconds}
+        cur = await conn.execute(_LOCK_QUEUED, params)
         row = await cur.fetchone()
+        if row is None:  # a legacy offer?
+            cur = await conn.execute(_LOCK_LEGACY_QUEUED, params)
+            row = await cur.fetchone()
         if row is None:
             return
         ended = await end_execution(conn, task_id=task_id, outcome="aborted", reason="client_offline")
@@ -111,7 +130,8 @@ async def run(ctx: JobContext) -> JobResult:
             "collect_request_id": str(row["collect_request_id"]) if row["collect_request_id"] else None})
     result.add("high_unbound", len(unbound))
     result.fixed += len(offline) + len(unbound)
-    ids = await candidates(ctx, _QUEUED_CANDIDATES, {"timeout_s": ctx.settings.heartbeat_timeout_seconds})
+    stale: dict[str, object] = {"timeout_s": ctx.settings.heartbeat_timeout_seconds}
+    ids = await candidates(ctx, _QUEUED_CANDIDATES, stale) + await candidates(ctx, _LEGACY_QUEUED_CANDIDATES, stale)
     await fix_each(ctx, ids, release_queued, result, what="queued release")
     return result
 

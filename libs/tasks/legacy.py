@@ -1,0 +1,244 @@
+"""The legacy (Phase 1) execution path: a lease on the business row itself (docs/legacy-path.md).
+
+A business task with `execution_owner = 'legacy'` is never given a `desktop_tasks` execution. The coordinator
+*offers* it to a client (`offer`: the business row goes `pending -> leased` with `leased_to_executor` and
+`legacy_lease_id` set, and a `legacy_leases` row records the offer), and the same `task_available` event tells the
+client as for any other work. The client pulls it with the same lease call (`MARK_LEASED`: the token's hash,
+`leased_at` and `lease_expires_at` on the business row), extends and cancels it with the same calls, and posts its
+result (`MARK_RESULT_RECEIVED`: `leased -> received`). Ingest ends it (`end_leases`): the business row goes back to
+`pending` with every lease column cleared, in the same statement, and the shared business transitions of
+`libs.tasks.transitions` (complete, retry, yield) apply to it exactly as to desktop_tasks work.
+
+The business row is the authority on who holds the lease (`legacy_lease_id`, `lease_token_hash`); `legacy_leases` is
+its history (one row per offer: the client, the lane, how it ended) and what the budget ledger counts (migration 023).
+Its columns carry desktop_tasks' names, so a lease state read from either table looks the same to the hub.
+
+Every function runs in the caller's transaction.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+import msgspec
+
+from libs.db.pool import Conn
+
+EXECUTION_OWNERS = ("legacy", "desktop_tasks")
+ExecutionOwner = Literal["legacy", "desktop_tasks"]
+# legacy_leases statuses while the lease lives: offered (queued) and pulled (in_progress).
+ACTIVE_LEASE = ("queued", "in_progress")
+
+# ---- coordinator: the offer -----------------------------------------------------------------------------------
+
+# Offers decided by a dispatch pass, as named rows (the pass's claimed rows, see dispatcher._still_dispatchable):
+# the history row, and the business row leased to the client (still without a token: the client pulls it).
+OFFER = """
+WITH o AS MATERIALIZED (
+    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(
+        id uuid, monitor_task_id bigint, tenant_id bigint, workspace_id bigint, target_client_id uuid,
+        ai_platform_id bigint, brand_id bigint, question_id bigint, business_date date, lane text, lane_weight int,
+        priority int, interrupt_generation bigint, collect_request_id uuid, enqueued_at timestamptz)
+), offered AS (
+    INSERT INTO legacy_leases (id, monitor_task_id, tenant_id, workspace_id, target_client_id, ai_platform_id,
+                               brand_id, question_id, business_date, lane, lane_weight, priority,
+                               interrupt_generation, collect_request_id, enqueued_at, created_at, updated_at)
+    SELECT o.id, o.monitor_task_id, o.tenant_id, o.workspace_id, o.target_client_id, o.ai_platform_id, o.brand_id,
+           o.question_id, o.business_date, o.lane, o.lane_weight, o.priority, o.interrupt_generation,
+           o.collect_request_id, o.enqueued_at, %(ts)s, %(ts)s
+    FROM o
+)
+UPDATE monitoring_collect_tasks t
+SET status = 'leased', leased_to_executor = o.target_client_id, legacy_lease_id = o.id, lease_token_hash = NULL,
+    leased_at = NULL, lease_expires_at = NULL, updated_at = now()
+FROM o
+WHERE t.id = o.monitor_task_id AND t.status = 'pending' AND t.execution_owner = 'legacy'
+"""
+
+_OFFER_KEYS = ("id", "monitor_task_id", "tenant_id", "workspace_id", "target_client_id", "ai_platform_id",
+               "brand_id", "question_id", "business_date", "lane", "lane_weight", "priority", "interrupt_generation",
+               "collect_request_id", "enqueued_at")
+
+
+async def offer(conn: Conn, rows: list[dict[str, Any]], *, ts: datetime) -> None:
+    """Offer claimed legacy business tasks to the clients a pass chose (queued in the caller's pipeline)."""
+    payload = msgspec.json.encode([{k: r[k] for k in _OFFER_KEYS} for r in rows]).decode()
+    await conn.execute(OFFER, {"rows": payload, "ts": ts})
+
+
+# ---- hub: lease, extend, result ----------------------------------------------------------------------------------
+
+# A client's legacy leases that take a slot: pulled and without a posted result.
+IN_PROGRESS_OF_CLIENT = """(
+    SELECT count(*) FROM legacy_leases l
+    WHERE l.target_client_id = c.id AND l.status = 'in_progress' AND l.result_received_at IS NULL)"""
+
+# The client's offers in dispatch order (the same order as its queued executions), as many as the call asks for (the
+# hub merges them with the queued executions and leases what the client's free slots take).
+PICK_OFFERS = """
+SELECT l.id, l.monitor_task_id, l.lane, l.lane_weight, l.priority, l.lease_epoch, l.interrupt_generation,
+       l.business_date, l.tenant_id, l.ai_platform_id, l.collect_request_id, l.control_flags, l.enqueued_at,
+       b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
+       p.code AS platform_code, 'legacy' AS execution_owner
+FROM legacy_leases l
+JOIN brands b ON b.id = l.brand_id
+JOIN monitoring_questions q ON q.id = l.question_id
+JOIN ai_platforms p ON p.id = l.ai_platform_id
+WHERE l.target_client_id = %(client_id)s AND l.tenant_id = %(tenant_id)s AND l.status = 'queued'
+ORDER BY l.lane_weight DESC, l.priority DESC, l.enqueued_at ASC
+LIMIT %(max_tasks)s
+FOR UPDATE OF l SKIP LOCKED
+"""
+
+# The pull: the history row in progress, the business row's lease set (the authority the fence checks).
+MARK_LEASED = """
+WITH leased AS (
+    UPDATE legacy_leases
+    SET status = 'in_progress', lease_epoch = %(epoch)s, lease_token_hash = %(token_hash)s, leased_at = now(),
+        execution_phase = 'PREPARING', updated_at = now()
+    WHERE id = %(task_id)s AND status = 'queued'
+    RETURNING id, monitor_task_id
+)
+UPDATE monitoring_collect_tasks t
+SET lease_token_hash = %(token_hash)s, leased_at = now(),
+    lease_expires_at = now() + make_interval(secs => %(ttl_s)s), updated_at = now()
+FROM leased
+WHERE t.id = leased.monitor_task_id AND t.legacy_lease_id = leased.id AND t.status = 'leased'
+RETURNING t.lease_expires_at
+"""
+
+# A lease's state with desktop_tasks' column names (services/dispatch_hub/leases.py reads either). A lease the
+# business row no longer points at is over, whatever its history row says.
+LEASE_STATE = """
+SELECT l.id, l.target_client_id,
+       CASE WHEN l.status = 'in_progress' AND t.legacy_lease_id IS DISTINCT FROM l.id THEN 'aborted'
+            ELSE l.status END AS status,
+       l.lease_epoch, l.lease_token_hash, l.interrupt_generation, l.control_flags, l.monitor_task_id, l.tenant_id,
+       l.workspace_id, l.ai_platform_id, l.lane, l.kind, l.collect_request_id, l.brand_id, l.question_id,
+       l.business_date, l.interrupt_reason, l.result_digest, l.result_received_at, l.execution_phase,
+       'legacy' AS execution_owner
+FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
+WHERE l.id = %(task_id)s AND l.tenant_id = %(tenant_id)s
+"""
+
+LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE OF l, t"
+
+# Extend: the fence (the business row's holder and token) and the extension in one statement.
+EXTEND = """
+WITH ext AS (
+    UPDATE monitoring_collect_tasks t
+    SET lease_expires_at = now() + make_interval(secs => %(ttl_s)s), updated_at = now()
+    FROM legacy_leases l
+    WHERE l.id = %(task_id)s AND l.tenant_id = %(tenant_id)s AND l.target_client_id = %(client_id)s
+      AND l.status = 'in_progress' AND l.lease_epoch = %(epoch)s
+      AND t.id = l.monitor_task_id AND t.legacy_lease_id = l.id AND t.status = 'leased'
+      AND t.leased_to_executor = %(client_id)s AND t.lease_token_hash = %(token_hash)s
+    RETURNING t.lease_expires_at, l.id
+)
+UPDATE legacy_leases l
+SET execution_phase = coalesce(%(phase)s::text, l.execution_phase), updated_at = now()
+FROM ext
+WHERE l.id = ext.id
+RETURNING ext.lease_expires_at, l.interrupt_generation, l.control_flags, l.ai_platform_id
+"""
+
+CLAIM_RESULT = """
+WITH prev AS (
+    SELECT id, result_digest FROM legacy_leases
+    WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
+    FOR UPDATE
+)
+UPDATE legacy_leases l SET result_digest = coalesce(prev.result_digest, %(digest)s)
+FROM prev WHERE l.id = prev.id
+RETURNING prev.result_digest AS previous, l.result_received_at
+"""
+
+RELEASE_RESULT_CLAIM = """
+UPDATE legacy_leases SET result_digest = NULL
+WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
+  AND result_digest = %(digest)s AND result_received_at IS NULL
+"""
+
+# The result is on its way to ingest: the client's slot is free, the business row `received`.
+MARK_RESULT_RECEIVED = """
+WITH received AS (
+    UPDATE legacy_leases SET result_received_at = now(), execution_phase = 'POSTING', updated_at = now()
+    WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
+    RETURNING id, monitor_task_id
+)
+UPDATE monitoring_collect_tasks t SET status = 'received', updated_at = now()
+FROM received
+WHERE t.id = received.monitor_task_id AND t.legacy_lease_id = received.id AND t.status = 'leased'
+"""
+
+# ---- ending a lease (every path: ingest, cancel, reconciler, collect-now, rollback) ------------------------------
+
+# Like transitions._END_EXECUTIONS: the live leases among `task_ids` end with their outcome, and their business rows
+# go back to `pending` with the lease cleared (the caller then completes, retries or yields them). Rows are locked
+# in id order.
+END_LEASES = """
+WITH wanted AS MATERIALIZED (
+    SELECT * FROM unnest(%(task_ids)s::uuid[], %(statuses)s::text[], %(epochs)s::int[], %(reasons)s::text[],
+                         %(errors)s::text[]) AS w(task_id, status, lease_epoch, reason, error)
+), prev AS MATERIALIZED (
+    SELECT l.id, l.previous_status, w.status, w.reason, w.error
+    FROM wanted w
+    CROSS JOIN LATERAL (
+        SELECT l.id, l.status AS previous_status FROM legacy_leases l
+        WHERE l.id = w.task_id AND l.status IN ('queued', 'in_progress')
+          AND (w.lease_epoch IS NULL OR l.lease_epoch = w.lease_epoch)
+        OFFSET 0
+        FOR UPDATE OF l
+    ) l
+    ORDER BY l.id
+), ended AS (
+    UPDATE legacy_leases l
+    SET status = prev.status, finished_at = now(), updated_at = now(), error = coalesce(prev.error, l.error),
+        interrupt_reason = coalesce(prev.reason, l.interrupt_reason), lease_token_hash = NULL
+    FROM prev
+    WHERE l.id = prev.id
+    RETURNING l.id, l.monitor_task_id, l.tenant_id, l.target_client_id, l.ai_platform_id, l.lane, l.lease_epoch,
+              prev.previous_status
+), released AS (
+    UPDATE monitoring_collect_tasks t
+    SET status = 'pending', leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL,
+        leased_at = NULL, lease_expires_at = NULL, updated_at = now()
+    FROM ended
+    WHERE t.id = ended.monitor_task_id AND t.legacy_lease_id = ended.id AND t.status IN ('leased', 'received')
+)
+SELECT * FROM ended
+"""
+
+# ---- collect-now: Phase-1 preemption -------------------------------------------------------------------------
+
+# A client's offers not pulled yet, of lanes a click withdraws (normal work, when the client is to run high work).
+OFFERS_OF_CLIENT = """
+SELECT l.id, l.monitor_task_id, l.tenant_id, l.ai_platform_id, l.lane, l.interrupt_generation, l.collect_request_id
+FROM legacy_leases l
+WHERE l.target_client_id = %(client_id)s AND l.tenant_id = %(tenant_id)s AND l.status = 'queued'
+  AND l.lane <> 'high'
+ORDER BY l.id
+FOR UPDATE OF l
+"""
+
+# A client's pulled leases of non-high work: each is told to yield (Phase 1: only if it has not started the AI
+# conversation yet); the lease is not cleared here.
+RUNNING_OF_CLIENT = """
+SELECT l.id, l.monitor_task_id, l.tenant_id, l.ai_platform_id, l.lane, l.interrupt_generation, l.execution_phase
+FROM legacy_leases l
+WHERE l.target_client_id = %(client_id)s AND l.tenant_id = %(tenant_id)s AND l.status = 'in_progress'
+  AND l.lane <> 'high' AND l.result_received_at IS NULL
+ORDER BY l.id
+FOR UPDATE OF l
+"""
+
+REQUEST_INTERRUPT = """
+UPDATE legacy_leases
+SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
+                                                        'interrupt_generation', %(generation)s::bigint,
+                                                        'collect_request_id', %(request_id)s::text),
+    interrupt_generation = greatest(interrupt_generation, %(generation)s::bigint),
+    interrupt_reason = %(reason)s, updated_at = now()
+WHERE id = ANY(%(ids)s::uuid[]) AND status = 'in_progress'
+"""
