@@ -944,9 +944,9 @@ async def check_controls(pool: AsyncConnectionPool[Conn], fleet: Fleet) -> Invar
     """Every task_control the outbox published reached its client over the WebSocket (live or in the replay of a
     reconnect), unless it no longer applied: the client was not holding that execution any more when it could
     have arrived (it never leased it, or had already posted its result or cancel), or it was sent while the
-    client's way to it was down (socket dropped, hub killed, broker link cut) and the client learnt the same from
-    the lease fence (its next call on the execution refused) or, for an interrupt, the execution was over before
-    the client was connected again."""
+    client had no socket (dropped, its hub killed) and the client learnt the same from the lease fence (its next
+    call on the execution refused) or, for an interrupt, the execution was over before the client was connected
+    again. A control lost while the client's socket was up (a hub's broker link down, say) is always a miss."""
     rows = await _rows(pool, """
         SELECT payload, extract(epoch FROM published_at)::float8 AS published
         FROM outbox WHERE message_type = 'task_control' AND status = 'published' ORDER BY id""")
