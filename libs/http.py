@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
+from psycopg import errors as pg_errors
 
 from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import ErrorBody
@@ -50,6 +51,11 @@ def error_response(status: int, code: str, message: str, field: str | None = Non
     return json_response(body, status=status, headers=headers)
 
 
+# Errors of a transaction that lost to concurrent work and changed nothing: the caller may simply retry.
+CONTENTION_ERRORS: tuple[type[Exception], ...] = (
+    pg_errors.DeadlockDetected, pg_errors.SerializationFailure, pg_errors.LockNotAvailable, pg_errors.QueryCanceled)
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> (
     web.StreamResponse
@@ -73,6 +79,13 @@ async def json_errors(request: web.Request, handler: Callable[[web.Request], Awa
         return response
     except asyncio.CancelledError:
         raise
+    except CONTENTION_ERRORS as exc:
+        # Two writers met on the same rows (a deadlock Postgres broke, a lock or statement timeout): nothing was
+        # written by this call, and the same call a moment later succeeds. A 503 that says so, not a 500.
+        log.warning("database contention; answered 503", extra={"path": request.path, "method": request.method,
+                                                                 "error_type": type(exc).__name__})
+        return error_response(503, "busy", "the request met concurrent work on the same data and was not applied; "
+                              "retry it", retry_after_s=1)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
         return error_response(500, "internal_error", "an unexpected error occurred; it has been logged")

@@ -122,7 +122,15 @@ FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
 WHERE l.id = %(task_id)s AND l.tenant_id = %(tenant_id)s
 """
 
-LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE OF l, t"
+# Lock order on this path, as on the other: the business row first, then the lease's row (ingest locks the business
+# rows of its batch before it ends their leases). A writer that starts from a lease id locks the business row with
+# LOCK_BUSINESS_ROW first; LEASE_STATE_FOR_UPDATE then locks the lease row.
+LOCK_BUSINESS_ROW = """
+SELECT t.id FROM monitoring_collect_tasks t
+WHERE t.id = (SELECT l.monitor_task_id FROM legacy_leases l WHERE l.id = %(task_id)s AND l.tenant_id = %(tenant_id)s)
+FOR UPDATE OF t
+"""
+LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE OF l"
 
 # Extend: the fence (the business row's holder and token) and the extension in one statement.
 EXTEND = """
@@ -160,16 +168,18 @@ WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
   AND result_digest = %(digest)s AND result_received_at IS NULL
 """
 
-# The result is on its way to ingest: the client's slot is free, the business row `received`.
-MARK_RESULT_RECEIVED = """
-WITH received AS (
-    UPDATE legacy_leases SET result_received_at = now(), execution_phase = 'POSTING', updated_at = now()
-    WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
-    RETURNING id, monitor_task_id
-)
+# The result is on its way to ingest: the business row `received` (first, the lock order above), then the lease's
+# row, whose slot is free again. Two statements in one transaction. Ingest may have ended the lease already (it
+# read the result first): then the business row is left alone.
+MARK_BUSINESS_RECEIVED = """
 UPDATE monitoring_collect_tasks t SET status = 'received', updated_at = now()
-FROM received
-WHERE t.id = received.monitor_task_id AND t.legacy_lease_id = received.id AND t.status = 'leased'
+WHERE t.id = (SELECT l.monitor_task_id FROM legacy_leases l
+              WHERE l.id = %(task_id)s AND l.tenant_id = %(tenant_id)s AND l.lease_epoch = %(epoch)s)
+  AND t.legacy_lease_id = %(task_id)s AND t.status = 'leased'
+"""
+MARK_RESULT_RECEIVED = """
+UPDATE legacy_leases SET result_received_at = now(), execution_phase = 'POSTING', updated_at = now()
+WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
 """
 
 # ---- ending a lease (every path: ingest, cancel, reconciler, collect-now, rollback) ------------------------------

@@ -250,6 +250,8 @@ async def _lease_state(conn: Conn, task_id: uuid.UUID, tenant_id: int, *, for_up
     cur = await conn.execute(q.LEASE_STATE_FOR_UPDATE if for_update else q.LEASE_STATE, params)
     row = await cur.fetchone()
     if row is None:
+        if for_update:  # the business row first (libs/tasks/legacy.py: lock order)
+            await conn.execute(legacy.LOCK_BUSINESS_ROW, params)
         cur = await conn.execute(legacy.LEASE_STATE_FOR_UPDATE if for_update else legacy.LEASE_STATE, params)
         row = await cur.fetchone()
     return row
@@ -430,9 +432,14 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             await conn.execute(legacy.RELEASE_RESULT_CLAIM if on_legacy else q.RELEASE_RESULT_CLAIM, claim_params)
         raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
                        retry_after_s=2) from exc
+    received = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch}
     async with ctx.pool.connection() as conn:
-        await conn.execute(legacy.MARK_RESULT_RECEIVED if on_legacy else q.MARK_RESULT_RECEIVED,
-                           {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch})
+        if on_legacy:
+            async with conn.transaction():
+                await conn.execute(legacy.MARK_BUSINESS_RECEIVED, received)
+                await conn.execute(legacy.MARK_RESULT_RECEIVED, received)
+        else:
+            await conn.execute(q.MARK_RESULT_RECEIVED, received)
     log.info("result accepted", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "result_id": str(message.result_id),
                                        "shard": message.shard, "status": body.status,

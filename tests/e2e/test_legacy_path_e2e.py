@@ -10,11 +10,16 @@ Postgres, RabbitMQ, and simulated desktop clients over real WebSockets.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
@@ -24,6 +29,7 @@ from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
 from tests.support.db import fetch as rows
 from tests.support.db import one
+from tests.support.desktop import insert_ready_task
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 from tests.support.wait import eventually
 from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
@@ -123,3 +129,168 @@ async def test_a_rollout_zero_runs_a_days_schedule_on_the_legacy_path(
 async def _budget_counted(pool: AsyncConnectionPool[Conn]) -> int:
     row = await one(pool, "SELECT coalesce(sum(used), 0) AS n FROM dispatch_budget_ledger")
     return int(row["n"])
+
+
+class HandClient:
+    """A desktop client driven step by step by the test (its WebSocket, lease, extend, cancel and result calls), for
+    moments a simulated client's timings cannot pin down: a lease held in PREPARING beside one in AUTHENTICATING."""
+
+    def __init__(self, http: aiohttp.ClientSession, stack: Stack, token: str) -> None:
+        self.http, self.stack, self.token = http, stack, token
+        self.events: list[dict[str, Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    async def connect(self) -> None:
+        ws = await self.http.ws_connect(self.stack.hub_url + "/api/desktop/ws", headers=self.headers)
+        self._tasks = [asyncio.create_task(self._read(ws)), asyncio.create_task(self._beat(ws))]
+
+    async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        async for msg in ws:
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                self.events.append(json.loads(msg.data))
+
+    async def _beat(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        while not ws.closed:
+            await ws.send_str('{"type":"heartbeat"}')
+            await asyncio.sleep(0.5)  # a heartbeat cadence, not a wait for a condition
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async with self.http.post(self.stack.hub_url + path, json=body, headers=self.headers) as resp:
+            return resp.status, await resp.json()
+
+    async def lease(self, n: int) -> list[dict[str, Any]]:
+        status, body = await self.call("/api/desktop/monitor/lease", {"max_tasks": n})
+        assert status == 200, body
+        return list(body["tasks"])
+
+    async def post_result(self, task: dict[str, Any]) -> None:
+        now = datetime.now(UTC).isoformat()
+        status, body = await self.call(f"/api/desktop/tasks/{task['task_id']}/result", {
+            "lease_token": task["lease_token"], "status": "succeeded", "answer_text": "an answer",
+            "brand_mentioned": True, "started_at": now, "finished_at": now})
+        assert status == 202, body
+
+    def controls(self, task_id: str) -> list[str]:
+        return [e["control"] for e in self.events if e.get("type") == "task_control" and e["task_id"] == task_id]
+
+
+async def _legacy_world(pool: AsyncConnectionPool[Conn], *, scheduled: int) -> dict[str, Any]:
+    """One legacy tenant (rollout 0), one client running two tasks at once; brand 0 has `scheduled` ready tasks
+    (on the legacy path), brand 1 is what the user collects now."""
+    world = await seed(pool, rollout=0, clients=1, due=False)
+    tenant = world["tenants"][0]
+    async with pool.connection() as conn:
+        for index in range(scheduled):
+            await insert_ready_task(conn, tenant=tenant, brand_index=0, question_index=index,
+                                    platform_id=world["platforms"][0]["ai_platform_id"], age_s=60 - index)
+        await conn.execute("UPDATE monitoring_collect_tasks SET execution_owner = 'legacy'")
+    return world
+
+
+async def test_b_collect_now_on_a_legacy_tenant_preempts_phase_one_style(
+        settings: Settings, pool: AsyncConnectionPool[Conn], tmp_path: Path) -> None:
+    world = await _legacy_world(pool, scheduled=3)
+    tenant = world["tenants"][0]
+    client = tenant["clients"][0]
+    clicked_brand = tenant["brands"][1]["brand_id"]
+    async with running_stack(settings, tmp_path, services=SERVICES, **ENV) as stack, \
+            aiohttp.ClientSession() as http:
+        hand = HandClient(http, stack, client["token"])
+        await hand.connect()
+        try:
+            # The coordinator offers all three scheduled tasks to the client (its queue takes them) ...
+            await eventually(lambda: _count(pool, "SELECT count(*) AS n FROM legacy_leases WHERE status = 'queued'",
+                                            want=3), timeout=20, message=f"three offers\n{stack.logs()}")
+            # ... it pulls two: one stays PREPARING, the other moves on to AUTHENTICATING; the third stays offered.
+            preparing, started = await hand.lease(2)
+            assert {preparing["execution_owner"], started["execution_owner"]} == {"legacy"}
+            status, _ = await hand.call(f"/api/desktop/tasks/{started['task_id']}/extend", {
+                "lease_token": started["lease_token"], "execution_phase": "AUTHENTICATING"})
+            assert status == 200
+            offered = (await one(pool, "SELECT id FROM legacy_leases WHERE status = 'queued'"))["id"]
+            offered_task = (await one(pool, "SELECT monitor_task_id FROM legacy_leases WHERE id = %s",
+                                      offered))["monitor_task_id"]
+            budget_before = await _budget_counted(pool)
+
+            accepted = await stack.collect_now(tenant, clicked_brand, {"target_client_id": client["client_id"],
+                                                                       "preempt": True})
+            assert accepted["aborted_queued_count"] == 1 and accepted["interrupt_requested_count"] == 2, accepted
+            clicked_at = await one(pool, "SELECT now() AS at")
+            # The unpulled offer is withdrawn at once (budget given back), its task pending again.
+            withdrawn = await one(pool, "SELECT status, interrupt_reason FROM legacy_leases WHERE id = %s", offered)
+            assert withdrawn == {"status": "aborted", "interrupt_reason": "collect_now_preempt"}
+            task = await one(pool, "SELECT status, dispatch_lane, leased_to_executor, execution_owner "
+                                   "FROM monitoring_collect_tasks WHERE id = %s", offered_task)
+            assert task == {"status": "pending", "dispatch_lane": "normal", "leased_to_executor": None,
+                            "execution_owner": "legacy"}
+            assert await _budget_counted(pool) == budget_before - 1
+            # The promoted tasks stay on the legacy path (promoted in place).
+            high = await rows(pool, "SELECT id, execution_owner FROM monitoring_collect_tasks "
+                                    "WHERE dispatch_lane = 'high'")
+            assert high and {t["execution_owner"] for t in high} == {"legacy"}
+            # Both leases are told to yield; the server has not cleared them.
+            for lease in (preparing, started):
+                await eventually(lambda lease=lease: "interrupt_requested" in hand.controls(lease["task_id"]),
+                                 timeout=10, message=f"interrupt for {lease['task_id']}\n{hand.events}")
+            assert "cancelled" in hand.controls(str(offered))
+            live = await rows(pool, "SELECT t.status FROM legacy_leases l JOIN monitoring_collect_tasks t "
+                                    "ON t.legacy_lease_id = l.id WHERE l.status = 'in_progress'")
+            assert [r["status"] for r in live] == ["leased", "leased"]
+            # Phase 1 on the client: the PREPARING one yields ...
+            generation = accepted["interrupt_generation"]
+            status, body = await hand.call(f"/api/desktop/tasks/{preparing['task_id']}/cancel", {
+                "lease_token": preparing["lease_token"], "reason": "collect_now_preempt",
+                "interrupt_generation": generation, "execution_phase": "PREPARING"})
+            assert status == 200, body
+            # ... the started one runs to its result; meanwhile no new normal work is offered to the client.
+            status, body = await hand.call(f"/api/desktop/tasks/{started['task_id']}/extend", {
+                "lease_token": started["lease_token"], "execution_phase": "WAITING"})
+            assert status == 200 and body["interrupt_requested"], body
+            await hand.post_result(started)
+            # Then the high tasks: offered to this client, leased, completed.
+            await eventually(lambda: _count(pool, "SELECT count(*) AS n FROM legacy_leases WHERE lane = 'high' "
+                                                  "AND status = 'queued'", want=len(high)),
+                             timeout=20, message=f"the high offers\n{stack.logs()}")
+            done_high: set[str] = set()
+            while len(done_high) < len(high):  # as many at a time as the client's two slots take
+                leased_high = await hand.lease(2)
+                assert {t["lane"] for t in leased_high} <= {"high"}, leased_high
+                for task_ in leased_high:
+                    await hand.post_result(task_)
+                    done_high.add(task_["task_id"])
+                if not leased_high:
+                    await eventually(lambda: _count(
+                        pool, "SELECT count(*) AS n FROM legacy_leases WHERE lane = 'high' AND status = 'queued'",
+                        want=len(high) - len(done_high)), timeout=10, message="the next high offers")
+            request = uuid.UUID(accepted["request_id"])
+            await eventually(lambda: _request_status(pool, request, "succeeded"), timeout=20,
+                             message=f"the request succeeded\n{stack.logs()}")
+            normal_offered = await one(pool, "SELECT count(*) AS n FROM legacy_leases WHERE lane <> 'high' "
+                                             "AND created_at > %s", clicked_at["at"])
+            assert normal_offered["n"] == 0, "normal work offered to the client while it was preempted"
+            # The yielded task and the withdrawn one are still to run (pending again, dispatch attempt given back).
+            yielded = await one(pool, "SELECT t.status, t.dispatch_attempts FROM monitoring_collect_tasks t "
+                                      "JOIN legacy_leases l ON l.monitor_task_id = t.id WHERE l.id = %s",
+                                uuid.UUID(preparing["task_id"]))
+            assert yielded["dispatch_attempts"] == 0 and yielded["status"] in ("pending", "leased")
+            assert await never_both_paths(pool) == []
+        finally:
+            await hand.close()
+
+
+async def _count(pool: AsyncConnectionPool[Conn], query: str, *, want: int) -> bool:
+    return int((await one(pool, query))["n"]) == want
+
+
+async def _request_status(pool: AsyncConnectionPool[Conn], request_id: uuid.UUID, status: str) -> bool:
+    row = await one(pool, "SELECT status FROM monitoring_collect_requests WHERE id = %s", request_id)
+    return bool(row["status"] == status)

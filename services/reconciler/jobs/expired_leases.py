@@ -54,7 +54,13 @@ SELECT l.id, l.tenant_id, l.monitor_task_id, l.target_client_id, l.lease_epoch,
 FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id AND t.legacy_lease_id = l.id
 WHERE l.id = %(id)s AND l.status = 'in_progress' AND l.result_received_at IS NULL AND t.status = 'leased'
   AND t.lease_expires_at < now()
-FOR UPDATE OF l, t SKIP LOCKED
+FOR UPDATE OF l SKIP LOCKED
+"""
+# The business row first (the lock order of libs/tasks/legacy.py).
+_LOCK_LEGACY_BUSINESS = """
+SELECT t.id FROM monitoring_collect_tasks t
+WHERE t.id = (SELECT l.monitor_task_id FROM legacy_leases l WHERE l.id = %(id)s) AND t.status = 'leased'
+FOR UPDATE OF t SKIP LOCKED
 """
 
 
@@ -64,8 +70,10 @@ async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> 
         cur = await conn.execute(_LOCK, {"id": task_id})
         row = await cur.fetchone()
         if row is None:  # a legacy lease?
-            cur = await conn.execute(_LOCK_LEGACY, {"id": task_id})
-            row = await cur.fetchone()
+            cur = await conn.execute(_LOCK_LEGACY_BUSINESS, {"id": task_id})
+            if await cur.fetchone() is not None:
+                cur = await conn.execute(_LOCK_LEGACY, {"id": task_id})
+                row = await cur.fetchone()
         if row is None:
             return
         ended = await end_execution(conn, task_id=task_id, outcome="expired", lease_epoch=row["lease_epoch"],
