@@ -138,7 +138,10 @@ class LeasedTask(msgspec.Struct, kw_only=True):
     # Which execution path the task is on (docs/legacy-path.md): `desktop_tasks` (preempted at safe points) or
     # `legacy` (Phase 1: yields to an interrupt only while PREPARING or NAVIGATING, otherwise finishes). The calls are
     # the same on both; task_id is opaque either way.
-    execution_owner: Literal["desktop_tasks", "legacy"] = "desktop_tasks"
+    execution_owner: Annotated[Literal["desktop_tasks", "legacy"], msgspec.Meta(
+        description="The task's execution path: desktop_tasks (yields to an interrupt at a safe point) or legacy "
+                    "(Phase 1: yields only while PREPARING or NAVIGATING, otherwise runs to its result)")] = (
+        "desktop_tasks")
 
 
 class LeaseResponse(msgspec.Struct, kw_only=True):

@@ -84,6 +84,11 @@ def openapi_document() -> dict[str, Any]:
             "/api/desktop/monitor/lease": {"post": {
                 "operationId": "leaseMonitorTasks",
                 "summary": "Pull-lease the best queued tasks of this client (lane_weight, priority, enqueued_at)",
+                "description": "One protocol for both execution paths: a task is either a desktop_tasks execution or "
+                               "a lease of the legacy path on the business task (`execution_owner` in each leased "
+                               "task). Extend, cancel and result are the same calls either way; `task_id` is opaque. "
+                               "On the legacy path an interrupt is honoured only while the task is PREPARING or "
+                               "NAVIGATING; past that the task runs to its result.",
                 "requestBody": _body("LeaseRequest", required=False),
                 "responses": {"200": response("LeaseResponse", "Leased tasks (empty when there is nothing)."),
                               **_errors(*body_errors, 404, s404="The client no longer exists.")},
