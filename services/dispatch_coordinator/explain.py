@@ -39,6 +39,13 @@ _ACTIVE = """
 SELECT id, status, target_client_id, lane, created_at, leased_at FROM desktop_tasks
 WHERE monitor_task_id = %(id)s AND kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
 """
+# The live lease of a legacy-path task (docs/legacy-path.md).
+_LEGACY_LEASE = """
+SELECT l.id, l.status, l.target_client_id, l.lane, l.created_at, l.leased_at, l.execution_phase,
+       t.lease_expires_at
+FROM monitoring_collect_tasks t JOIN legacy_leases l ON l.id = t.legacy_lease_id
+WHERE t.id = %(id)s
+"""
 _POSITION = f"""
 SELECT count(*) FILTER (WHERE t.dispatch_lane = %(lane)s AND (t.dispatch_priority > %(priority)s OR
             (t.dispatch_priority = %(priority)s AND (t.enqueued_at, t.id) < (%(enqueued_at)s, %(id)s))))
@@ -109,9 +116,12 @@ async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | Non
     active = await cur.fetchone()
     not_ready = []
     if t["status"] != "pending":
-        not_ready.append(f"status is {t['status']} (only pending tasks are dispatched)")
-    if t["execution_owner"] != "desktop_tasks":
-        not_ready.append("execution_owner is legacy: dispatched by the legacy path, not by this coordinator")
+        held = "; a client holds its lease on the legacy path" if t["status"] in ("leased", "received") else ""
+        not_ready.append(f"status is {t['status']} (only pending tasks are dispatched{held})")
+    if t["status"] in ("leased", "received"):
+        lease = await (await conn.execute(_LEGACY_LEASE, {"id": task_id})).fetchone()
+        if lease is not None:
+            out["legacy_lease"] = dict(lease)
     if t["not_due"]:
         not_ready.append(f"dispatch_after is in the future ({t['dispatch_after'].isoformat()})")
     if active is not None:

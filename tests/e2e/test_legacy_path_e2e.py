@@ -287,10 +287,53 @@ async def test_b_collect_now_on_a_legacy_tenant_preempts_phase_one_style(
             await hand.close()
 
 
-async def _count(pool: AsyncConnectionPool[Conn], query: str, *, want: int) -> bool:
-    return int((await one(pool, query))["n"]) == want
+async def _count(pool: AsyncConnectionPool[Conn], query: str, *, want: int | None = None,
+                 want_at_least: int | None = None) -> bool:
+    n = int((await one(pool, query))["n"])
+    return n == want if want is not None else n >= (want_at_least or 0)
 
 
 async def _request_status(pool: AsyncConnectionPool[Conn], request_id: uuid.UUID, status: str) -> bool:
     row = await one(pool, "SELECT status FROM monitoring_collect_requests WHERE id = %s", request_id)
     return bool(row["status"] == status)
+
+
+async def test_c_half_rollout_runs_both_paths_at_once(settings: Settings, pool: AsyncConnectionPool[Conn],
+                                                      tmp_path: Path) -> None:
+    # Tenants 49 and 50 at rollout 50: 49 % 100 < 50 takes desktop_tasks, 50 takes legacy.
+    world = await seed(pool, tenants=2, first_tenant_id=49, rollout=50)
+    desktop_tenant, legacy_tenant = world["tenants"]
+    assert (desktop_tenant["tenant_id"], legacy_tenant["tenant_id"]) == (49, 50)
+    tokens = [c["token"] for t in world["tenants"] for c in t["clients"]]
+    async with running_stack(settings, tmp_path, services=SERVICES, **ENV) as stack, \
+            fleet(stack, tokens, scale=3) as clients:
+        # Collect-now on both tenants while their scheduled work runs: each re-collects brand 1 now.
+        await eventually(lambda: _count(pool, "SELECT count(*) AS n FROM monitoring_collect_tasks WHERE status = "
+                                              "'completed'", want_at_least=2), timeout=60, interval=0.1,
+                         message=f"scheduled work running\n{stack.logs()}")
+        requests = []
+        for tenant in (desktop_tenant, legacy_tenant):
+            accepted = await stack.collect_now(tenant, tenant["brands"][1]["brand_id"], {"preempt": True})
+            requests.append(uuid.UUID(accepted["request_id"]))
+        await eventually(lambda: all_done(pool), timeout=150, interval=0.2,
+                         message=f"every task completed\n{stack.logs()}")
+        for request in requests:
+            row = await one(pool, "SELECT status FROM monitoring_collect_requests WHERE id = %s", request)
+            assert row["status"] in ("succeeded", "partial"), row
+        owners = await rows(pool, "SELECT tenant_id, execution_owner, count(*) AS n, "
+                                  "count(*) FILTER (WHERE status = 'completed') AS completed "
+                                  "FROM monitoring_collect_tasks GROUP BY 1, 2 ORDER BY 1, 2")
+        assert [(r["tenant_id"], r["execution_owner"]) for r in owners] == [(49, "desktop_tasks"), (50, "legacy")]
+        assert all(r["n"] == r["completed"] for r in owners), owners
+        # Each path ran its own tenant's work only.
+        paths = await rows(pool, """
+            SELECT 'desktop_tasks' AS path, d.tenant_id FROM desktop_tasks d GROUP BY 2
+            UNION ALL SELECT 'legacy', l.tenant_id FROM legacy_leases l GROUP BY 2 ORDER BY 1, 2""")
+        assert [(p["path"], p["tenant_id"]) for p in paths] == [("desktop_tasks", 49), ("legacy", 50)]
+        assert await never_both_paths(pool) == []
+        # Both kinds of client saw their path in the lease response.
+        seen = {owner for client in clients for owner in client.stats.owners.values()}
+        assert seen == {"desktop_tasks", "legacy"}
+        runs = await one(pool, "SELECT count(*) AS n FROM question_monitor_runs")
+        total = await one(pool, "SELECT count(*) AS n FROM monitoring_collect_tasks")
+        assert runs["n"] == total["n"]
