@@ -26,6 +26,7 @@ from tests.support.reconcile_factory import (
     execution,
     heartbeat,
     insert_execution,
+    insert_legacy_lease,
     insert_request,
     insert_run,
     insert_task,
@@ -306,8 +307,8 @@ async def test_migration_reconcile_zombies_stalled_and_orphans(pool: AsyncConnec
         await set_setting(conn, "reconcile_interval_seconds", 0)
         zombie = await insert_task(conn, w, question_index=0, execution_owner="legacy", legacy_lease_expires_in=-10)
         await conn.execute("UPDATE monitoring_collect_tasks SET status = 'leased' WHERE id = %s", (zombie,))
-        live = await insert_task(conn, w, question_index=1, execution_owner="legacy", legacy_lease_expires_in=60)
-        await conn.execute("UPDATE monitoring_collect_tasks SET status = 'leased' WHERE id = %s", (live,))
+        live = await insert_task(conn, w, question_index=1, execution_owner="legacy")
+        await insert_legacy_lease(conn, w, live, w.clients[0], lease_expires_in=60)
         crossed = await insert_task(conn, w, question_index=2, legacy_lease_expires_in=60)
         orphan = await insert_task(conn, w, question_index=3, status="completed")
         stalled = await insert_task(conn, w, question_index=4)

@@ -205,3 +205,44 @@ def yesterday() -> date:
 
 def today() -> date:
     return datetime.now(UTC).date()
+
+
+async def insert_legacy_lease(conn: Conn, world: World, monitor_task_id: int, client_id: uuid.UUID, *,
+                              status: str = "in_progress", lease_expires_in: float = 60.0, lane: str = "normal",
+                              result_received_ago: float | None = None, created_ago: float = 0.0) -> uuid.UUID:
+    """A live lease of the legacy path on a business task (libs/tasks/legacy.py): the history row, and the business
+    row leased to `client_id` (offered when `status` is 'queued', pulled when 'in_progress')."""
+    lease_id = uuid.uuid4()
+    pulled = status == "in_progress"
+    await conn.execute(
+        """
+        INSERT INTO legacy_leases (id, monitor_task_id, tenant_id, workspace_id, target_client_id, ai_platform_id,
+                                   brand_id, question_id, business_date, lane, lane_weight, priority, status,
+                                   lease_epoch, lease_token_hash, leased_at, result_received_at, enqueued_at,
+                                   created_at, execution_phase)
+        SELECT %(id)s, t.id, t.tenant_id, t.workspace_id, %(client)s, t.ai_platform_id, t.brand_id, t.question_id,
+               t.business_date, %(lane)s, %(weight)s, t.dispatch_priority, %(status)s, %(epoch)s,
+               CASE WHEN %(pulled)s THEN 'h' END, CASE WHEN %(pulled)s THEN now() END,
+               now() - make_interval(secs => %(received_ago)s::float8), t.enqueued_at,
+               now() - make_interval(secs => %(created_ago)s), CASE WHEN %(pulled)s THEN 'WAITING' END
+        FROM monitoring_collect_tasks t WHERE t.id = %(task)s
+        """,
+        {"id": lease_id, "client": client_id, "lane": lane, "weight": lane_weight("monitor", lane),
+         "status": status, "epoch": 1 if pulled else 0, "pulled": pulled, "received_ago": result_received_ago,
+         "task": monitor_task_id, "created_ago": created_ago})
+    await conn.execute(
+        """
+        UPDATE monitoring_collect_tasks
+        SET status = CASE WHEN %(received)s THEN 'received' ELSE 'leased' END, leased_to_executor = %(client)s,
+            legacy_lease_id = %(id)s, lease_token_hash = CASE WHEN %(pulled)s THEN 'h' END,
+            leased_at = CASE WHEN %(pulled)s THEN now() END,
+            lease_expires_at = CASE WHEN %(pulled)s THEN now() + make_interval(secs => %(expires_in)s) END
+        WHERE id = %(task)s
+        """,
+        {"id": lease_id, "client": client_id, "pulled": pulled, "expires_in": lease_expires_in,
+         "task": monitor_task_id, "received": result_received_ago is not None})
+    return lease_id
+
+
+async def legacy_lease(conn: Conn, lease_id: uuid.UUID) -> dict[str, Any]:
+    return await row(conn, "SELECT * FROM legacy_leases WHERE id = %s", lease_id)

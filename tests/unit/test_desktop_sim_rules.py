@@ -113,3 +113,16 @@ def test_tokens_from_seed_json() -> None:
                                          {"tenant_id": 2, "clients": [{"client_id": "b", "token": "t2"},
                                                                       {"client_id": "c", "token": "t3"}]}]}
     assert tokens_from_seed(seed) == [("a", "t1"), ("b", "t2"), ("c", "t3")]
+
+
+def test_legacy_work_yields_only_before_it_really_started() -> None:
+    import itertools
+
+    from tools.desktop_sim.rules import PHASES, yields_at_checkpoint
+
+    # desktop_tasks work: at a safe point, whatever the phase it leaves.
+    assert [n for p, n in itertools.pairwise(PHASES) if yields_at_checkpoint("desktop_tasks", p, n)] == [
+        "NAVIGATING", "INPUTTING", "SUBMITTING", "PARSING"]
+    # legacy work (Phase 1): only while PREPARING or NAVIGATING, never once it is authenticating or later.
+    assert [p for p, n in itertools.pairwise(PHASES) if yields_at_checkpoint("legacy", p, n)] == [
+        "PREPARING", "NAVIGATING"]
