@@ -7,6 +7,9 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+from psycopg.pq import TransactionStatus
+
+from libs.contracts.amqp import LifecycleEvent
 from libs.contracts.wire import TaskControl
 from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
@@ -23,10 +26,10 @@ from libs.dispatch_settings import (
 )
 from libs.domain.dispatch import window_start
 from libs.domain.platform_health import OverrideMode
-from libs.mq.topology import DISPATCH
+from libs.mq.topology import DISPATCH, LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
-from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL, end_execution
+from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ELIGIBLE_CLIENT_SQL, ExecutionEnd, end_executions
 from services.dispatch_coordinator import queries as q
 
 ROLLBACK_REASON = "phase2_emergency_rollback"
@@ -86,16 +89,88 @@ SELECT count(*) FILTER (WHERE {ELIGIBLE_CLIENT_SQL}) AS eligible, count(*) FILTE
        count(*) AS registered
 FROM desktop_clients c
 """
+# ---- the migration levers: rollout and emergency rollback (docs/legacy-path.md) ----------------------------------
+
+# Serialises the rollout's read-modify-write (`rollout set`, `rollback`): the "before" each one reports is the value
+# it replaced.
+ROLLOUT_LOCK = "SELECT pg_advisory_xact_lock(7401552114)"
+
+# The tenants on each path for new tasks at a percentage (libs.domain.schedule.execution_owner_for), and those that
+# move between two percentages.
+_TENANTS_BY_ROLLOUT = """
+SELECT count(*) AS tenants,
+       count(*) FILTER (WHERE id %% 100 < %(before)s) AS desktop_tasks_before,
+       count(*) FILTER (WHERE id %% 100 < %(after)s) AS desktop_tasks_after,
+       count(*) FILTER (WHERE id %% 100 >= %(before)s AND id %% 100 < %(after)s) AS to_desktop_tasks,
+       count(*) FILTER (WHERE id %% 100 >= %(after)s AND id %% 100 < %(before)s) AS to_legacy
+FROM tenants
+"""
+
+# Active monitor executions (uq_desktop_tasks_monitor_active's statuses), hashed once: READY_BACKLOG's form.
+_ACTIVE_TASK_IDS = (
+    "SELECT d.monitor_task_id FROM desktop_tasks d WHERE d.kind = 'monitor' "
+    "AND d.status IN ('queued', 'in_progress', 'unknown') AND d.monitor_task_id IS NOT NULL"
+)
+
+# What a rollback would change, in one snapshot: active executions (aborted with --force, else left to finish) and
+# the pending desktop_tasks-owned tasks (all of them with --force, whose executions are all aborted first; else only
+# those without an active execution).
+_ROLLBACK_PREVIEW = f"""
+SELECT (SELECT count(*) FROM desktop_tasks d
+        WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown')) AS in_flight,
+       count(*) AS pending_desktop_tasks,
+       count(*) FILTER (WHERE t.id NOT IN ({_ACTIVE_TASK_IDS})) AS pending_without_execution
+FROM monitoring_collect_tasks t
+WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
+"""
+
 _ACTIVE_MONITOR = """
-SELECT id, target_client_id, tenant_id, interrupt_generation FROM desktop_tasks
+SELECT id, target_client_id, tenant_id, interrupt_generation, monitor_task_id, collect_request_id
+FROM desktop_tasks
 WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
 ORDER BY id
 """
-_ROLLBACK_BUSINESS = """
+
+# transitions.yield_business_task for the business tasks of the executions a forced rollback aborted, in one
+# statement: the dispatch attempt given back (lane, priority and enqueued_at kept).
+_YIELD_ABORTED = """
 UPDATE monitoring_collect_tasks
-SET execution_owner = 'legacy', status = 'pending', lease_token_hash = NULL, leased_to_executor = NULL,
+SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
+WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending'
+"""
+
+# Pending desktop_tasks-owned tasks without an active execution go to the legacy path (a row with one is left alone:
+# without --force its execution finishes on desktop_tasks). Any zombie legacy lease columns are cleared on the way.
+_ROLLBACK_BUSINESS = f"""
+UPDATE monitoring_collect_tasks t
+SET execution_owner = 'legacy', lease_token_hash = NULL, leased_to_executor = NULL, legacy_lease_id = NULL,
     leased_at = NULL, lease_expires_at = NULL, updated_at = now()
-WHERE execution_owner = 'desktop_tasks' AND status = 'pending'
+WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.id NOT IN ({_ACTIVE_TASK_IDS})
+"""
+
+# `rollout status`: business tasks per path. Pending (desktop_tasks: without an active execution, whose tasks are in
+# flight) over the pending index, legacy leases over ix_collect_tasks_legacy_holder, completed since today's start
+# (UTC).
+_PENDING_BY_OWNER = f"""
+SELECT t.execution_owner AS path, count(*) AS pending_rows,
+       count(*) FILTER (WHERE t.execution_owner = 'desktop_tasks' AND t.id IN ({_ACTIVE_TASK_IDS})) AS with_execution
+FROM monitoring_collect_tasks t WHERE t.status = 'pending' GROUP BY 1
+"""
+_LEASED_BY_OWNER = """
+SELECT t.execution_owner AS path, count(*) FILTER (WHERE t.status = 'leased') AS leased,
+       count(*) FILTER (WHERE t.status = 'received') AS received
+FROM monitoring_collect_tasks t WHERE t.status IN ('leased', 'received') GROUP BY 1
+"""
+_COMPLETED_TODAY_BY_OWNER = """
+SELECT t.execution_owner AS path, count(*) AS n
+FROM monitoring_collect_tasks t
+WHERE t.status = 'completed' AND t.completed_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+GROUP BY 1
+"""
+# Read-only counts from one snapshot (when the read runs in its own transaction).
+_SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
+_LIVE_LEASES = """
+SELECT status, count(*) AS n FROM legacy_leases WHERE status IN ('queued', 'in_progress') GROUP BY 1
 """
 
 
@@ -187,41 +262,180 @@ async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = No
     return rows[0]
 
 
-async def set_rollout(conn: Conn, percentage: int) -> int:
-    async with conn.transaction():
-        value: int = await set_setting(conn, "rollout_percentage", percentage)
-    return value
+async def _tenant_movement(conn: Conn, before: int, after: int) -> dict[str, Any]:
+    cur = await conn.execute(_TENANTS_BY_ROLLOUT, {"before": before, "after": after})
+    row = await cur.fetchone()
+    assert row is not None
+    tenants = int(row["tenants"])
+    return {
+        "rollout_percentage": {"before": before, "after": after},
+        "tenants": tenants,
+        "desktop_tasks_tenants": {"before": int(row["desktop_tasks_before"]), "after": int(row["desktop_tasks_after"])},
+        "legacy_tenants": {"before": tenants - int(row["desktop_tasks_before"]),
+                           "after": tenants - int(row["desktop_tasks_after"])},
+        "tenants_to_desktop_tasks": int(row["to_desktop_tasks"]),
+        "tenants_to_legacy": int(row["to_legacy"]),
+    }
 
 
-async def emergency_rollback(conn: Conn, *, force_in_flight: bool) -> dict[str, Any]:
-    """docs/architecture.md §16.2.3. Step 1 always: rollout to 0% (new tasks take the legacy path). With
-    `force_in_flight`: abort every active monitor execution (clients told through TaskControl
-    'cancelled') and hand pending desktop_tasks-path business tasks back to legacy, in one transaction."""
+async def rollout_preview(conn: Conn, percentage: int) -> dict[str, Any]:
+    """What `rollout set PERCENTAGE` would change: the tenants whose NEW tasks change path (existing tasks keep
+    theirs). Changes nothing; raises SettingError outside 0..100."""
+    after = int(coerce("rollout_percentage", percentage))
+    before = (await load_settings(conn)).rollout_percentage
+    return {**await _tenant_movement(conn, before, after), "applied": False}
+
+
+async def set_rollout(conn: Conn, percentage: int) -> dict[str, Any]:
+    """`monitorctl rollout set`: store the percentage (the scanner and collect-now read it for the tasks they
+    create from now on) and report the tenants that moved, in one transaction."""
+    after = int(coerce("rollout_percentage", percentage))
     async with conn.transaction():
-        await set_setting(conn, "rollout_percentage", 0)
-        aborted = 0
-        moved = 0
-        if force_in_flight:
-            await conn.execute(q.PASS_LOCK)  # no dispatch pass interleaves with the rollback
-            cur = await conn.execute(_ACTIVE_MONITOR)
-            events = []
-            now = datetime.now(UTC)
-            for row in await cur.fetchall():
-                ended = await end_execution(conn, task_id=row["id"], outcome="aborted", reason=ROLLBACK_REASON)
-                if ended is None:
-                    continue
-                aborted += 1
-                events.append(OutboxEvent(
-                    exchange=DISPATCH, routing_key=f"monitor.control.{row['target_client_id']}",
-                    message=TaskControl(kind="monitor", task_id=row["id"], target_client_id=row["target_client_id"],
-                                        control="cancelled", reason=ROLLBACK_REASON,
-                                        interrupt_generation=row["interrupt_generation"], updated_at=now),
-                    ordering_key=f"client:{row['target_client_id']}", tenant_id=row["tenant_id"]))
-            await enqueue_many(conn, events, notify=bool(events))
-            cur = await conn.execute(_ROLLBACK_BUSINESS)
-            moved = cur.rowcount
-    return {"rollout_percentage": 0, "aborted_executions": aborted, "business_tasks_to_legacy": moved,
-            "forced": force_in_flight}
+        await conn.execute(ROLLOUT_LOCK)
+        before = (await load_settings(conn)).rollout_percentage
+        await set_setting(conn, "rollout_percentage", after)
+        movement = await _tenant_movement(conn, before, after)
+    return {**movement, "applied": True}
+
+
+async def rollout_status(conn: Conn) -> dict[str, Any]:
+    """`monitorctl rollout status`: per path the tenants whose new tasks take it (by the current percentage), its
+    business tasks pending (not in flight), in flight (desktop_tasks: active executions; legacy: leased or received
+    rows) and completed today (UTC); and the live legacy leases and active executions in total."""
+    outer = conn.info.transaction_status == TransactionStatus.IDLE
+    async with conn.transaction():
+        if outer:  # one snapshot for every count
+            await conn.execute(_SNAPSHOT)
+        pct = (await load_settings(conn)).rollout_percentage
+        tenants = await _tenant_movement(conn, pct, pct)
+        paths: dict[str, dict[str, int]] = {
+            "desktop_tasks": {"tenants": tenants["desktop_tasks_tenants"]["after"], "pending": 0, "in_flight": 0,
+                              "completed_today": 0},
+            "legacy": {"tenants": tenants["legacy_tenants"]["after"], "pending": 0, "in_flight": 0, "leased": 0,
+                       "received": 0, "completed_today": 0},
+        }
+        for row in await (await conn.execute(_PENDING_BY_OWNER)).fetchall():
+            paths[row["path"]]["pending"] = int(row["pending_rows"]) - int(row["with_execution"])
+        for row in await (await conn.execute(_LEASED_BY_OWNER)).fetchall():
+            if row["path"] == "legacy":  # the write matrix keeps desktop_tasks rows out of leased/received
+                paths["legacy"]["leased"] = int(row["leased"])
+                paths["legacy"]["received"] = int(row["received"])
+                paths["legacy"]["in_flight"] = int(row["leased"]) + int(row["received"])
+        for row in await (await conn.execute(_COMPLETED_TODAY_BY_OWNER)).fetchall():
+            paths[row["path"]]["completed_today"] = int(row["n"])
+        executions = {s: 0 for s in ("queued", "in_progress", "unknown")}
+        for row in await (await conn.execute(_EXECUTIONS)).fetchall():
+            executions[row["status"]] = int(row["n"])
+        leases = {"queued": 0, "in_progress": 0}
+        for row in await (await conn.execute(_LIVE_LEASES)).fetchall():
+            leases[row["status"]] = int(row["n"])
+    paths["desktop_tasks"]["in_flight"] = sum(executions.values())
+    return {
+        "rollout_percentage": pct,
+        "tenants": tenants["tenants"],
+        "paths": paths,
+        "active_executions": {**executions, "total": sum(executions.values())},
+        "live_legacy_leases": {"offered": leases["queued"], "pulled": leases["in_progress"],
+                               "total": sum(leases.values())},
+    }
+
+
+async def emergency_rollback(conn: Conn, *, force_in_flight: bool, dry_run: bool = False) -> dict[str, Any]:
+    """`monitorctl rollback` (docs/legacy-path.md): rollout to 0% (new tasks take the legacy path) and the pending
+    desktop_tasks-owned business tasks without an active execution handed to the legacy path; in-flight
+    executions are left to finish on desktop_tasks. With `force_in_flight`, every active monitor execution is also
+    aborted (reason phase2_emergency_rollback, the client told with a TaskControl 'cancelled', `task.aborted`)
+    and its business task, given its dispatch attempt back, goes to the legacy path too.
+
+    One transaction under the coordinator's pass lock (no dispatch pass interleaves) with its outbox events.
+    Idempotent: a second run changes nothing and reports zeros. `dry_run` reports the same counts and changes
+    nothing (nor takes the pass lock)."""
+    if dry_run:
+        outer = conn.info.transaction_status == TransactionStatus.IDLE
+        async with conn.transaction():
+            if outer:  # one snapshot for every count
+                await conn.execute(_SNAPSHOT)
+            before = (await load_settings(conn)).rollout_percentage
+            movement = await _tenant_movement(conn, before, 0)
+            row = await (await conn.execute(_ROLLBACK_PREVIEW)).fetchone()
+        assert row is not None
+        in_flight = int(row["in_flight"])
+        moved = int(row["pending_desktop_tasks"] if force_in_flight else row["pending_without_execution"])
+        would_abort = in_flight if force_in_flight else 0
+        return _rollback_result(dry_run=True, forced=force_in_flight, before=before, movement=movement,
+                                aborted=would_abort, moved=moved, left=in_flight - would_abort)
+    async with conn.transaction():
+        await conn.execute(q.PASS_LOCK)  # no dispatch pass interleaves with the rollback
+        await conn.execute(ROLLOUT_LOCK)
+        before = (await load_settings(conn)).rollout_percentage
+        if before != 0:
+            await set_setting(conn, "rollout_percentage", 0)
+        movement = await _tenant_movement(conn, before, 0)
+        aborted = await _abort_in_flight(conn) if force_in_flight else 0
+        cur = await conn.execute(_ROLLBACK_BUSINESS)
+        moved = cur.rowcount
+        cur = await conn.execute(_IN_FLIGHT)
+        left_row = await cur.fetchone()
+        left = int(left_row["n"]) if left_row else 0
+        if moved or aborted:  # the coordinator offers them on the legacy path without waiting for its tick
+            await conn.execute("SELECT pg_notify(%(channel)s, '')", {"channel": DISPATCH_WAKE_CHANNEL})
+    return _rollback_result(dry_run=False, forced=force_in_flight, before=before, movement=movement,
+                            aborted=aborted, moved=moved, left=left)
+
+
+_IN_FLIGHT = """
+SELECT count(*) AS n FROM desktop_tasks WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
+"""
+
+
+async def _abort_in_flight(conn: Conn) -> int:
+    """--force: end every active monitor execution (aborted, phase2_emergency_rollback), give each business task
+    its dispatch attempt back, and tell the clients (TaskControl 'cancelled') and the lifecycle stream
+    (`task.aborted`) through the outbox. Returns how many were ended."""
+    cur = await conn.execute(_ACTIVE_MONITOR)
+    active = {row["id"]: dict(row) for row in await cur.fetchall()}
+    ended = await end_executions(conn, [ExecutionEnd(task_id=task_id, outcome="aborted", reason=ROLLBACK_REASON)
+                                        for task_id in active])
+    rows = [{**active[e.task_id], "ai_platform_id": e.ai_platform_id, "lane": e.lane} for e in ended
+            if e.task_id in active]
+    if not rows:
+        return 0
+    await conn.execute(_YIELD_ABORTED, {"ids": sorted({r["monitor_task_id"] for r in rows})})
+    now = datetime.now(UTC)
+    events: list[OutboxEvent] = []
+    for row in rows:
+        client = row["target_client_id"]
+        events.append(OutboxEvent(
+            exchange=DISPATCH, routing_key=f"monitor.control.{client}",
+            message=TaskControl(kind="monitor", task_id=row["id"], target_client_id=client, control="cancelled",
+                                reason=ROLLBACK_REASON, interrupt_generation=row["interrupt_generation"],
+                                updated_at=now, collect_request_id=row["collect_request_id"]),
+            ordering_key=f"client:{client}", tenant_id=row["tenant_id"]))
+        events.append(OutboxEvent(
+            exchange=LIFECYCLE, routing_key="task.aborted",
+            message=LifecycleEvent(event="task.aborted", tenant_id=row["tenant_id"], occurred_at=now,
+                                   client_id=client, task_id=row["id"], monitor_task_id=row["monitor_task_id"],
+                                   ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason=ROLLBACK_REASON,
+                                   collect_request_id=row["collect_request_id"]),
+            tenant_id=row["tenant_id"]))
+    await enqueue_many(conn, events, notify=True)
+    return len(rows)
+
+
+def _rollback_result(*, dry_run: bool, forced: bool, before: int, movement: dict[str, Any], aborted: int,
+                     moved: int, left: int) -> dict[str, Any]:
+    return {
+        "dry_run": dry_run,
+        "forced": forced,
+        "rollout_percentage": 0,
+        "rollout_percentage_before": before,
+        "rollout_changed": before != 0,
+        "tenants_to_legacy": movement["tenants_to_legacy"],
+        "aborted_executions": aborted,
+        "task_control_messages": aborted,
+        "business_tasks_to_legacy": moved,
+        "in_flight_left_to_finish": left,
+    }
 
 
 async def platform_health(conn: Conn, settings: DispatchSettings) -> list[dict[str, Any]]:

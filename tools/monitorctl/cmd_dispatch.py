@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from libs.dispatch_settings import LANES, SettingError
 from services.dispatch_coordinator import admin
 from services.dispatch_coordinator.explain import explain_task
-from tools.monitorctl.common import Context, fail, render_text
+from tools.monitorctl.common import Context, fail, render_table, render_text
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -67,16 +68,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pho.add_argument("--reason", default="", help="why (shown by `monitorctl status`)")
     pho.set_defaults(func=platform_health_override)
 
-    rollout = sub.add_parser("rollout", help="Phase 2 rollout percentage (docs/architecture.md §16.2.2)")
+    rollout = sub.add_parser("rollout", help="which execution path new tasks take: tenant_id %% 100 < PCT -> "
+                                             "desktop_tasks, else legacy (docs/legacy-path.md)")
     roll_inner = rollout.add_subparsers(dest="rollout_cmd", required=True)
-    rset = roll_inner.add_parser("set", help="tenant_id %% 100 < PCT -> new tasks on the desktop_tasks path")
-    rset.add_argument("percentage", type=int)
+    rset = roll_inner.add_parser("set", help="set the rollout percentage and print how many tenants move; "
+                                             "existing tasks keep their path")
+    rset.add_argument("percentage", type=int, help="0..100")
+    rset.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
     rset.set_defaults(func=rollout_set)
+    roll_inner.add_parser("status", help="per path: tenants, business tasks pending, in flight and completed "
+                                         "today; live legacy leases and active executions").set_defaults(
+        func=rollout_status_run)
 
-    rollback = sub.add_parser("rollback", help="emergency rollback, docs/architecture.md §16.2.3 (rollout to 0%%)")
-    rollback.add_argument("--yes", action="store_true", help="required: confirms the emergency rollback")
-    rollback.add_argument("--keep-in-flight", action="store_true",
-                          help="only set rollout to 0%%; let in-flight desktop_tasks executions finish naturally")
+    rollback = sub.add_parser(
+        "rollback", help="emergency rollback to the legacy path: a dry run unless --yes (docs/legacy-path.md)",
+        description="Without --yes (or with --dry-run): print the counts a rollback would change and change "
+                    "nothing. --yes: rollout to 0%% and pending desktop_tasks tasks without an active execution to "
+                    "legacy; in-flight desktop_tasks executions finish. --yes --force: also abort every active "
+                    "monitor execution (reason phase2_emergency_rollback, clients told) and return its task to "
+                    "legacy. One transaction; running it again changes nothing.")
+    mode = rollback.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="the default: print the counts, change nothing")
+    mode.add_argument("--yes", action="store_true", help="apply the rollback")
+    rollback.add_argument("--force", action="store_true",
+                          help="also abort in-flight desktop_tasks executions and return their tasks to legacy")
+    rollback.add_argument("--keep-in-flight", action="store_true", help=argparse.SUPPRESS)  # deprecated: the default
     rollback.set_defaults(func=rollback_run)
 
     explain = sub.add_parser("explain", help="why a ready task is not dispatched yet")
@@ -160,20 +176,82 @@ async def platform_health_override(args: argparse.Namespace, ctx: Context) -> in
 
 async def rollout_set(args: argparse.Namespace, ctx: Context) -> int:
     try:
-        value = await admin.set_rollout(await ctx.conn(), args.percentage)
+        if args.dry_run:
+            result = await admin.rollout_preview(await ctx.conn(), args.percentage)
+        else:
+            result = await admin.set_rollout(await ctx.conn(), args.percentage)
     except SettingError as exc:
         return fail(str(exc))
-    ctx.emit({"rollout_percentage": value}, f"rollout_percentage = {value}")
+    ctx.emit(result, _rollout_set_text)
     return 0
+
+
+def _rollout_set_text(value: dict[str, Any]) -> str:
+    pct, desk, legacy = value["rollout_percentage"], value["desktop_tasks_tenants"], value["legacy_tenants"]
+    head = "rollout (dry run, nothing changed)" if not value["applied"] else "rollout"
+    return "\n".join([
+        f"{head}: {pct['before']}% -> {pct['after']}% (tenant_id % 100 < {pct['after']} -> desktop_tasks)",
+        f"tenants: {value['tenants']}; desktop_tasks {desk['before']} -> {desk['after']}, "
+        f"legacy {legacy['before']} -> {legacy['after']}",
+        f"new tasks move to legacy for {value['tenants_to_legacy']} tenant(s), to desktop_tasks for "
+        f"{value['tenants_to_desktop_tasks']} tenant(s)",
+        "existing tasks keep their path (pending and in flight): only tasks created from now on take the new one",
+    ])
+
+
+async def rollout_status_run(args: argparse.Namespace, ctx: Context) -> int:
+    ctx.emit(await admin.rollout_status(await ctx.conn()), _rollout_status_text)
+    return 0
+
+
+def _rollout_status_text(value: dict[str, Any]) -> str:
+    pct = value["rollout_percentage"]
+    rows = [{"path": path, "tenants": p["tenants"], "pending": p["pending"], "in_flight": p["in_flight"],
+             "completed_today": p["completed_today"]} for path, p in value["paths"].items()]
+    legacy, leases, execs = value["paths"]["legacy"], value["live_legacy_leases"], value["active_executions"]
+    return "\n".join([
+        f"rollout: {pct}% (tenant_id % 100 < {pct} -> desktop_tasks for new tasks), {value['tenants']} tenant(s)",
+        render_table(rows),
+        f"legacy in flight: {legacy['leased']} leased, {legacy['received']} received (result posted)",
+        f"live legacy leases: {leases['total']} ({leases['offered']} offered, {leases['pulled']} pulled)",
+        f"active executions: {execs['total']} ({execs['queued']} queued, {execs['in_progress']} in progress, "
+        f"{execs['unknown']} unknown)",
+    ])
 
 
 async def rollback_run(args: argparse.Namespace, ctx: Context) -> int:
-    if not args.yes:
-        return fail("emergency rollback sets rollout to 0% and (unless --keep-in-flight) aborts every active "
-                    "monitor execution; pass --yes to confirm")
-    result = await admin.emergency_rollback(await ctx.conn(), force_in_flight=not args.keep_in_flight)
-    ctx.emit(result)
+    if args.keep_in_flight:
+        print("monitorctl: --keep-in-flight is deprecated: leaving in-flight executions to finish is the default "
+              "of --yes", file=sys.stderr)
+        if args.force:
+            return fail("--keep-in-flight contradicts --force")
+    result = await admin.emergency_rollback(await ctx.conn(), force_in_flight=args.force, dry_run=not args.yes)
+    ctx.emit(result, _rollback_text)
     return 0
+
+
+def _rollback_text(value: dict[str, Any]) -> str:
+    dry = value["dry_run"]
+    if not dry:
+        head = "emergency rollback applied" + (" (--force)" if value["forced"] else "")
+    elif value["forced"]:
+        head = "emergency rollback --force, dry run: nothing changed (--yes --force applies)"
+    else:
+        head = "emergency rollback, dry run: nothing changed (--yes applies; --yes --force also aborts in-flight work)"
+    rollout = (f"rollout: {value['rollout_percentage_before']}% -> 0% (new tasks of {value['tenants_to_legacy']} "
+               f"tenant(s) {'would move' if dry else 'moved'} to legacy)" if value["rollout_changed"]
+               else "rollout: already 0% (every new task takes the legacy path)")
+    lines = [head, rollout,
+             f"business tasks {'to move' if dry else 'moved'} to legacy: {value['business_tasks_to_legacy']}"]
+    if value["forced"]:
+        lines.append(f"in-flight desktop_tasks executions {'to abort' if dry else 'aborted'}: "
+                     f"{value['aborted_executions']} (reason {admin.ROLLBACK_REASON}; "
+                     f"{value['task_control_messages']} task_control message(s) to clients)")
+    else:
+        left = value["in_flight_left_to_finish"]
+        lines.append(f"in-flight desktop_tasks executions left to finish: {left}"
+                     + (" (--force aborts them)" if left else ""))
+    return "\n".join(lines)
 
 
 async def explain_run(args: argparse.Namespace, ctx: Context) -> int:
