@@ -24,6 +24,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, help="hub_scale: WebSocket clients on the one hub (default 10000)")
     parser.add_argument("--tracing", action="store_true",
                         help="collect_now: the services trace every request (100%%) into a local trace sink")
+    parser.add_argument("--legacy", action="store_true",
+                        help="collect_now: the clicking tenant's tasks on the legacy execution path (rollout 0)")
     args = parser.parse_args()
     names = args.names or available()
     for name in names:

@@ -7,6 +7,9 @@ idle, and with 50 simulated clients connected and working through a 10,000-task 
 
     .venv/bin/python -m bench collect_now            (--quick for a smoke run)
     .venv/bin/python -m bench collect_now --tracing  (every service traces 100% into a local trace sink)
+    .venv/bin/python -m bench collect_now --legacy   (the clicking tenant on the legacy path: rollout 0, so its
+                                                      clicks create legacy tasks, offered and leased on the business
+                                                      row; the background fleet's backlog stays on desktop_tasks)
 """
 
 from __future__ import annotations
@@ -55,9 +58,11 @@ ON CONFLICT DO NOTHING
 """
 
 
-async def _prepare(settings: Settings, *, clicks: int, load: bool) -> dict[str, Any]:
+async def _prepare(settings: Settings, *, clicks: int, load: bool, legacy: bool = False) -> dict[str, Any]:
     conn = await connect(settings.database_url)
     try:
+        if legacy:  # tasks created from now on take the legacy path (the backlog below is inserted as desktop_tasks)
+            await set_setting(conn, "rollout_percentage", 0)
         probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks, clients=1, platforms=("openai",),
                                 due=False)
         background: dict[str, Any] = {"tenants": []}
@@ -200,11 +205,11 @@ async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
         f"#{n} {total:.1f}: " + " / ".join(f"{span:.1f}" for span in spans) for total, n, spans in slowest), flush=True)
 
 
-async def _scenario(name: str, *, clicks: int, load: bool, tracing: bool = False) -> None:
+async def _scenario(name: str, *, clicks: int, load: bool, tracing: bool = False, legacy: bool = False) -> None:
     async with bench_environment(shards=16) as base:
         settings = replace(base, gateway_jwt_secret=JWT_SECRET)
         print(f"  {name}: preparing data", flush=True)
-        world = await _prepare(settings, clicks=clicks, load=load)
+        world = await _prepare(settings, clicks=clicks, load=load, legacy=legacy)
         print(f"  {name}: starting {', '.join(DISPATCH_SERVICES)}", flush=True)
         with tempfile.TemporaryDirectory() as logs:
             async with contextlib.AsyncExitStack() as tracing_sink:
@@ -312,5 +317,7 @@ async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, click
 async def run(args: argparse.Namespace) -> None:
     clicks = 15 if args.quick else 100
     tracing = bool(getattr(args, "tracing", False))
-    await _scenario("idle", clicks=clicks, load=False, tracing=tracing)
-    await _scenario("50 clients + 10k backlog", clicks=clicks, load=True, tracing=tracing)
+    legacy = bool(getattr(args, "legacy", False))
+    path = " (legacy path)" if legacy else ""
+    await _scenario(f"idle{path}", clicks=clicks, load=False, tracing=tracing, legacy=legacy)
+    await _scenario(f"50 clients + 10k backlog{path}", clicks=clicks, load=True, tracing=tracing, legacy=legacy)

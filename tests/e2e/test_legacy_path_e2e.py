@@ -30,6 +30,7 @@ from libs.dispatch_settings import set_setting
 from tests.support.db import fetch as rows
 from tests.support.db import one
 from tests.support.desktop import insert_ready_task
+from tests.support.monitorctl import monitorctl_json
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 from tests.support.wait import eventually
 from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
@@ -139,13 +140,14 @@ class HandClient:
         self.http, self.stack, self.token = http, stack, token
         self.events: list[dict[str, Any]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
     async def connect(self) -> None:
-        ws = await self.http.ws_connect(self.stack.hub_url + "/api/desktop/ws", headers=self.headers)
+        self._ws = ws = await self.http.ws_connect(self.stack.hub_url + "/api/desktop/ws", headers=self.headers)
         self._tasks = [asyncio.create_task(self._read(ws)), asyncio.create_task(self._beat(ws))]
 
     async def _read(self, ws: aiohttp.ClientWebSocketResponse) -> None:
@@ -162,6 +164,8 @@ class HandClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._ws is not None:
+            await self._ws.close()
 
     async def call(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         async with self.http.post(self.stack.hub_url + path, json=body, headers=self.headers) as resp:
@@ -337,3 +341,77 @@ async def test_c_half_rollout_runs_both_paths_at_once(settings: Settings, pool: 
         runs = await one(pool, "SELECT count(*) AS n FROM question_monitor_runs")
         total = await one(pool, "SELECT count(*) AS n FROM monitoring_collect_tasks")
         assert runs["n"] == total["n"]
+
+
+async def _in_flight_executions(pool: AsyncConnectionPool[Conn]) -> int:
+    row = await one(pool, "SELECT count(*) AS n FROM desktop_tasks WHERE kind = 'monitor' AND status = 'in_progress'")
+    return int(row["n"])
+
+
+async def test_d_rollback_mid_day_then_forward_again(settings: Settings, pool: AsyncConnectionPool[Conn],
+                                                    tmp_path: Path) -> None:
+    world = await seed(pool, rollout=100)
+    tenant = world["tenants"][0]
+    async with running_stack(settings, tmp_path, services=SERVICES, **ENV) as stack, \
+            fleet(stack, [c["token"] for c in tenant["clients"]], scale=4) as clients:
+        await eventually(lambda: _in_flight_executions(pool), timeout=30, interval=0.05,
+                         message=f"scheduled work in flight on desktop_tasks\n{stack.logs()}")
+        # The dry run counts and changes nothing.
+        dry = await monitorctl_json(settings, "rollback")
+        assert dry["dry_run"] is True and dry["rollout_percentage_before"] == 100 and dry["rollout_changed"]
+        assert (await one(pool, "SELECT value FROM dispatch_settings WHERE key = 'rollout_percentage'"))["value"] \
+            == 100
+        # Apply without --force: rollout 0, pending work without an execution moves to legacy, in-flight work finishes.
+        in_flight = {r["id"] for r in await rows(pool, "SELECT id FROM desktop_tasks WHERE status = 'in_progress'")}
+        applied = await monitorctl_json(settings, "rollback", "--yes")
+        assert applied["dry_run"] is False and applied["rollout_percentage"] == 0
+        assert applied["aborted_executions"] == 0
+        ended = await rows(pool, "SELECT status, interrupt_reason FROM desktop_tasks WHERE id = ANY(%s)",
+                           list(in_flight))
+        assert not [e for e in ended if e["interrupt_reason"] == "phase2_emergency_rollback"]
+        again = await monitorctl_json(settings, "rollback", "--yes")
+        assert again["business_tasks_to_legacy"] == 0 and again["aborted_executions"] == 0  # idempotent
+        # Work continues on the legacy path: what was pending, and a click made now.
+        clicked = await stack.collect_now(tenant, tenant["brands"][1]["brand_id"], {"preempt": True})
+        await eventually(lambda: all_done(pool), timeout=120, interval=0.2,
+                         message=f"every task completed after the rollback\n{stack.logs()}")
+        owners = await rows(pool, "SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks GROUP BY 1")
+        assert {r["execution_owner"] for r in owners} == {"legacy", "desktop_tasks"}
+        request = await one(pool, "SELECT status FROM monitoring_collect_requests WHERE id = %s",
+                            uuid.UUID(clicked["request_id"]))
+        assert request["status"] == "succeeded"
+        legacy_after = await one(pool, "SELECT count(*) AS n FROM legacy_leases WHERE status = 'succeeded'")
+        assert legacy_after["n"] > 0
+
+        # Forward again: only new tasks take desktop_tasks; a legacy task re-collected starts its new run on it too,
+        # while a legacy task in flight keeps its path.
+        forward = await monitorctl_json(settings, "rollout", "set", "100")
+        assert forward["rollout_percentage"] == {"before": 0, "after": 100}
+        before = {r["id"]: r["execution_owner"] for r in await rows(
+            pool, "SELECT id, execution_owner FROM monitoring_collect_tasks")}
+        clicked = await stack.collect_now(tenant, tenant["brands"][0]["brand_id"], {"preempt": True})
+        await eventually(lambda: _in_flight_executions(pool), timeout=30, interval=0.05,
+                         message=f"the click's work in flight on desktop_tasks\n{stack.logs()}")
+        # Then a forced rollback while it runs: aborted, clients told, tasks back on legacy, and they still finish.
+        forced = await monitorctl_json(settings, "rollback", "--yes", "--force")
+        assert forced["forced"] is True and forced["aborted_executions"] >= 1
+        assert forced["task_control_messages"] == forced["aborted_executions"]
+        await eventually(lambda: all_done(pool), timeout=120, interval=0.2,
+                         message=f"every task completed after the forced rollback\n{stack.logs()}")
+        aborted = await rows(pool, "SELECT monitor_task_id FROM desktop_tasks WHERE interrupt_reason = "
+                                   "'phase2_emergency_rollback'")
+        assert len(aborted) == forced["aborted_executions"]
+        for row in aborted:
+            task = await one(pool, "SELECT execution_owner, status FROM monitoring_collect_tasks WHERE id = %s",
+                             row["monitor_task_id"])
+            assert task == {"execution_owner": "legacy", "status": "completed"}, (row, task)
+        told = {task_id for client in clients for task_id, why in client.stats.dropped if why == "cancelled"}
+        assert told, "the clients were told their executions were aborted"
+        # Nothing lost, nothing stuck: every task completed with its run row, none held by both paths.
+        assert set(before) <= {r["id"] for r in await rows(pool, "SELECT id FROM monitoring_collect_tasks")}
+        runs = await one(pool, "SELECT count(*) AS n FROM question_monitor_runs")
+        total = await one(pool, "SELECT count(*) AS n FROM monitoring_collect_tasks")
+        assert runs["n"] == total["n"]
+        assert await never_both_paths(pool) == []
+        await eventually(lambda: _count(pool, "SELECT count(*) AS n FROM outbox WHERE status <> 'published'", want=0),
+                         timeout=15, message="every outbox row published (nothing stuck)")
