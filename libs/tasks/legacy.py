@@ -252,3 +252,29 @@ SET control_flags = control_flags || jsonb_build_object('interrupt_requested', t
     interrupt_reason = %(reason)s, updated_at = now()
 WHERE id = ANY(%(ids)s::uuid[]) AND status = 'in_progress'
 """
+
+
+# ---- consistency between the paths (the reconciler's 16.2.4 check, the coordinator's start-up check) -------------
+
+# Live work on the path a task is not owned by: a live legacy lease on a desktop_tasks-owned task, an active execution
+# on a legacy-owned one. Neither path creates these (each dispatches only its own owner's pending tasks, and a task
+# changes owner only when pending without live work); one found is for a human.
+PATH_MISMATCHES = """
+SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
+       'live legacy lease on a desktop_tasks-owned task' AS problem
+FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
+WHERE l.status IN ('queued', 'in_progress') AND t.execution_owner = 'desktop_tasks'
+UNION ALL
+SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
+       'active execution on a legacy-owned task'
+FROM desktop_tasks d JOIN monitoring_collect_tasks t ON t.id = d.monitor_task_id
+WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown') AND t.execution_owner = 'legacy'
+"""
+
+# Work in flight per path: active executions, live legacy leases (offered and pulled).
+IN_FLIGHT_BY_PATH = """
+SELECT (SELECT count(*) FROM desktop_tasks WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown'))
+           AS desktop_tasks,
+       (SELECT count(*) FROM legacy_leases WHERE status IN ('queued', 'in_progress')) AS legacy
+"""
+

@@ -29,6 +29,7 @@ from libs.dispatch_settings import DispatchSettings, SettingsCache
 from libs.mq.dead_letter import DeadLetterPublisher, dead_letter_or_give_back
 from libs.mq.topology import Topology, declare_lifecycle
 from libs.outbox.relay import OutboxRelay
+from libs.tasks import legacy
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.dispatch_coordinator.dispatcher import Dispatcher, is_transient
@@ -50,6 +51,16 @@ WAKE_EVENTS = frozenset({"task.completed", "task.failed", "task.aborted", "task.
 SETTINGS_MAX_AGE_S = 1.0
 MAINTENANCE_INTERVAL_S = 2.0
 SCAN_INTERVAL_S = 1.0
+
+
+async def check_execution_paths(conn: Conn) -> dict[str, Any]:
+    """Work in flight per execution path, and the tasks with live work on the path they are not owned by."""
+    cur = await conn.execute(legacy.IN_FLIGHT_BY_PATH)
+    in_flight = await cur.fetchone()
+    assert in_flight is not None
+    cur = await conn.execute(legacy.PATH_MISMATCHES)
+    return {"in_flight": {"desktop_tasks": int(in_flight["desktop_tasks"]), "legacy": int(in_flight["legacy"])},
+            "mismatches": list(await cur.fetchall())}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +120,7 @@ class Coordinator:
     async def lead(self, stop: asyncio.Event) -> None:
         """Run every leader loop until `stop`; any loop dying ends the leadership (the lock is released)."""
         log.info("coordinator leading", extra={"instance_id": self._config.instance_id})
+        await self._check_execution_paths()
         loops: list[tuple[str, Callable[[asyncio.Event], Coroutine[Any, Any, None]]]] = [
             ("dispatch", self._dispatch_loop), ("scanner", self._scan_loop), ("maintenance", self._maintenance_loop),
         ]
@@ -259,6 +271,25 @@ class Coordinator:
             await publish_state(conn, "leader", {"instance_id": self._config.instance_id,
                                                  "host": socket.gethostname(), "passes": self.dispatcher.passes,
                                                  "dispatched_total": self.dispatched_total})
+
+    async def _check_execution_paths(self) -> None:
+        """Start-up check of the two execution paths (docs/legacy-path.md): the work in flight on each, and any task
+        with live work on the path it is not owned by, logged for a human (the reconciler's consistency job counts and
+        alerts the same every `reconcile_interval_seconds`). A failed check does not stop the coordinator from
+        leading."""
+        try:
+            async with self._pool.connection() as conn:
+                found = await check_execution_paths(conn)
+        except Exception as exc:
+            log.warning("execution-path start-up check failed", extra={"error": str(exc)[:300]})
+            return
+        log.info("execution paths at start-up", extra={
+            "in_flight_desktop_tasks": found["in_flight"]["desktop_tasks"],
+            "in_flight_legacy": found["in_flight"]["legacy"], "mismatches": len(found["mismatches"])})
+        for row in found["mismatches"][:20]:
+            log.error(f"ALERT: {row['problem']}; needs a human", extra={
+                "monitor_task_id": row["id"], "tenant_id": row["tenant_id"], "status": row["status"],
+                "execution_owner": row["execution_owner"]})
 
     async def _listen_loop(self, stop: asyncio.Event) -> None:
         """LISTEN dispatch_wakeup on a dedicated connection (reconnects; a high pass after every reconnect)."""

@@ -146,3 +146,24 @@ async def test_an_unexpired_lease_is_never_touched_by_the_consistency_reconcile(
 
 
 
+
+
+async def test_the_coordinators_start_up_check_counts_both_paths_and_finds_mismatches(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    from services.dispatch_coordinator.coordinator import check_execution_paths
+
+    async with pool.connection() as conn:
+        w = await make_world(conn, questions=3)
+        a = w.clients[0]
+        fine = await insert_task(conn, w, question_index=0, execution_owner="legacy")
+        await insert_legacy_lease(conn, w, fine, a)
+        on_desktop = await insert_task(conn, w, question_index=1)
+        await insert_execution(conn, w, on_desktop, a, lease_expires_in=60)
+        wrong = await insert_task(conn, w, question_index=2, execution_owner="legacy")
+        await insert_execution(conn, w, wrong, a, lease_expires_in=60)
+
+        found = await check_execution_paths(conn)
+
+    assert found["in_flight"] == {"desktop_tasks": 2, "legacy": 1}
+    assert [(m["id"], m["problem"]) for m in found["mismatches"]] == [
+        (wrong, "active execution on a legacy-owned task")]

@@ -18,6 +18,7 @@ reconciler starts).
 from __future__ import annotations
 
 from libs.dispatch_settings import DispatchSettings
+from libs.tasks import legacy
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle, end_execution, retry_business_task
 from libs.telemetry import metrics
 from services.reconciler.config import ReconcilerConfig
@@ -69,15 +70,7 @@ WHERE t.execution_owner = 'desktop_tasks'
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id)
   AND NOT EXISTS (SELECT 1 FROM legacy_leases l WHERE l.monitor_task_id = t.id)
 UNION ALL
-SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
-       'live legacy lease on a desktop_tasks-owned task'
-FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
-WHERE l.status IN ('queued', 'in_progress') AND t.execution_owner = 'desktop_tasks'
-UNION ALL
-SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
-       'active execution on a legacy-owned task'
-FROM desktop_tasks d JOIN monitoring_collect_tasks t ON t.id = d.monitor_task_id
-WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown') AND t.execution_owner = 'legacy'
+""" + legacy.PATH_MISMATCHES + """
 ORDER BY 1
 """
 
