@@ -5,42 +5,21 @@ row, tenant- and client-isolated, and a lease taking one result."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
-import pytest
-from aio_pika.abc import AbstractRobustConnection
 from aiohttp.test_utils import TestServer
 from psycopg_pool import AsyncConnectionPool
 
-from libs.config import Settings
 from libs.db.pool import Conn
-from libs.demo import seed_demo
 from libs.domain.lanes import lane_weight
 from libs.tasks import legacy
-from tests.integration.test_hub_api import lease, post
+from tests.integration.test_hub_api import http, hub, lease, post, seed
 from tests.support.db import one
-from tests.support.desktop import dispatch_execution, insert_ready_task, running_hub
+from tests.support.desktop import dispatch_execution, insert_ready_task
 
-
-@pytest.fixture
-async def seed(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
-    async with pool.connection() as conn:
-        return await seed_demo(conn, tenants=2, brands=1, questions=5, clients=2, due=False)
-
-
-@pytest.fixture
-async def hub(settings: Settings, amqp: AbstractRobustConnection) -> AsyncIterator[TestServer]:
-    async with running_hub(settings) as server:
-        yield server
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
+__all__ = ["http", "hub", "seed"]  # the fixtures of test_hub_api, shared
 
 
 async def offer_legacy(pool: AsyncConnectionPool[Conn], tenant: dict[str, Any], client_id: str, *,

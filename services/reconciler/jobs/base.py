@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any
 
 import psycopg
 
@@ -15,6 +16,7 @@ from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings
 from libs.mq.topology import DISPATCH
 from libs.outbox import enqueue
+from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.rules import request_final_status
 
@@ -137,3 +139,35 @@ async def refresh_request_progress(conn: Conn, request_id: uuid.UUID | None) -> 
         log.info("collect request finished by reconcile", extra={"collect_request_id": str(request_id),
                                                                  "status": final})
     return final
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """`expire_and_retry`'s outcome: whether the lease was still live (and so ended here), and the business task's
+    status after the retry (pending again in the retry lane, or failed at its last attempt; None: not pending)."""
+
+    ended: bool
+    business_status: str | None = None
+
+
+async def expire_and_retry(ctx: JobContext, row: dict[str, Any], *, reason: str, error: str,
+                           retry_error: str | None = None, phase: str | None = None) -> Expired:
+    """A lease (an execution's, or a legacy lease) that will not bring its result: it ends `expired`, its business
+    task is retried (or failed), `task.aborted` is emitted, and a request whose last task failed is finished. `row`
+    has the lease's id, monitor_task_id, tenant_id, target_client_id, ai_platform_id, lane, lease_epoch and
+    collect_request_id. In the caller's transaction."""
+    conn = ctx.conn
+    ended = await end_execution(conn, task_id=row["id"], outcome="expired", lease_epoch=row["lease_epoch"],
+                                reason=reason, error=error, phase=phase)
+    if ended is None:
+        return Expired(ended=False)
+    status = await retry_business_task(conn, ended.monitor_task_id, max_attempts=ctx.settings.max_dispatch_attempts,
+                                       error=retry_error or error)
+    request = row["collect_request_id"]
+    await emit_lifecycle(conn, "task.aborted", tenant_id=ended.tenant_id, client_id=ended.client_id,
+                         task_id=ended.task_id, monitor_task_id=ended.monitor_task_id,
+                         ai_platform_id=ended.ai_platform_id, lane=ended.lane, reason=reason,
+                         collect_request_id=request)
+    if status == "failed":
+        await refresh_request_progress(conn, request)
+    return Expired(ended=True, business_status=status)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import uuid
 
-from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
 from libs.telemetry import metrics
 from services.reconciler.jobs.base import (
     Job,
@@ -14,9 +13,9 @@ from services.reconciler.jobs.base import (
     JobResult,
     candidates,
     configured_interval,
+    expire_and_retry,
     fix_each,
     log,
-    refresh_request_progress,
     send_control,
 )
 
@@ -76,25 +75,17 @@ async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> 
                 row = await cur.fetchone()
         if row is None:
             return
-        ended = await end_execution(conn, task_id=task_id, outcome="expired", lease_epoch=row["lease_epoch"],
-                                    reason="lease_expired", error="lease expired without a result",
-                                    phase=row["execution_phase"])
-        if ended is None:
+        expired = await expire_and_retry(ctx, row, reason="lease_expired", error="lease expired without a result",
+                                         retry_error="lease expired", phase=row["execution_phase"])
+        if not expired.ended:
             return
-        status = await retry_business_task(conn, row["monitor_task_id"],
-                                           max_attempts=ctx.settings.max_dispatch_attempts,
-                                           error="lease expired")
-        await emit_lifecycle(conn, "task.aborted", tenant_id=row["tenant_id"], client_id=row["target_client_id"],
-                             task_id=task_id, monitor_task_id=row["monitor_task_id"],
-                             ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason="lease_expired",
-                             collect_request_id=row["collect_request_id"])
+        status = expired.business_status
         # If the holder is still alive (e.g. paused), tell it to stop: its token is fenced off anyway.
         await send_control(conn, task_id=task_id, client_id=row["target_client_id"], control="lease_revoked",
                            reason="lease_expired", interrupt_generation=row["interrupt_generation"],
                            collect_request_id=row["collect_request_id"], tenant_id=row["tenant_id"])
         if status == "failed":
             result.add("business_failed")
-            await refresh_request_progress(conn, row["collect_request_id"])
         elif status == "pending":
             result.add("business_retried")
     result.fixed += 1

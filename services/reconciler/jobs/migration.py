@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from libs.dispatch_settings import DispatchSettings
 from libs.tasks import legacy
-from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle, end_execution, retry_business_task
+from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.reconciler.config import ReconcilerConfig
-from services.reconciler.jobs.base import Job, JobContext, JobResult, log, refresh_request_progress
+from services.reconciler.jobs.base import Job, JobContext, JobResult, expire_and_retry, log
 
 NAME = "migration_reconcile"
 ORPHAN_LOOKBACK_DAYS = 7
@@ -81,19 +81,11 @@ async def _end_lost_legacy_results(ctx: JobContext, result: JobResult) -> None:
         cur = await conn.execute(_LEGACY_RESULTS_LOST, {"grace_s": ctx.settings.unknown_grace_seconds,
                                                         "limit": ctx.config.batch_size})
         for row in await cur.fetchall():
-            ended = await end_execution(conn, task_id=row["id"], outcome="expired", lease_epoch=row["lease_epoch"],
-                                        reason="result_not_applied", error="the accepted result was never applied")
-            if ended is None:
+            expired = await expire_and_retry(ctx, row, reason="result_not_applied",
+                                             error="the accepted result was never applied")
+            if not expired.ended:
                 continue
-            status = await retry_business_task(conn, row["monitor_task_id"],
-                                               max_attempts=ctx.settings.max_dispatch_attempts,
-                                               error="result not applied")
-            await emit_lifecycle(conn, "task.aborted", tenant_id=row["tenant_id"], client_id=row["target_client_id"],
-                                 task_id=row["id"], monitor_task_id=row["monitor_task_id"],
-                                 ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason="result_not_applied",
-                                 collect_request_id=row["collect_request_id"])
-            if status == "failed":
-                await refresh_request_progress(conn, row["collect_request_id"])
+            status = expired.business_status
             result.fixed += 1
             result.add("legacy_results_lost")
             log.warning("legacy lease ended: its accepted result was never applied", extra={
