@@ -137,8 +137,9 @@ async def _measure(settings: Settings, stack: Stack, world: dict[str, Any],
 
 
 async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, client_id: str, *,
-                   samples: int) -> list[float]:
-    """The hub's own share: an event published straight to the dispatch exchange -> on the socket."""
+                   samples: int, gap_s: float = 0.0) -> list[float]:
+    """The hub's own share: an event published straight to the dispatch exchange -> on the socket (`gap_s` apart:
+    a busy hub's share is measured with room between the samples)."""
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
     connection = await aio_pika.connect_robust(settings.amqp_url)
     hops: list[float] = []
@@ -151,11 +152,11 @@ async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, clie
             sent = time.perf_counter()
             await exchange.publish(aio_pika.Message(msgspec.json.encode(event)),
                                    routing_key=f"monitor.high.{client_id}")
-            while True:
-                received = msgspec.json.decode((await ws.receive(timeout=10)).data)
-                if received.get("task_id") == str(event.task_id):
-                    break
+            while msgspec.json.decode((await ws.receive(timeout=10)).data).get("task_id") != str(event.task_id):
+                pass
             hops.append((time.perf_counter() - sent) * 1000)
+            if gap_s:
+                await asyncio.sleep(gap_s)  # pacing the samples, not waiting for anything
     finally:
         await connection.close()
     return hops

@@ -49,6 +49,7 @@ from pamqp import commands as spec
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
+from bench.b_collect_now import _hub_hop as collect_now_hub_hop
 from bench.common import bench_environment, percentile, summary
 from libs.auth import hash_token, new_client_token
 from libs.config import Settings
@@ -405,25 +406,7 @@ async def _probe(stack: Stack, world: World, clicks: int) -> list[float]:
 async def _hub_hop(stack: Stack, ws: aiohttp.ClientWebSocketResponse, client_id: str, *,
                    samples: int) -> list[float]:
     """The hub's own share of a click: an event published to the dispatch exchange -> on the socket."""
-    topology = Topology(stack.settings.mq_prefix, stack.settings.ingest_shards)
-    connection = await aio_pika.connect(stack.settings.amqp_url)
-    hops: list[float] = []
-    try:
-        channel = await connection.channel()
-        exchange = await channel.get_exchange(topology.dispatch_exchange)
-        for _ in range(samples):
-            event = TaskAvailable(kind="monitor", task_id=uuid.uuid4(), target_client_id=uuid.UUID(client_id),
-                                  priority=5000, lane="high", updated_at=datetime.now(UTC))
-            sent = time.perf_counter()
-            await exchange.publish(aio_pika.Message(msgspec.json.encode(event)),
-                                   routing_key=f"monitor.high.{client_id}")
-            while msgspec.json.decode((await ws.receive(timeout=10)).data).get("task_id") != str(event.task_id):
-                pass
-            hops.append((time.perf_counter() - sent) * 1000)
-            await asyncio.sleep(0.05)
-    finally:
-        await connection.close()
-    return hops
+    return await collect_now_hub_hop(stack.settings, ws, client_id, samples=samples, gap_s=0.05)
 
 
 async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
