@@ -29,6 +29,31 @@ STATUS_TEXT: dict[int, str] = {
 }
 
 
+# What every document's `info.description` ends with: the error body and the 405 answer (`method_not_allowed`).
+CONVENTIONS = ("Errors are `{\"error\", \"message\", \"field\"}`. A method a path does not list answers 405 with "
+               "an `Allow` header (`components.responses.MethodNotAllowed`).")
+
+
+def document(*, title: str, description: str, schemas: dict[str, Any], security_schemes: dict[str, Any],
+             paths: dict[str, Any], security: list[dict[str, list[str]]] | None = None) -> dict[str, Any]:
+    """An OpenAPI 3.1 document: `description` is followed by `CONVENTIONS`; `security`, when given, is the
+    default of every operation."""
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": "1.0.0", "description": f"{description} {CONVENTIONS}"},
+        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        "components": {
+            "schemas": schemas,
+            "responses": {"MethodNotAllowed": method_not_allowed()},
+            "securitySchemes": security_schemes,
+        },
+    }
+    if security is not None:
+        doc["security"] = security
+    doc["paths"] = paths
+    return doc
+
+
 def ref(name: str) -> dict[str, Any]:
     return {"$ref": REF.format(name=name)}
 
@@ -39,6 +64,14 @@ def json_content(schema: dict[str, Any]) -> dict[str, Any]:
 
 def response(name: str, description: str) -> dict[str, Any]:
     return {"description": description, "content": json_content(ref(name))}
+
+
+def request_body(name: str, *, required: bool = True) -> dict[str, Any]:
+    return {"required": required, "content": json_content(ref(name))}
+
+
+def path_parameter(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": schema}
 
 
 def errors(*statuses: int, **descriptions: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody
-from libs.openapi import errors, json_content, method_not_allowed, ops_paths, ref, schema_components
+from libs.openapi import document, errors, ops_paths, path_parameter, request_body, response, schema_components
 from services.collect_now_api.handlers import CURSOR_PATTERN, DEFAULT_TASK_PAGE, MAX_ID, MAX_TASK_PAGE
 
 COLLECT_NOW_PATH = "/api/tenant/monitoring/brands/{brand_id}/collect-now"
@@ -16,91 +16,86 @@ REQUEST_STATUS_PATH = "/api/tenant/monitoring/collect-requests/{request_id}"
 
 @functools.cache
 def openapi_document() -> dict[str, Any]:
-    components = schema_components((CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody))
-    auth = errors(401, s401="Missing, malformed, expired or wrongly signed gateway token.")
-    server = errors(500)
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "collect-now-api",
-            "version": "1.0.0",
-            "description": "Tenant API for \"collect now\". Authenticated by the tenant-api gateway's JWT (claims "
-                           "tenant_id, workspace_id, user_id, exp). Errors are `{\"error\", \"message\", \"field\"}`. "
-                           "A method a path does not list answers 405 with an `Allow` header "
-                           "(`components.responses.MethodNotAllowed`).",
-        },
-        "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
-        "components": {
-            "schemas": components,
-            "responses": {"MethodNotAllowed": method_not_allowed()},
-            "securitySchemes": {"gatewayJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"}},
-        },
-        "paths": {
-            COLLECT_NOW_PATH: {
-                "post": {
-                    "operationId": "collectNow",
-                    "summary": "Collect a brand's monitoring questions now, ahead of and preempting scheduled work",
-                    "description": (
-                        "Promotes the scope's business tasks (the brand's or keyword's questions x the tenant's "
-                        "enabled platforms, today in the tenant's time zone) to the high lane on the chosen "
-                        "desktop client, cancels that client's queued scheduled executions and asks its running "
-                        "ones to yield. Idempotent per (user, brand, scope) within the idempotency window "
-                        "(200 with idempotent_replay=true). A newer request for the same client supersedes the "
-                        "older one. When no client is online the request is accepted unbound "
-                        "(target_client_id null) and any client that connects before the TTL can take it. "
-                        "A scope over the operator's limit (dispatch setting collect_now_max_scope_tasks, 500 by "
-                        "default) is refused with 422 `scope_too_large`."),
-                    "security": [{"gatewayJwt": []}],
-                    "parameters": [{"name": "brand_id", "in": "path", "required": True,
-                                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_ID}}],
-                    "requestBody": {"required": False, "content": json_content(ref("CollectNowRequest"))},
-                    "responses": {
-                        "202": {"description": "Accepted: a new request.",
-                                "content": json_content(ref("CollectNowResponse"))},
-                        "200": {"description": "Idempotent replay of the same request made within the window.",
-                                "content": json_content(ref("CollectNowResponse"))},
-                        **errors(400, 404, 413, 415, 422, 429,
-                                 s400="Malformed body or brand_id, or a keyword, question or platform that is not "
-                                      "the brand's or the tenant's (`field` names it).",
-                                 s404="The brand does not exist in the caller's tenant and workspace.",
-                                 s422="Nothing to collect (`empty_scope`: no enabled questions or platforms), or "
-                                      "too much (`scope_too_large`, with `scope_task_count` and "
-                                      "`max_scope_tasks`).",
-                                 s429="Rate limited: `too_many_active_requests` (active requests per tenant), "
-                                      "`too_many_requests` (requests per user per hour) or `tenant_busy` (other "
-                                      "clicks of the tenant still in flight); `retry_after_s` and the "
-                                      "`Retry-After` header say when to try again."),
-                        **auth, **server,
-                    },
-                },
-            },
-            REQUEST_STATUS_PATH: {
-                "get": {
-                    "operationId": "getCollectRequest",
-                    "summary": "Progress of a collect-now request (for polling): preempted, started, first "
-                               "dispatch and result, TTL remaining, and a page of its tasks",
-                    "security": [{"gatewayJwt": []}],
-                    "parameters": [
-                        {"name": "request_id", "in": "path", "required": True,
-                         "schema": {"type": "string", "format": "uuid"}},
-                        {"name": "limit", "in": "query", "required": False,
-                         "description": "Tasks per page.",
-                         "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TASK_PAGE,
-                                    "default": DEFAULT_TASK_PAGE}},
-                        {"name": "cursor", "in": "query", "required": False,
-                         "description": "The previous page's `next_cursor`, unchanged (opaque).",
-                         "schema": {"type": "string", "pattern": CURSOR_PATTERN}},
-                    ],
-                    "responses": {
-                        "200": {"description": "The request's status; `next_cursor` is null on the last page.",
-                                "content": json_content(ref("CollectRequestStatus"))},
-                        **errors(400, 404, s400="request_id is not a UUID, or limit or cursor is invalid "
-                                                "(`field` names it).",
-                                 s404="No such request in the caller's tenant and workspace."),
-                        **auth, **server,
-                    },
-                },
-            },
+    return document(
+        title="collect-now-api",
+        description="Tenant API for \"collect now\". Authenticated by the tenant-api gateway's JWT (claims "
+                    "tenant_id, workspace_id, user_id, exp).",
+        schemas=schema_components((CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody)),
+        security_schemes={"gatewayJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"}},
+        paths={
+            COLLECT_NOW_PATH: {"post": _collect_now_operation()},
+            REQUEST_STATUS_PATH: {"get": _request_status_operation()},
             **ops_paths("Readiness (Postgres reachable)"),
+        },
+    )
+
+
+def _auth_and_server_errors() -> dict[str, Any]:
+    """The answers every tenant operation can give: 401 (the gateway token) and 500."""
+    return {**errors(401, s401="Missing, malformed, expired or wrongly signed gateway token."), **errors(500)}
+
+
+def _collect_now_operation() -> dict[str, Any]:
+    """POST collect-now: promote a brand's (or keyword's) questions to the high lane."""
+    return {
+        "operationId": "collectNow",
+        "summary": "Collect a brand's monitoring questions now, ahead of and preempting scheduled work",
+        "description": (
+            "Promotes the scope's business tasks (the brand's or keyword's questions x the tenant's "
+            "enabled platforms, today in the tenant's time zone) to the high lane on the chosen "
+            "desktop client, cancels that client's queued scheduled executions and asks its running "
+            "ones to yield. Idempotent per (user, brand, scope) within the idempotency window "
+            "(200 with idempotent_replay=true). A newer request for the same client supersedes the "
+            "older one. When no client is online the request is accepted unbound "
+            "(target_client_id null) and any client that connects before the TTL can take it. "
+            "A scope over the operator's limit (dispatch setting collect_now_max_scope_tasks, 500 by "
+            "default) is refused with 422 `scope_too_large`."),
+        "security": [{"gatewayJwt": []}],
+        "parameters": [path_parameter("brand_id", {"type": "integer", "minimum": 1, "maximum": MAX_ID})],
+        "requestBody": request_body("CollectNowRequest", required=False),
+        "responses": {
+            "202": response("CollectNowResponse", "Accepted: a new request."),
+            "200": response("CollectNowResponse", "Idempotent replay of the same request made within the window."),
+            **_collect_now_errors(),
+            **_auth_and_server_errors(),
+        },
+    }
+
+
+def _collect_now_errors() -> dict[str, Any]:
+    return errors(400, 404, 413, 415, 422, 429,
+                  s400="Malformed body or brand_id, or a keyword, question or platform that is not "
+                       "the brand's or the tenant's (`field` names it).",
+                  s404="The brand does not exist in the caller's tenant and workspace.",
+                  s422="Nothing to collect (`empty_scope`: no enabled questions or platforms), or "
+                       "too much (`scope_too_large`, with `scope_task_count` and "
+                       "`max_scope_tasks`).",
+                  s429="Rate limited: `too_many_active_requests` (active requests per tenant), "
+                       "`too_many_requests` (requests per user per hour) or `tenant_busy` (other "
+                       "clicks of the tenant still in flight); `retry_after_s` and the "
+                       "`Retry-After` header say when to try again.")
+
+
+def _request_status_operation() -> dict[str, Any]:
+    """GET a collect-now request: its progress and a page of its tasks."""
+    return {
+        "operationId": "getCollectRequest",
+        "summary": "Progress of a collect-now request (for polling): preempted, started, first "
+                   "dispatch and result, TTL remaining, and a page of its tasks",
+        "security": [{"gatewayJwt": []}],
+        "parameters": [
+            path_parameter("request_id", {"type": "string", "format": "uuid"}),
+            {"name": "limit", "in": "query", "required": False,
+             "description": "Tasks per page.",
+             "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TASK_PAGE, "default": DEFAULT_TASK_PAGE}},
+            {"name": "cursor", "in": "query", "required": False,
+             "description": "The previous page's `next_cursor`, unchanged (opaque).",
+             "schema": {"type": "string", "pattern": CURSOR_PATTERN}},
+        ],
+        "responses": {
+            "200": response("CollectRequestStatus", "The request's status; `next_cursor` is null on the last page."),
+            **errors(400, 404, s400="request_id is not a UUID, or limit or cursor is invalid (`field` names it).",
+                     s404="No such request in the caller's tenant and workspace."),
+            **_auth_and_server_errors(),
         },
     }
