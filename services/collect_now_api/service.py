@@ -8,11 +8,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import msgspec
+from psycopg import AsyncCursor, AsyncPipeline
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
@@ -33,6 +34,7 @@ from libs.telemetry import metrics, tracing
 from services.collect_now_api import queries as q
 from services.collect_now_api.logic import (
     ClientCandidate,
+    ClientChoice,
     accept_message,
     check_rate_limits,
     choose_target_client,
@@ -166,157 +168,232 @@ async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipa
     return accepted
 
 
+@dataclass(slots=True)
+class _Click:
+    """One click's decision as it is taken, step by step, inside its transaction."""
+
+    principal: TenantPrincipal
+    brand_id: int
+    body: CollectNowRequest
+    settings: DispatchSettings
+    reads: dict[str, Any] = field(default_factory=dict)
+    scope_hash: str = ""
+    choice: ClientChoice | None = None
+    scope: list[_ScopeRow] = field(default_factory=list)
+    superseded_ids: list[uuid.UUID] = field(default_factory=list)  # the client's active requests this one replaces
+    request_id: uuid.UUID = field(default_factory=uuid.uuid4)
+
+    @property
+    def tenant_id(self) -> int:
+        return self.principal.tenant_id
+
+    @property
+    def client_id(self) -> uuid.UUID | None:
+        return self.choice.client_id if self.choice else None
+
+
+@dataclass(slots=True)
+class _Promotion:
+    """What the click changed: the client's new generation, the work it withdrew or interrupted, the tasks."""
+
+    generation: int
+    cancelled: list[_Execution]
+    interrupted: list[_Execution]
+    created: int
+    scope_tasks: int
+    promoted_ids: list[int]
+
+
 async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int, body: CollectNowRequest,
                           settings: DispatchSettings) -> Accepted:
-    """Pipelined: three round trips (BEGIN + the tenant's lock + every read; the writes; the request row +
-    events + COMMIT) instead of ~20 statements one by one, which keeps click -> commit at a few ms."""
-    tenant_id = principal.tenant_id
+    """The steps of docs/architecture.md §17.1 in one short transaction, pipelined: three round trips (the tenant's
+    lock and every read; preemption and promotion; the request row, events and COMMIT) instead of ~20 statements
+    one by one, which keeps click -> commit at a few ms."""
+    click = _Click(principal, brand_id, body, settings)
     async with pipelined_transaction(conn) as pipe:
-        # Round trip 1: the tenant's collect-now lock, then (under it, so on committed data) everything the
-        # decision reads, in one statement: the brand and keyword in the caller's tenant, the user's recent
-        # requests (replay?), clients, limits, scope.
-        await conn.execute(q.LOCK_WAIT, {"lock_wait": f"{TENANT_LOCK_WAIT_MS}ms"})
-        await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
-        hashes = _scope_hashes(brand_id, body)
-        recent_params = {"brand_id": brand_id, "tenant_id": tenant_id, "user_id": principal.user_id,
-                         "window_s": settings.idempotency_window_seconds, "scope_hashes": list(hashes.values())}
-        reads_cur = await conn.execute(q.READS, {
-            **recent_params, "workspace_id": principal.workspace_id, "keyword_id": body.keyword_id,
-            "heartbeat_timeout_s": settings.heartbeat_timeout_seconds,
-            "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
-        await pipe.sync()
-        reads = await reads_cur.fetchone()
-        assert reads is not None
-        if reads["brand_id"] is None:
-            raise ApiError(404, "not_found", "brand not found", "brand_id")
-        if not reads["keyword_ok"]:
-            raise ApiError(400, "invalid_field", f"keyword {body.keyword_id} does not belong to brand {brand_id}",
-                           "keyword_id")
-        business_date: date = reads["business_date"]
-        hashed = hashes.get(business_date)
-        recent = reads["recent"]
-        if hashed is None:  # the database's clock is a day away from ours: read again with the right hash
-            hashed = _scope_hash(brand_id, body, business_date)
-            recent_cur = await conn.execute(q.RECENT, {**recent_params, "scope_hashes": [hashed]})
-            await pipe.sync()
-            row = await recent_cur.fetchone()
-            assert row is not None
-            recent = row["recent"]
-        existing = next((r for r in _recent.decode(recent) if r.scope_hash == hashed), None)
-        if existing is not None:
-            tracing.set_attributes(collect_request_id=existing.id, replay=True)
-            return Accepted(_replay_response(existing), replay=True)
-        candidates = [_candidate(row) for row in _candidates.decode(reads["candidates"])]
-        choice = choose_target_client(candidates, requested=body.target_client_id,
-                                      heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
-        client_id = choice.client_id
-        active = _active.decode(reads["active"])
-        # A request this one supersedes (same client) is not an extra active one.
-        counted = [r for r in active if r.ttl_remaining_s > 0
-                   and (client_id is None or r.target_client_id != client_id)]
-        limited = check_rate_limits(
-            active_requests=len(counted), max_active_requests=settings.max_active_requests_per_tenant,
-            earliest_active_ttl_s=min((r.ttl_remaining_s for r in counted), default=None),
-            user_requests_last_hour=reads["user_requests_last_hour"],
-            max_user_requests_per_hour=settings.max_requests_per_user_per_hour,
-            oldest_user_request_age_s=reads["oldest_user_request_age_s"])
-        if limited is not None:
-            raise ApiError(429, limited.code, limited.message, retry_after_s=limited.retry_after_s)
-        scope = _scope.decode(reads["scope"])
-        _check_scope(scope, body, max_tasks=settings.collect_now_max_scope_tasks)
-        old_ids: list[uuid.UUID] = [] if client_id is None else [
-            r.id for r in active if r.target_client_id == client_id]
-
-        # Round trip 2: generation, preemption, missing tasks, promotion, supersede marks on old tasks.
-        request_id = uuid.uuid4()
-        tracing.set_attributes(collect_request_id=request_id, client_id=client_id)
-        params: dict[str, Any] = {
-            "tenant_id": tenant_id, "workspace_id": reads["workspace_id"], "brand_id": brand_id,
-            "business_date": business_date, "client_id": client_id, "request_id": request_id,
-            "priority": HIGH_PRIORITY, "question_ids": [r.question_id for r in scope],
-            "platform_ids": [r.ai_platform_id for r in scope], "plan_ids": [r.plan_id for r in scope],
-            "shard_key": ingest_shard_key(tenant_id, brand_id, business_date)}
-        generation_cur = None
-        preempt_curs = []  # (cancelled, interrupted) statements of each path
-        if client_id is not None:
-            generation_cur = await conn.execute(q.INCREMENT_GENERATION, params)
-            if body.preempt:
-                for cancel_sql, interrupt_sql in ((q.CANCEL_QUEUED_SCHEDULED, q.MARK_INTERRUPT_REQUESTED),
-                                                  (q.WITHDRAW_LEGACY_OFFERS, q.INTERRUPT_LEGACY_LEASES)):
-                    preempt_curs.append((await conn.execute(cancel_sql, params),
-                                         await conn.execute(interrupt_sql, params)))
-        created_cur = await conn.execute(q.CREATE_MISSING_TASKS, params)
-        scope_tasks_cur = await conn.execute(q.PROMOTE_SCOPE, params)
-        if old_ids:
-            await conn.execute(q.MARK_TASKS_SUPERSEDED, {"request_id": request_id, "tenant_id": tenant_id,
-                                                         "old_ids": old_ids})
-        await pipe.sync()
-        generation = 0
-        if generation_cur is not None:
-            row = await generation_cur.fetchone()
-            assert row is not None, "the chosen client belongs to the tenant"
-            generation = int(row["interrupt_generation"])
-        cancelled: list[_Execution] = []
-        interrupted: list[_Execution] = []
-        for cancelled_cur, interrupted_cur in preempt_curs:
-            cancelled += [_execution(r) for r in await cancelled_cur.fetchall()]
-            interrupted += [_execution(r) for r in await interrupted_cur.fetchall()]
-        created = await created_cur.fetchall()
-        scope_tasks = await scope_tasks_cur.fetchall()
-        promoted_ids = [int(r["id"]) for r in scope_tasks if r["promoted"]]
-
-        # Round trip 3 (with the commit): the request row, the superseded ones, outbox events, wake-ups.
-        request_scope = {
-            "brand_id": brand_id, "keyword_id": body.keyword_id, "question_ids": body.question_ids,
-            "ai_platform_ids": body.ai_platform_ids, "business_date": business_date.isoformat(),
-            "affected_task_count": len(scope_tasks), "created_task_count": len(created),
-            "monitor_task_ids": promoted_ids, "client_choice": choice.reason,
-        }
-        request_cur = await conn.execute(q.INSERT_REQUEST, {
-            "id": request_id, "tenant_id": tenant_id, "workspace_id": principal.workspace_id, "brand_id": brand_id,
-            "keyword_id": body.keyword_id, "user_id": principal.user_id, "client_id": client_id,
-            "scope_hash": hashed, "scope": msgspec.json.encode(request_scope).decode(), "preempt": body.preempt,
-            "generation": generation, "requested": len(promoted_ids), "aborted_queued": len(cancelled),
-            "interrupt_requested": len(interrupted), "ttl_s": settings.request_ttl_seconds,
-            "traceparent": tracing.current_traceparent()})
-        superseded_cur = None
-        if old_ids:
-            superseded_cur = await conn.execute(q.SUPERSEDE_REQUESTS, {
-                "request_id": request_id, "tenant_id": tenant_id, "old_ids": old_ids})
-        replacement = uuid.uuid4() if interrupted and promoted_ids else None
-        if replacement is not None:
-            await conn.execute(q.NAME_REPLACEMENT, {
-                "replacement_id": replacement, "replacement_task": min(promoted_ids), "tenant_id": tenant_id,
-                "interrupted_ids": [e.task_id for e in interrupted]})
-        await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=request_id,
-                            generation=generation, cancelled=cancelled, interrupted=interrupted,
-                            replacement=replacement)
-        await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL,
-                                      "outbox_payload": PRIORITY_WAKE, "controls": bool(cancelled or interrupted)})
+        replay = await _lock_and_read(conn, pipe, click)
+        if replay is not None:
+            return replay
+        _choose_client_and_check_limits(click)
+        promotion = await _preempt_and_promote(conn, pipe, click)
+        request_cur, superseded_cur = await _record_request(conn, click, promotion)
         # No sync here: the COMMIT is queued behind these statements when the transaction block ends, and
         # the pipeline sends them all at once (the results are read after the commit).
     request_row = await request_cur.fetchone()
     assert request_row is not None
     superseded = [r["id"] for r in await superseded_cur.fetchall()] if superseded_cur else []
+    return Accepted(_accepted(click, promotion, request_row["ttl_expires_at"], superseded), replay=False)
 
+
+async def _lock_and_read(conn: Conn, pipe: AsyncPipeline, click: _Click) -> Accepted | None:
+    """Round trip 1: the tenant's collect-now lock, then (under it, so on committed data) everything the decision
+    reads, in one statement: the brand and keyword in the caller's tenant, the user's recent requests, clients,
+    limits, scope. The idempotent replay of a request made moments ago, if this is one."""
+    body, tenant_id = click.body, click.tenant_id
+    await conn.execute(q.LOCK_WAIT, {"lock_wait": f"{TENANT_LOCK_WAIT_MS}ms"})
+    await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
+    hashes = _scope_hashes(click.brand_id, body)
+    recent_params = {"brand_id": click.brand_id, "tenant_id": tenant_id, "user_id": click.principal.user_id,
+                     "window_s": click.settings.idempotency_window_seconds, "scope_hashes": list(hashes.values())}
+    reads_cur = await conn.execute(q.READS, {
+        **recent_params, "workspace_id": click.principal.workspace_id, "keyword_id": body.keyword_id,
+        "heartbeat_timeout_s": click.settings.heartbeat_timeout_seconds,
+        "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
+    await pipe.sync()
+    reads = await reads_cur.fetchone()
+    assert reads is not None
+    if reads["brand_id"] is None:
+        raise ApiError(404, "not_found", "brand not found", "brand_id")
+    if not reads["keyword_ok"]:
+        raise ApiError(400, "invalid_field", f"keyword {body.keyword_id} does not belong to brand {click.brand_id}",
+                       "keyword_id")
+    click.reads = reads
+    business_date: date = reads["business_date"]
+    hashed = hashes.get(business_date)
+    recent = reads["recent"]
+    if hashed is None:  # the database's clock is a day away from ours: read again with the right hash
+        hashed = _scope_hash(click.brand_id, body, business_date)
+        recent_cur = await conn.execute(q.RECENT, {**recent_params, "scope_hashes": [hashed]})
+        await pipe.sync()
+        row = await recent_cur.fetchone()
+        assert row is not None
+        recent = row["recent"]
+    click.scope_hash = hashed
+    existing = next((r for r in _recent.decode(recent) if r.scope_hash == hashed), None)
+    if existing is None:
+        return None
+    tracing.set_attributes(collect_request_id=existing.id, replay=True)
+    return Accepted(_replay_response(existing), replay=True)
+
+
+def _choose_client_and_check_limits(click: _Click) -> None:
+    """The client the work goes to, the tenant's and user's rate limits, and the scope's bounds (4xx if not)."""
+    reads, settings = click.reads, click.settings
+    candidates = [_candidate(row) for row in _candidates.decode(reads["candidates"])]
+    click.choice = choose_target_client(candidates, requested=click.body.target_client_id,
+                                        heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
+    client_id = click.client_id
+    active = _active.decode(reads["active"])
+    # A request this one supersedes (same client) is not an extra active one.
+    counted = [r for r in active if r.ttl_remaining_s > 0 and (client_id is None or r.target_client_id != client_id)]
+    limited = check_rate_limits(
+        active_requests=len(counted), max_active_requests=settings.max_active_requests_per_tenant,
+        earliest_active_ttl_s=min((r.ttl_remaining_s for r in counted), default=None),
+        user_requests_last_hour=reads["user_requests_last_hour"],
+        max_user_requests_per_hour=settings.max_requests_per_user_per_hour,
+        oldest_user_request_age_s=reads["oldest_user_request_age_s"])
+    if limited is not None:
+        raise ApiError(429, limited.code, limited.message, retry_after_s=limited.retry_after_s)
+    click.scope = _scope.decode(reads["scope"])
+    _check_scope(click.scope, click.body, max_tasks=settings.collect_now_max_scope_tasks)
+    click.superseded_ids = [] if client_id is None else [r.id for r in active if r.target_client_id == client_id]
+
+
+async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -> _Promotion:
+    """Round trip 2: the client's new interrupt generation; its scheduled work withdrawn (not started) or asked to
+    yield (running), on both execution paths; the scope's missing tasks created and every one promoted to the
+    high lane; the tasks of the requests this one supersedes marked."""
+    client_id, tenant_id = click.client_id, click.tenant_id
+    business_date: date = click.reads["business_date"]
+    tracing.set_attributes(collect_request_id=click.request_id, client_id=client_id)
+    params: dict[str, Any] = {
+        "tenant_id": tenant_id, "workspace_id": click.reads["workspace_id"], "brand_id": click.brand_id,
+        "business_date": business_date, "client_id": client_id, "request_id": click.request_id,
+        "priority": HIGH_PRIORITY, "question_ids": [r.question_id for r in click.scope],
+        "platform_ids": [r.ai_platform_id for r in click.scope], "plan_ids": [r.plan_id for r in click.scope],
+        "shard_key": ingest_shard_key(tenant_id, click.brand_id, business_date)}
+    generation_cur = None
+    preempt_curs = []  # (withdrawn, interrupted) statements of each path
+    if client_id is not None:
+        generation_cur = await conn.execute(q.INCREMENT_GENERATION, params)
+        if click.body.preempt:
+            for cancel_sql, interrupt_sql in ((q.CANCEL_QUEUED_SCHEDULED, q.MARK_INTERRUPT_REQUESTED),
+                                              (q.WITHDRAW_LEGACY_OFFERS, q.INTERRUPT_LEGACY_LEASES)):
+                preempt_curs.append((await conn.execute(cancel_sql, params),
+                                     await conn.execute(interrupt_sql, params)))
+    created_cur = await conn.execute(q.CREATE_MISSING_TASKS, params)
+    scope_tasks_cur = await conn.execute(q.PROMOTE_SCOPE, params)
+    if click.superseded_ids:
+        await conn.execute(q.MARK_TASKS_SUPERSEDED, {"request_id": click.request_id, "tenant_id": tenant_id,
+                                                     "old_ids": click.superseded_ids})
+    await pipe.sync()
+    generation = 0
+    if generation_cur is not None:
+        row = await generation_cur.fetchone()
+        assert row is not None, "the chosen client belongs to the tenant"
+        generation = int(row["interrupt_generation"])
+    cancelled: list[_Execution] = []
+    interrupted: list[_Execution] = []
+    for cancelled_cur, interrupted_cur in preempt_curs:
+        cancelled += [_execution(r) for r in await cancelled_cur.fetchall()]
+        interrupted += [_execution(r) for r in await interrupted_cur.fetchall()]
+    scope_tasks = await scope_tasks_cur.fetchall()
+    return _Promotion(generation=generation, cancelled=cancelled, interrupted=interrupted,
+                      created=len(await created_cur.fetchall()), scope_tasks=len(scope_tasks),
+                      promoted_ids=[int(r["id"]) for r in scope_tasks if r["promoted"]])
+
+
+async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
+    tuple[AsyncCursor[dict[str, Any]], AsyncCursor[dict[str, Any]] | None]
+):
+    """Round trip 3 (with the commit): the request row, the superseded ones, the interrupted work's replacement,
+    outbox events, wake-ups. Queued only: the caller reads the cursors after the commit."""
+    tenant_id, client_id, body = click.tenant_id, click.client_id, click.body
+    assert click.choice is not None
+    request_scope = {
+        "brand_id": click.brand_id, "keyword_id": body.keyword_id, "question_ids": body.question_ids,
+        "ai_platform_ids": body.ai_platform_ids, "business_date": click.reads["business_date"].isoformat(),
+        "affected_task_count": promotion.scope_tasks, "created_task_count": promotion.created,
+        "monitor_task_ids": promotion.promoted_ids, "client_choice": click.choice.reason,
+    }
+    request_cur = await conn.execute(q.INSERT_REQUEST, {
+        "id": click.request_id, "tenant_id": tenant_id, "workspace_id": click.principal.workspace_id,
+        "brand_id": click.brand_id, "keyword_id": body.keyword_id, "user_id": click.principal.user_id,
+        "client_id": client_id, "scope_hash": click.scope_hash, "scope": msgspec.json.encode(request_scope).decode(),
+        "preempt": body.preempt, "generation": promotion.generation, "requested": len(promotion.promoted_ids),
+        "aborted_queued": len(promotion.cancelled), "interrupt_requested": len(promotion.interrupted),
+        "ttl_s": click.settings.request_ttl_seconds, "traceparent": tracing.current_traceparent()})
+    superseded_cur = None
+    if click.superseded_ids:
+        superseded_cur = await conn.execute(q.SUPERSEDE_REQUESTS, {
+            "request_id": click.request_id, "tenant_id": tenant_id, "old_ids": click.superseded_ids})
+    replacement = uuid.uuid4() if promotion.interrupted and promotion.promoted_ids else None
+    if replacement is not None:
+        await conn.execute(q.NAME_REPLACEMENT, {
+            "replacement_id": replacement, "replacement_task": min(promotion.promoted_ids), "tenant_id": tenant_id,
+            "interrupted_ids": [e.task_id for e in promotion.interrupted]})
+    await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=click.request_id,
+                        generation=promotion.generation, cancelled=promotion.cancelled,
+                        interrupted=promotion.interrupted, replacement=replacement)
+    await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL,
+                                  "outbox_payload": PRIORITY_WAKE,
+                                  "controls": bool(promotion.cancelled or promotion.interrupted)})
+    return request_cur, superseded_cur
+
+
+def _accepted(click: _Click, promotion: _Promotion, ttl_expires_at: datetime,
+              superseded: list[uuid.UUID]) -> CollectNowResponse:
+    """The committed click's metrics, log line and response (what this request did)."""
+    assert click.choice is not None
+    client_id = click.client_id
     metrics.collect_now_accept_count.inc()
-    if interrupted:
-        metrics.monitor_preempt_request_count.inc(len(interrupted))
+    if promotion.interrupted:
+        metrics.monitor_preempt_request_count.inc(len(promotion.interrupted))
     log.info("collect_now.accepted", extra={
-        "tenant_id": tenant_id, "user_id": principal.user_id, "brand_id": brand_id, "request_id": str(request_id),
-        "client_id": str(client_id) if client_id else None, "interrupt_generation": generation,
-        "affected_tasks": len(scope_tasks), "promoted_tasks": len(promoted_ids), "created_tasks": len(created),
-        "aborted_queued": len(cancelled), "interrupt_requested": len(interrupted),
+        "tenant_id": click.tenant_id, "user_id": click.principal.user_id, "brand_id": click.brand_id,
+        "request_id": str(click.request_id), "client_id": str(client_id) if client_id else None,
+        "interrupt_generation": promotion.generation, "affected_tasks": promotion.scope_tasks,
+        "promoted_tasks": len(promotion.promoted_ids), "created_tasks": promotion.created,
+        "aborted_queued": len(promotion.cancelled), "interrupt_requested": len(promotion.interrupted),
         "superseded_requests": [str(s) for s in superseded]})
-    response = CollectNowResponse(
-        request_id=request_id, target_client_id=client_id, affected_task_count=len(scope_tasks),
-        promoted_task_count=len(promoted_ids), aborted_queued_count=len(cancelled),
-        interrupt_requested_count=len(interrupted), interrupt_generation=generation,
-        ttl_expires_at=request_row["ttl_expires_at"], status="accepted",
-        superseded_request_id=superseded[0] if superseded else None,
-        message=accept_message(client_id=client_id, reason=choice.reason, promoted=len(promoted_ids),
-                               aborted_queued=len(cancelled), interrupt_requested=len(interrupted)))
-    return Accepted(response, replay=False)
+    return CollectNowResponse(
+        request_id=click.request_id, target_client_id=client_id, affected_task_count=promotion.scope_tasks,
+        promoted_task_count=len(promotion.promoted_ids), aborted_queued_count=len(promotion.cancelled),
+        interrupt_requested_count=len(promotion.interrupted), interrupt_generation=promotion.generation,
+        ttl_expires_at=ttl_expires_at, status="accepted", superseded_request_id=superseded[0] if superseded else None,
+        message=accept_message(client_id=client_id, reason=click.choice.reason,
+                               promoted=len(promotion.promoted_ids), aborted_queued=len(promotion.cancelled),
+                               interrupt_requested=len(promotion.interrupted)))
 
 
 async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | None, request_id: uuid.UUID,
