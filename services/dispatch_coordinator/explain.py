@@ -18,13 +18,14 @@ from libs.domain.dispatch import (
     Candidate,
     ClientState,
     PassLimits,
+    RejectReason,
     client_reject_reason,
     cluster_room,
     evaluate,
     retry_allowed,
 )
 from services.dispatch_coordinator import queries as q
-from services.dispatch_coordinator.dispatcher import limits_from, read_snapshot
+from services.dispatch_coordinator.dispatcher import Snapshot, limits_from, read_snapshot
 
 _TASK = """
 SELECT t.id, t.tenant_id, t.workspace_id, t.brand_id, t.question_id, t.ai_platform_id, t.business_date, t.status,
@@ -94,15 +95,31 @@ def _client_view(task: Candidate, client: ClientState) -> dict[str, Any]:
 
 async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | None = None) -> dict[str, Any] | None:
     """The explanation as a JSON-ready dict, or None when no such task exists."""
+    t = await _load_task(conn, raw_id)
+    if t is None:
+        return None
+    settings = settings or await load_settings(conn)
+    out = _task_facts(t)
+    out["tenant_ready_backlog"] = await _tenant_ready_backlog(conn, t["tenant_id"])
+    not_ready = await _why_not_ready(conn, t, out)
+    if not_ready:
+        out.update(ready=False, dispatchable_now=False, blocked_by=None, why=not_ready)
+        return out
+    await _explain_ready(conn, t, settings, out)
+    return out
+
+
+async def _load_task(conn: Conn, raw_id: str) -> dict[str, Any] | None:
+    """The business task `raw_id` names (its id or one of its executions' uuid), or None."""
     task_id = await resolve_task_id(conn, raw_id)
     if task_id is None:
         return None
     cur = await conn.execute(_TASK, {"id": task_id})
-    t = await cur.fetchone()
-    if t is None:
-        return None
-    settings = settings or await load_settings(conn)
-    out: dict[str, Any] = {
+    return await cur.fetchone()
+
+
+def _task_facts(t: dict[str, Any]) -> dict[str, Any]:
+    return {
         "task_id": t["id"], "tenant_id": t["tenant_id"], "workspace_id": t["workspace_id"], "status": t["status"],
         "lane": t["lane"], "priority": t["priority"], "aging_boost": t["aging_boost"],
         "ai_platform_id": t["ai_platform_id"], "target_client_id": t["target_client_id"],
@@ -110,16 +127,25 @@ async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | Non
         "business_date": t["business_date"], "enqueued_at": t["enqueued_at"], "waited_ms": int(t["waited_ms"]),
         "collect_request_id": t["collect_request_id"],
     }
-    cur = await conn.execute(_TENANT_BACKLOG, {"tenant_id": t["tenant_id"]})
-    out["tenant_ready_backlog"] = {r["lane"]: int(r["n"]) for r in await cur.fetchall()}
-    cur = await conn.execute(_ACTIVE, {"id": task_id})
+
+
+async def _tenant_ready_backlog(conn: Conn, tenant_id: int) -> dict[str, int]:
+    """The tenant's ready tasks per lane."""
+    cur = await conn.execute(_TENANT_BACKLOG, {"tenant_id": tenant_id})
+    return {r["lane"]: int(r["n"]) for r in await cur.fetchall()}
+
+
+async def _why_not_ready(conn: Conn, t: dict[str, Any], out: dict[str, Any]) -> list[str]:
+    """Why no dispatch pass considers the task (empty: it is ready); adds its live legacy lease and its active
+    execution, if any, to `out`."""
+    cur = await conn.execute(_ACTIVE, {"id": t["id"]})
     active = await cur.fetchone()
     not_ready = []
     if t["status"] != "pending":
         held = "; a client holds its lease on the legacy path" if t["status"] in ("leased", "received") else ""
         not_ready.append(f"status is {t['status']} (only pending tasks are dispatched{held})")
     if t["status"] in ("leased", "received"):
-        lease = await (await conn.execute(_LEGACY_LEASE, {"id": task_id})).fetchone()
+        lease = await (await conn.execute(_LEGACY_LEASE, {"id": t["id"]})).fetchone()
         if lease is not None:
             out["legacy_lease"] = dict(lease)
     if t["not_due"]:
@@ -128,38 +154,25 @@ async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | Non
         not_ready.append(f"already dispatched: execution {active['id']} is {active['status']} on client "
                          f"{active['target_client_id']}")
         out["active_execution"] = dict(active)
-    if not_ready:
-        out.update(ready=False, dispatchable_now=False, blocked_by=None, why=not_ready)
-        return out
+    return not_ready
 
+
+async def _explain_ready(conn: Conn, t: dict[str, Any], settings: DispatchSettings, out: dict[str, Any]) -> None:
+    """For a ready task: the verdict a pass would reach now, its place in its lane, the budgets and the clients."""
     state = await read_coordinator_state(conn)
     slowdown, slowdown_view = slowdown_from_state(state)
     limits: PassLimits = limits_from(settings, slowdown=slowdown)
     snap = await read_snapshot(conn, settings)
-    cur = await conn.execute(_NORMAL_WORK)
-    row = await cur.fetchone()
-    normal_has_work = bool(row and row["any"])
-    cur = await conn.execute(_HIGH_BACKLOG)
-    row = await cur.fetchone()
-    high_backlog = int(row["n"]) if row else 0
+    normal_has_work = await _normal_has_work(conn)
+    high_backlog = await _high_backlog(conn)
     candidate = Candidate(id=t["id"], tenant_id=t["tenant_id"], workspace_id=t["workspace_id"],
                           ai_platform_id=t["ai_platform_id"], lane=t["lane"], priority=t["priority"],
                           enqueued_at=float(t["enqueued_epoch"]), target_client_id=t["target_client_id"])
     scope = [c for c in snap.clients if c.tenant_id == t["tenant_id"] and c.workspace_id == t["workspace_id"]]
     by_id = {c.id: c for c in snap.clients}
-    client, reason = evaluate(candidate, snap.ledger, limits, scope, by_id, normal_has_work=normal_has_work)
-    tenant_normal = sum(n for lane, n in out["tenant_ready_backlog"].items() if lane != "retry" and lane != "high")
-    if reason is None and t["lane"] == "retry" and not retry_allowed(
-            t["tenant_id"], cluster_high_backlog=high_backlog, tenant_normal_backlog={t["tenant_id"]: tenant_normal},
-            watermark=limits.retry_low_watermark):
-        reason, client = "retry_waits_for_low_water", None
-    higher = list(LANE_ORDER[:LANE_ORDER.index(t["lane"])]) if t["lane"] in LANE_ORDER else []
-    cur = await conn.execute(_POSITION, {"lane": t["lane"], "priority": t["priority"],
-                                         "enqueued_at": t["enqueued_at"], "id": t["id"],
-                                         "tenant_id": t["tenant_id"], "higher": higher})
-    position = await cur.fetchone()
-    high = t["lane"] == "high"
-    platform_key = (t["tenant_id"], t["ai_platform_id"])
+    client, reason = _planner_verdict(t, candidate, snap, limits, scope, by_id, normal_has_work=normal_has_work,
+                                      high_backlog=high_backlog, tenant_backlog=out["tenant_ready_backlog"])
+    position = await _lane_position(conn, t)
     out.update(
         ready=True,
         dispatchable_now=reason is None,
@@ -168,28 +181,82 @@ async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | Non
         would_go_to_client=str(client.id) if client is not None else None,
         why=[f"blocked by {reason}: {REMEDY.get(reason, '')}"] if reason else
             ["passes every check now; it goes out with the next pass (tick or wake-up)"],
-        lane_position={k: int(v) for k, v in dict(position or {}).items()},
-        budgets={
-            "window_seconds": snap.window_seconds,
-            "seconds_to_next_window": round(snap.window_start + snap.window_seconds - snap.now, 3),
-            "cluster_used": snap.ledger.cluster_used, "cluster_limit": limits.cluster_per_window,
-            "cluster_room_for_lane": cluster_room(t["lane"], snap.ledger, limits, normal_has_work=normal_has_work),
-            "non_high_used": snap.ledger.non_high_used, "non_high_cap": limits.non_high_cap,
-            "tenant_used": snap.ledger.tenant_used.get(t["tenant_id"], 0), "tenant_limit": limits.tenant_per_window,
-            "tenant_budget_applies": not high,
-        },
-        platform={"active": snap.ledger.platform_active.get(platform_key, 0),
-                  "limit": snap.ledger.platform_limit.get(t["ai_platform_id"], snap.ledger.default_platform_limit),
-                  "paused": t["ai_platform_id"] in snap.ledger.paused_platforms,
-                  "code": snap.platform_codes.get(t["ai_platform_id"]),
-                  # the tenant's platform-health pause: "health" (every client's login broken) or "operator"
-                  "tenant_paused_by": snap.platform_pauses.get(platform_key)},
-        clients=[_client_view(candidate, c) for c in
-                 ([by_id[t["target_client_id"]]] if t["target_client_id"] in by_id else [])
-                 or sorted(scope, key=lambda c: (c.load, str(c.id)))],
+        lane_position=position,
+        budgets=_budgets(t, snap, limits, normal_has_work=normal_has_work),
+        platform=_platform_view(t, snap),
+        clients=_clients_view(t, candidate, scope, by_id),
         lane_paused=t["lane"] in limits.paused_lanes,
         auto_slowdown=slowdown_view,
     )
     if t["target_client_id"] is not None and t["target_client_id"] not in by_id:
         out["why"].append(f"bound client {t['target_client_id']} is not online (or its heartbeat is stale)")
-    return out
+
+
+async def _normal_has_work(conn: Conn) -> bool:
+    cur = await conn.execute(_NORMAL_WORK)
+    row = await cur.fetchone()
+    return bool(row and row["any"])
+
+
+async def _high_backlog(conn: Conn) -> int:
+    cur = await conn.execute(_HIGH_BACKLOG)
+    row = await cur.fetchone()
+    return int(row["n"]) if row else 0
+
+
+def _planner_verdict(t: dict[str, Any], candidate: Candidate, snap: Snapshot, limits: PassLimits,
+                     scope: list[ClientState], by_id: dict[uuid.UUID, ClientState], *, normal_has_work: bool,
+                     high_backlog: int, tenant_backlog: dict[str, int]) -> tuple[ClientState | None,
+                                                                                 RejectReason | None]:
+    """What a pass would decide for the task now: the client it goes to, or the reason it waits (the decision
+    tree, then the retry lane's low-water rule)."""
+    client, reason = evaluate(candidate, snap.ledger, limits, scope, by_id, normal_has_work=normal_has_work)
+    tenant_normal = sum(n for lane, n in tenant_backlog.items() if lane != "retry" and lane != "high")
+    if reason is None and t["lane"] == "retry" and not retry_allowed(
+            t["tenant_id"], cluster_high_backlog=high_backlog, tenant_normal_backlog={t["tenant_id"]: tenant_normal},
+            watermark=limits.retry_low_watermark):
+        reason, client = "retry_waits_for_low_water", None
+    return client, reason
+
+
+async def _lane_position(conn: Conn, t: dict[str, Any]) -> dict[str, int]:
+    """How many ready tasks are ahead of this one in its lane (all, and its tenant's), in higher lanes, and how
+    many tenants share the lane."""
+    higher = list(LANE_ORDER[:LANE_ORDER.index(t["lane"])]) if t["lane"] in LANE_ORDER else []
+    cur = await conn.execute(_POSITION, {"lane": t["lane"], "priority": t["priority"],
+                                         "enqueued_at": t["enqueued_at"], "id": t["id"],
+                                         "tenant_id": t["tenant_id"], "higher": higher})
+    position = await cur.fetchone()
+    return {k: int(v) for k, v in dict(position or {}).items()}
+
+
+def _budgets(t: dict[str, Any], snap: Snapshot, limits: PassLimits, *, normal_has_work: bool) -> dict[str, Any]:
+    """The window's cluster, non-high and tenant budgets as they stand for this task."""
+    return {
+        "window_seconds": snap.window_seconds,
+        "seconds_to_next_window": round(snap.window_start + snap.window_seconds - snap.now, 3),
+        "cluster_used": snap.ledger.cluster_used, "cluster_limit": limits.cluster_per_window,
+        "cluster_room_for_lane": cluster_room(t["lane"], snap.ledger, limits, normal_has_work=normal_has_work),
+        "non_high_used": snap.ledger.non_high_used, "non_high_cap": limits.non_high_cap,
+        "tenant_used": snap.ledger.tenant_used.get(t["tenant_id"], 0), "tenant_limit": limits.tenant_per_window,
+        "tenant_budget_applies": t["lane"] != "high",
+    }
+
+
+def _platform_view(t: dict[str, Any], snap: Snapshot) -> dict[str, Any]:
+    """The task's platform: its activity against its limit, and whether it is paused."""
+    platform_key = (t["tenant_id"], t["ai_platform_id"])
+    return {"active": snap.ledger.platform_active.get(platform_key, 0),
+            "limit": snap.ledger.platform_limit.get(t["ai_platform_id"], snap.ledger.default_platform_limit),
+            "paused": t["ai_platform_id"] in snap.ledger.paused_platforms,
+            "code": snap.platform_codes.get(t["ai_platform_id"]),
+            # the tenant's platform-health pause: "health" (every client's login broken) or "operator"
+            "tenant_paused_by": snap.platform_pauses.get(platform_key)}
+
+
+def _clients_view(t: dict[str, Any], candidate: Candidate, scope: list[ClientState],
+                  by_id: dict[uuid.UUID, ClientState]) -> list[dict[str, Any]]:
+    """The bound client when it is online, else every client of the scope, least loaded first."""
+    return [_client_view(candidate, c) for c in
+            ([by_id[t["target_client_id"]]] if t["target_client_id"] in by_id else [])
+            or sorted(scope, key=lambda c: (c.load, str(c.id)))]
