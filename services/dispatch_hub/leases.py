@@ -310,6 +310,18 @@ def current_interrupt(row: dict[str, Any], *, now: datetime) -> TaskControl:
                        replacement_task_id=uuid.UUID(str(replacement)) if replacement else None)
 
 
+@dataclass(slots=True)
+class _PreemptAck:
+    """What acknowledging a preemption leaves for after the transaction."""
+
+    # stale_generation: raised once the transaction has committed the re-sent interrupt.
+    stale: ApiError | None = None
+    # the yield threw away started work (collect_now_preempt_induced_retry_count)
+    induced_retry: bool = False
+    # age of the collect-now request that caused the preemption (monitor_preempt_latency_ms)
+    request_age_ms: float | None = None
+
+
 @tracing.traced("hub.cancel")
 async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest) -> (
     CancelResponse
@@ -318,75 +330,102 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                            reason=body.reason[:64], interrupt_generation=body.interrupt_generation)
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
-        preempt_age_ms: float | None = None
-        induced_retry = False
+        ack = _PreemptAck()
+        # One transaction; the lease row (a legacy lease: the business row first) is locked before anything else.
         async with conn.transaction():
             row = _fence(await _lease_state(conn, task_id, principal.tenant_id, for_update=True), principal,
                          body.lease_token)
-            client = principal.client_id
-            if body.reason == PREEMPT_REASON and not preempt_cancel_allowed(row["control_flags"]):
-                raise ApiError(409, "no_interrupt_requested", f"reason {PREEMPT_REASON!r} acknowledges an interrupt "
-                               "the server requested, and none was requested for this task; cancel with another "
-                               "reason", "reason")
             if body.reason == PREEMPT_REASON:
-                if is_stale_generation(body.interrupt_generation, int(row["interrupt_generation"])):
-                    metrics.interrupt_generation_mismatch_count.inc()
-                    control = current_interrupt(row, now=datetime.now(UTC))
-                    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client}", message=control,
-                                  ordering_key=f"client:{client}", tenant_id=principal.tenant_id, notify=True)
-                    log.warning("stale preempt callback; current interrupt re-sent", extra={
-                        "task_id": str(task_id), "client_id": str(client), "tenant_id": principal.tenant_id,
-                        "callback_generation": body.interrupt_generation,
-                        "current_generation": int(row["interrupt_generation"])})
-                    stale = ApiError(409, "stale_generation",
-                                     "interrupt_generation is older than the task's; the current interrupt was re-sent",
-                                     "interrupt_generation", current_generation=int(row["interrupt_generation"]))
-                else:
-                    stale = None
-                    ended = await end_execution(conn, task_id=task_id, outcome="aborted",
-                                                lease_epoch=int(row["lease_epoch"]), reason=PREEMPT_REASON,
-                                                phase=body.execution_phase)
-                    if ended is not None:
-                        await yield_business_task(conn, ended.monitor_task_id)
-                        if preempt_wasted_work(body.execution_phase or row["execution_phase"]):
-                            induced_retry = True
-                        request = (row["control_flags"] or {}).get("collect_request_id")
-                        if request:
-                            cur = await conn.execute(q.PREEMPT_REQUEST_AGE_MS, {"request_id": request,
-                                                                               "tenant_id": principal.tenant_id})
-                            age = await cur.fetchone()
-                            preempt_age_ms = float(age["age_ms"]) if age else None
-                        await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=client,
-                                             task_id=task_id, monitor_task_id=ended.monitor_task_id,
-                                             ai_platform_id=ended.ai_platform_id, lane=ended.lane,
-                                             reason=PREEMPT_REASON, notify=True)
+                ack = await _acknowledge_preempt(conn, principal, task_id, body, row)
             else:
-                stale = None
-                ended = await end_execution(conn, task_id=task_id, outcome="aborted",
-                                            lease_epoch=int(row["lease_epoch"]), reason=body.reason[:64],
-                                            phase=body.execution_phase)
-                if ended is not None:
-                    await retry_business_task(conn, ended.monitor_task_id, max_attempts=dispatch.max_dispatch_attempts,
-                                              error=f"cancelled by client: {body.reason}")
-                    await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=client,
-                                         task_id=task_id, monitor_task_id=ended.monitor_task_id,
-                                         ai_platform_id=ended.ai_platform_id, lane=ended.lane,
-                                         reason=body.reason[:64], notify=True)
-        if stale is not None:
-            raise stale
+                await _client_cancel(conn, principal, task_id, body, row,
+                                     max_attempts=dispatch.max_dispatch_attempts)
+        if ack.stale is not None:
+            raise ack.stale
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, row["ai_platform_id"])
             ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms))
-    if induced_retry:
-        metrics.collect_now_preempt_induced_retry_count.inc()
-    if body.reason == PREEMPT_REASON:
-        metrics.monitor_preempt_success_count.inc()
-        if preempt_age_ms is not None:
-            metrics.monitor_preempt_latency_ms.observe(preempt_age_ms)
+    _count_cancel(body, ack)
     log.info("task cancelled by client", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
                                                 "tenant_id": principal.tenant_id, "reason": body.reason,
                                                 "interrupt_generation": body.interrupt_generation})
     return CancelResponse()
+
+
+async def _acknowledge_preempt(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
+                               row: dict[str, Any]) -> _PreemptAck:
+    """The client yields to an interrupt the server requested (refused when none was): a callback of an older
+    generation gets the current interrupt re-sent, the current one aborts the execution."""
+    if not preempt_cancel_allowed(row["control_flags"]):
+        raise ApiError(409, "no_interrupt_requested", f"reason {PREEMPT_REASON!r} acknowledges an interrupt "
+                       "the server requested, and none was requested for this task; cancel with another "
+                       "reason", "reason")
+    if is_stale_generation(body.interrupt_generation, int(row["interrupt_generation"])):
+        return _PreemptAck(stale=await _resend_current_interrupt(conn, principal, task_id, body, row))
+    return await _abort_preempted(conn, principal, task_id, body, row)
+
+
+async def _resend_current_interrupt(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
+                                    row: dict[str, Any]) -> ApiError:
+    """A stale preempt callback: the current interrupt goes to the client again; returns the 409 to answer."""
+    client = principal.client_id
+    metrics.interrupt_generation_mismatch_count.inc()
+    control = current_interrupt(row, now=datetime.now(UTC))
+    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client}", message=control,
+                  ordering_key=f"client:{client}", tenant_id=principal.tenant_id, notify=True)
+    log.warning("stale preempt callback; current interrupt re-sent", extra={
+        "task_id": str(task_id), "client_id": str(client), "tenant_id": principal.tenant_id,
+        "callback_generation": body.interrupt_generation,
+        "current_generation": int(row["interrupt_generation"])})
+    return ApiError(409, "stale_generation",
+                    "interrupt_generation is older than the task's; the current interrupt was re-sent",
+                    "interrupt_generation", current_generation=int(row["interrupt_generation"]))
+
+
+async def _abort_preempted(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
+                           row: dict[str, Any]) -> _PreemptAck:
+    """End the preempted execution (aborted) and yield its business task back to its lane, no attempt counted."""
+    ack = _PreemptAck()
+    ended = await end_execution(conn, task_id=task_id, outcome="aborted", lease_epoch=int(row["lease_epoch"]),
+                                reason=PREEMPT_REASON, phase=body.execution_phase)
+    if ended is None:
+        return ack
+    await yield_business_task(conn, ended.monitor_task_id)
+    if preempt_wasted_work(body.execution_phase or row["execution_phase"]):
+        ack.induced_retry = True
+    request = (row["control_flags"] or {}).get("collect_request_id")
+    if request:
+        cur = await conn.execute(q.PREEMPT_REQUEST_AGE_MS, {"request_id": request, "tenant_id": principal.tenant_id})
+        age = await cur.fetchone()
+        ack.request_age_ms = float(age["age_ms"]) if age else None
+    await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=principal.client_id,
+                         task_id=task_id, monitor_task_id=ended.monitor_task_id, ai_platform_id=ended.ai_platform_id,
+                         lane=ended.lane, reason=PREEMPT_REASON, notify=True)
+    return ack
+
+
+async def _client_cancel(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
+                         row: dict[str, Any], *, max_attempts: int) -> None:
+    """The client's own cancel: the execution is aborted and its business task retried (an attempt counted)."""
+    ended = await end_execution(conn, task_id=task_id, outcome="aborted", lease_epoch=int(row["lease_epoch"]),
+                                reason=body.reason[:64], phase=body.execution_phase)
+    if ended is None:
+        return
+    await retry_business_task(conn, ended.monitor_task_id, max_attempts=max_attempts,
+                              error=f"cancelled by client: {body.reason}")
+    await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=principal.client_id,
+                         task_id=task_id, monitor_task_id=ended.monitor_task_id, ai_platform_id=ended.ai_platform_id,
+                         lane=ended.lane, reason=body.reason[:64], notify=True)
+
+
+def _count_cancel(body: CancelRequest, ack: _PreemptAck) -> None:
+    """The preemption metrics, once the cancel has committed."""
+    if ack.induced_retry:
+        metrics.collect_now_preempt_induced_retry_count.inc()
+    if body.reason == PREEMPT_REASON:
+        metrics.monitor_preempt_success_count.inc()
+        if ack.request_age_ms is not None:
+            metrics.monitor_preempt_latency_ms.observe(ack.request_age_ms)
 
 
 # ---- result -----------------------------------------------------------------------------------
