@@ -113,6 +113,13 @@ async def connect(url: str, *, autocommit: bool = True, name: str = "monitoring"
     return conn
 
 
+def json_records(rows: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> str:
+    """A batch of rows as one JSON parameter of named records (`keys` of each row), for
+    `json_to_recordset(%(rows)s::json) AS r(name type, ...)`: the statement names each column and its type, the
+    caller each value, and nothing depends on an order both sides must keep. Encoded by msgspec in C."""
+    return msgspec.json.encode([{k: row[k] for k in keys} for row in rows]).decode()
+
+
 def json_rows(rows: Iterable[tuple[Any, ...]]) -> str:
     """A batch of rows as one JSON parameter (a JSON array of row arrays), for
     `json_array_elements(%(rows)s::json) AS e(v)` with `(e.v->>i)::type` columns. msgspec encodes it in C;

@@ -21,9 +21,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-import msgspec
-
-from libs.db.pool import Conn
+from libs.db.pool import Conn, json_records
 
 EXECUTION_OWNERS = ("legacy", "desktop_tasks")
 ExecutionOwner = Literal["legacy", "desktop_tasks"]
@@ -36,7 +34,7 @@ ACTIVE_LEASE = ("queued", "in_progress")
 # the history row, and the business row leased to the client (still without a token: the client pulls it).
 OFFER = """
 WITH o AS MATERIALIZED (
-    SELECT * FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(
+    SELECT * FROM json_to_recordset(%(rows)s::json) AS r(
         id uuid, monitor_task_id bigint, tenant_id bigint, workspace_id bigint, target_client_id uuid,
         ai_platform_id bigint, brand_id bigint, question_id bigint, business_date date, lane text, lane_weight int,
         priority int, interrupt_generation bigint, collect_request_id uuid, enqueued_at timestamptz)
@@ -63,8 +61,7 @@ _OFFER_KEYS = ("id", "monitor_task_id", "tenant_id", "workspace_id", "target_cli
 
 async def offer(conn: Conn, rows: list[dict[str, Any]], *, ts: datetime) -> None:
     """Offer claimed legacy business tasks to the clients a pass chose (queued in the caller's pipeline)."""
-    payload = msgspec.json.encode([{k: r[k] for k in _OFFER_KEYS} for r in rows]).decode()
-    await conn.execute(OFFER, {"rows": payload, "ts": ts})
+    await conn.execute(OFFER, {"rows": json_records(rows, _OFFER_KEYS), "ts": ts})
 
 
 # ---- hub: lease, extend, result ----------------------------------------------------------------------------------

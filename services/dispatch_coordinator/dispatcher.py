@@ -27,7 +27,7 @@ from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.wire import TaskAvailable
-from libs.db.pool import Conn, json_rows
+from libs.db.pool import Conn, json_records
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.dispatch import (
@@ -429,60 +429,78 @@ class Dispatcher:
         if "high" in limits.paused_lanes:
             return outcome
         batch = max(1, settings.dispatch_batch_size)
-        window = max(1, settings.budget_window_seconds)
         async with self._pool.connection() as conn:
-            write_started = 0.0
-            written: _Written | None = None
+            timing = _WriteTiming()
             try:
                 # Two round trips in all: BEGIN + the locks + the reads; the writes + COMMIT (queued in the
                 # pipeline and sent together when it ends).
                 async with pipelined_transaction(conn):
-                    await conn.execute(q.PASS_LOCK)
-                    await conn.execute(q.ASYNC_COMMIT)
-                    locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
-                    found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
-                    snapshot_cur = await conn.execute(HIGH_SNAPSHOT_SQL, {
-                        "window": window, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
-                    locked = {r["id"] for r in await locked_cur.fetchall()}
-                    found_rows = await found.fetchall()
-                    stamp = await snapshot_cur.fetchone()
-                    assert stamp is not None
-                    candidates = [_candidate(r) for r in found_rows]
-                    if not candidates:
+                    read = await self._read_high(conn, settings, batch)
+                    if read is None:
                         return outcome
-                    snapshot = _high_snapshot(stamp, window)
-                    outcome.considered = len(candidates)
-                    tracing.set_attributes(considered=outcome.considered)
-                    plan = plan_pass({"high": candidates}, snapshot.clients, snapshot.ledger, limits,
-                                     last_served=self.last_served, max_dispatches=batch,
-                                     normal_has_work=bool(self.pairs))
-                    outcome.seconds_to_next_window = snapshot.window_start + snapshot.window_seconds - snapshot.now
-                    if plan.decisions:
-                        # Stamped with the snapshot's clock: the window whose budget was read (under the pass lock).
-                        write_started = time.perf_counter()
-                        if all(d.client_id in locked for d in plan.decisions):
-                            # Clients and tasks were locked by the reads: nothing to re-check.
-                            rows = _dispatchable_rows(plan.decisions, {
-                                r["id"]: {**r, "enqueued_at": r["enqueued_ts"]} for r in found_rows}, set())
-                        else:  # an unbound task went to a client not locked above: the full re-check
-                            rows = await self._claim(conn, plan)
-                        if rows:
-                            written = await self._queue_writes(conn, rows, stamp["ts"])
+                    plan, written = await self._write_high(conn, read, limits, batch, outcome, timing)
                 if written is not None:
                     await self._after_commit(written)
                     outcome.dispatched = outcome.high_dispatched = len(written.rows)
                     tracing.set_attributes(dispatched=outcome.dispatched)
             except CONFLICT_ERRORS as exc:
-                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
-                                        if write_started else 0.0, True)
+                self._record_write(timing, conflicted=True)
                 log.warning("high dispatch pass hit a write conflict; the full pass redoes it",
                             extra={"error": str(exc)[:300]})
                 outcome.conflicted = True
                 return outcome
-            if write_started:
-                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000, False)
+            self._record_write(timing, conflicted=False)
         self.last_served.update(plan.last_served)
         return outcome
+
+    async def _read_high(self, conn: Conn, settings: DispatchSettings, batch: int) -> _HighRead | None:
+        """The high pass's locks and reads, one round trip: the pass lock, the clients bound to ready high work
+        (locked), the high candidates (locked) and the snapshot. None: no ready high work."""
+        window = max(1, settings.budget_window_seconds)
+        await conn.execute(q.PASS_LOCK)
+        await conn.execute(q.ASYNC_COMMIT)
+        locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
+        found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
+        snapshot_cur = await conn.execute(HIGH_SNAPSHOT_SQL, {
+            "window": window, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+        locked = {r["id"] for r in await locked_cur.fetchall()}
+        found_rows = await found.fetchall()
+        stamp = await snapshot_cur.fetchone()
+        assert stamp is not None
+        if not found_rows:
+            return None
+        return _HighRead(found_rows, locked, stamp, _high_snapshot(stamp, window))
+
+    async def _write_high(self, conn: Conn, read: _HighRead, limits: PassLimits, batch: int, outcome: PassOutcome,
+                          timing: _WriteTiming) -> tuple[PassResult, _Written | None]:
+        """Plan the high candidates and queue the writes of what the plan dispatches (inside the caller's pipelined
+        transaction)."""
+        candidates = [_candidate(r) for r in read.rows]
+        outcome.considered = len(candidates)
+        tracing.set_attributes(considered=outcome.considered)
+        snapshot = read.snapshot
+        plan = plan_pass({"high": candidates}, snapshot.clients, snapshot.ledger, limits,
+                         last_served=self.last_served, max_dispatches=batch, normal_has_work=bool(self.pairs))
+        outcome.seconds_to_next_window = snapshot.window_start + snapshot.window_seconds - snapshot.now
+        if not plan.decisions:
+            return plan, None
+        # Stamped with the snapshot's clock: the window whose budget was read (under the pass lock).
+        timing.started = time.perf_counter()
+        if all(d.client_id in read.locked for d in plan.decisions):
+            # Clients and tasks were locked by the reads: nothing to re-check.
+            rows = _dispatchable_rows(plan.decisions, {
+                r["id"]: {**r, "enqueued_at": r["enqueued_ts"]} for r in read.rows}, set())
+        else:  # an unbound task went to a client not locked above: the full re-check
+            rows = await self._claim(conn, plan)
+        return plan, (await self._queue_writes(conn, rows, read.stamp["ts"]) if rows else None)
+
+    def _record_write(self, timing: _WriteTiming, *, conflicted: bool) -> None:
+        """The pass's write latency (and whether it conflicted) for the auto slow-down's statistics; nothing when it
+        did not write (a conflict before writing counts as one, with no latency)."""
+        if timing.started:
+            self.write_stats.record(time.monotonic(), (time.perf_counter() - timing.started) * 1000, conflicted)
+        elif conflicted:
+            self.write_stats.record(time.monotonic(), 0.0, True)
 
     @tracing.traced("dispatch.full_pass", root=True)
     async def run_pass(self, settings: DispatchSettings) -> PassOutcome:
@@ -497,44 +515,11 @@ class Dispatcher:
         outcome = PassOutcome()
         limits = limits_from(settings, slowdown=self.slowdown)
         async with self._pool.connection() as conn:
-            if not self._pairs_at:
-                await self._refresh_pairs(conn)  # the first pass has none to go on with
-            elif time.monotonic() - self._pairs_at > PAIRS_MAX_AGE_S:
-                self._refresh_pairs_in_background()
-            window = max(1, settings.budget_window_seconds)
-            if self._ledger_window[0] != window or time.time() >= self._ledger_window[1] + window:
-                try:
-                    await self._ensure_ledger(conn, window)
-                except CONFLICT_ERRORS as exc:  # e.g. a lock timeout: this pass counts; the next one tries again
-                    log.warning("starting the budget ledger failed", extra={"error": str(exc)[:300]})
-            write_started = 0.0
-            written: _Written | None = None
+            await self._before_pass(conn, settings)
+            timing = _WriteTiming()
             try:
                 async with pipelined_transaction(conn):
-                    await conn.execute(q.PASS_LOCK)
-                    snap = await read_snapshot(conn, settings)
-                    self._report_pauses(snap)
-                    self._yield_to_high()
-                    blocked: Counter[str] = Counter()
-                    candidates = await self._candidates(conn, snap, limits, settings, blocked)
-                    self._yield_to_high()
-                    outcome.considered = sum(len(v) for v in candidates.values())
-                    plan = plan_pass(candidates, snap.clients, snap.ledger, limits, last_served=self.last_served,
-                                     cluster_high_backlog=self.cluster_high_backlog,
-                                     tenant_normal_backlog=self.tenant_normal_backlog,
-                                     max_dispatches=max(1, settings.dispatch_batch_size))
-                    self._count_blocked_without_candidates(plan, snap, limits, candidates)
-                    plan.rejections.update(blocked)
-                    outcome.seconds_to_next_window = snap.window_start + snap.window_seconds - snap.now
-                    if plan.decisions:
-                        self._yield_to_high(plan)
-                        cur = await conn.execute(q.NOW)
-                        stamp = await cur.fetchone()
-                        assert stamp is not None
-                        if window_start(float(stamp["now"]), snap.window_seconds) != snap.window_start:
-                            raise WindowRolledOver
-                        write_started = time.perf_counter()
-                        written = await self._write(conn, plan, stamp["ts"])
+                    plan, written = await self._plan_and_write(conn, settings, limits, outcome, timing)
                 if written is not None:
                     await self._after_commit(written)
                     outcome.dispatched = len(written.rows)
@@ -544,13 +529,11 @@ class Dispatcher:
                 outcome.preempted = True
                 return outcome
             except CONFLICT_ERRORS as exc:
-                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000
-                                        if write_started else 0.0, True)
+                self._record_write(timing, conflicted=True)
                 log.warning("dispatch pass hit a write conflict; redoing it", extra={"error": str(exc)[:300]})
                 outcome.conflicted = True
                 return outcome
-            if write_started:
-                self.write_stats.record(time.monotonic(), (time.perf_counter() - write_started) * 1000, False)
+            self._record_write(timing, conflicted=False)
         self.passes += 1
         self._preempted_in_a_row = 0  # this pass ran to its end: the next one may yield again
         self.last_served.update(plan.last_served)
@@ -562,6 +545,50 @@ class Dispatcher:
         if outcome.dispatched:
             log.debug("dispatched", extra={"count": outcome.dispatched, "high": outcome.high_dispatched})
         return outcome
+
+    async def _before_pass(self, conn: Conn, settings: DispatchSettings) -> None:
+        """A full pass's preparations outside its transaction: the pending pairs (read now for the first pass,
+        refreshed in the background when stale) and, once a window, the budget ledger."""
+        if not self._pairs_at:
+            await self._refresh_pairs(conn)  # the first pass has none to go on with
+        elif time.monotonic() - self._pairs_at > PAIRS_MAX_AGE_S:
+            self._refresh_pairs_in_background()
+        window = max(1, settings.budget_window_seconds)
+        if self._ledger_window[0] != window or time.time() >= self._ledger_window[1] + window:
+            try:
+                await self._ensure_ledger(conn, window)
+            except CONFLICT_ERRORS as exc:  # e.g. a lock timeout: this pass counts; the next one tries again
+                log.warning("starting the budget ledger failed", extra={"error": str(exc)[:300]})
+
+    async def _plan_and_write(self, conn: Conn, settings: DispatchSettings, limits: PassLimits, outcome: PassOutcome,
+                              timing: _WriteTiming) -> tuple[PassResult, _Written | None]:
+        """Inside the pass's transaction, under the pass lock: the snapshot, the candidates, the plan, and (in the
+        window that was read, else WindowRolledOver) its writes. Yields to waiting high work between the reads."""
+        await conn.execute(q.PASS_LOCK)
+        snap = await read_snapshot(conn, settings)
+        self._report_pauses(snap)
+        self._yield_to_high()
+        blocked: Counter[str] = Counter()
+        candidates = await self._candidates(conn, snap, limits, settings, blocked)
+        self._yield_to_high()
+        outcome.considered = sum(len(v) for v in candidates.values())
+        plan = plan_pass(candidates, snap.clients, snap.ledger, limits, last_served=self.last_served,
+                         cluster_high_backlog=self.cluster_high_backlog,
+                         tenant_normal_backlog=self.tenant_normal_backlog,
+                         max_dispatches=max(1, settings.dispatch_batch_size))
+        self._count_blocked_without_candidates(plan, snap, limits, candidates)
+        plan.rejections.update(blocked)
+        outcome.seconds_to_next_window = snap.window_start + snap.window_seconds - snap.now
+        if not plan.decisions:
+            return plan, None
+        self._yield_to_high(plan)
+        cur = await conn.execute(q.NOW)
+        stamp = await cur.fetchone()
+        assert stamp is not None
+        if window_start(float(stamp["now"]), snap.window_seconds) != snap.window_start:
+            raise WindowRolledOver
+        timing.started = time.perf_counter()
+        return plan, await self._write(conn, plan, stamp["ts"])
 
     def _yield_to_high(self, plan: PassResult | None = None) -> None:
         """Raise Preempted (the caller's transaction rolls back, before any write) when the waiting high-only
@@ -652,12 +679,7 @@ class Dispatcher:
         # for legacy work; the same event tells the client either way.
         executions = [r for r in rows if r["execution_owner"] != "legacy"]
         if executions:
-            await conn.execute(q.INSERT_EXECUTIONS, {"ts": ts, "rows": json_rows(
-                (r["id"], r["tenant_id"], r["workspace_id"], r["target_client_id"], r["priority"], r["lane"],
-                 r["lane_weight"], r["source"], r["scheduler_group_key"], r["monitor_task_id"],
-                 r["interrupt_generation"], r["enqueued_at"], r["brand_id"], r["question_id"], r["ai_platform_id"],
-                 r["business_date"], r["collect_request_id"])
-                for r in executions)})
+            await conn.execute(q.INSERT_EXECUTIONS, {"ts": ts, "rows": json_records(executions, q.EXECUTION_KEYS)})
         if len(executions) < len(rows):
             await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
         high = any(r["lane"] == "high" for r in rows)
@@ -719,6 +741,23 @@ class Dispatcher:
                     "tenant_id": r["tenant_id"], "task_id": str(r["id"]), "monitor_task_id": r["monitor_task_id"],
                     "client_id": str(r["target_client_id"]),
                     "collect_request_id": str(r["collect_request_id"]) if r["collect_request_id"] else None})
+
+
+@dataclass(slots=True)
+class _WriteTiming:
+    """When a pass started writing (perf_counter; 0: it has not)."""
+
+    started: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _HighRead:
+    """What the high pass read: its locked candidates, the clients locked with them, the snapshot row and snapshot."""
+
+    rows: list[dict[str, Any]]
+    locked: set[uuid.UUID]
+    stamp: dict[str, Any]
+    snapshot: Snapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -380,18 +380,25 @@ WHERE t.ctid = ANY(%(row_refs)s::tid[])
 """
 
 # Execution rows (cross-service contract 2), every value computed by the dispatcher from the claimed rows; one JSON
-# parameter (libs.db.pool.json_rows: encoded by msgspec in C) instead of seventeen arrays psycopg dumps in Python.
+# parameter of named records (libs.db.pool.json_records: encoded by msgspec in C) instead of seventeen arrays psycopg
+# dumps in Python.
 INSERT_EXECUTIONS = """
 INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
                            source, scheduler_group_key, monitor_task_id, interrupt_generation, enqueued_at,
                            brand_id, question_id, ai_platform_id, business_date, collect_request_id,
                            created_at, updated_at)
-SELECT (e.v->>0)::uuid, 'monitor', (e.v->>1)::bigint, (e.v->>2)::bigint, (e.v->>3)::uuid, 'queued', (e.v->>4)::int,
-       e.v->>5, (e.v->>6)::int, e.v->>7, e.v->>8, (e.v->>9)::bigint, (e.v->>10)::bigint, (e.v->>11)::timestamptz,
-       (e.v->>12)::bigint, (e.v->>13)::bigint, (e.v->>14)::bigint, (e.v->>15)::date, (e.v->>16)::uuid,
-       %(ts)s, %(ts)s
-FROM json_array_elements(%(rows)s::json) AS e(v)
+SELECT r.id, 'monitor', r.tenant_id, r.workspace_id, r.target_client_id, 'queued', r.priority, r.lane, r.lane_weight,
+       r.source, r.scheduler_group_key, r.monitor_task_id, r.interrupt_generation, r.enqueued_at, r.brand_id,
+       r.question_id, r.ai_platform_id, r.business_date, r.collect_request_id, %(ts)s, %(ts)s
+FROM json_to_recordset(%(rows)s::json) AS r(
+    id uuid, tenant_id bigint, workspace_id bigint, target_client_id uuid, priority int, lane text, lane_weight int,
+    source text, scheduler_group_key text, monitor_task_id bigint, interrupt_generation bigint, enqueued_at timestamptz,
+    brand_id bigint, question_id bigint, ai_platform_id bigint, business_date date, collect_request_id uuid)
 """
+# The keys of each row of INSERT_EXECUTIONS (libs.db.pool.json_records).
+EXECUTION_KEYS = ("id", "tenant_id", "workspace_id", "target_client_id", "priority", "lane", "lane_weight", "source",
+                  "scheduler_group_key", "monitor_task_id", "interrupt_generation", "enqueued_at", "brand_id",
+                  "question_id", "ai_platform_id", "business_date", "collect_request_id")
 
 # Collect-now starts by updating its client's row (interrupt_generation): holding these rows in share
 # mode orders a pass against a collect-now on the same client. Either the collect-now committed first
