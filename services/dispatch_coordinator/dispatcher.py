@@ -51,14 +51,11 @@ from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
 from libs.tasks import legacy
-from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
 
 log = logging.getLogger("dispatch.pass")
 
-CLIENTS_SQL = q.CLIENTS.format(eligible=ELIGIBLE_CLIENT_SQL, active_probe=q.ACTIVE_PROBE, active_work=q.ACTIVE_WORK)
-HIGH_SNAPSHOT_SQL = q.HIGH_SNAPSHOT.format(eligible=ELIGIBLE_CLIENT_SQL, platform_settings=q.PLATFORM_SETTINGS)
 CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
     pg_errors.LockNotAvailable,
@@ -70,7 +67,7 @@ WARM_UP_PARAMS: dict[str, object] = {
     "rows": "[]", "ids": [uuid.UUID(int=0)], "counts": [0],
 }
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
-    HIGH_SNAPSHOT_SQL, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, q.COUNT_ATTEMPTS, q.INSERT_EXECUTIONS,
+    q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, q.COUNT_ATTEMPTS, q.INSERT_EXECUTIONS,
     q.REQUESTS_DISPATCHED)]
 PAIRS_MAX_AGE_S = 1.0
 # How long a pass waits for the relay of its high events before its bookkeeping (see `_relay_committed`).
@@ -152,7 +149,7 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
         budget = await conn.execute(q.BUDGET_USE, {"window_start": int(start), "window": window})
         platforms = await conn.execute(q.PLATFORM_SETTINGS)
         active = await conn.execute(q.PLATFORM_ACTIVE)
-        loads = await conn.execute(CLIENTS_SQL, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+        loads = await conn.execute(q.CLIENTS, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
         overrides_cur = await conn.execute(q.PLATFORM_HEALTH_OVERRIDES)
         _fold_budget(ledger, await budget.fetchall())
         codes = _fold_platforms(ledger, await platforms.fetchall())
@@ -461,7 +458,7 @@ class Dispatcher:
         await conn.execute(q.ASYNC_COMMIT)
         locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
         found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
-        snapshot_cur = await conn.execute(HIGH_SNAPSHOT_SQL, {
+        snapshot_cur = await conn.execute(q.HIGH_SNAPSHOT, {
             "window": window, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
         locked = {r["id"] for r in await locked_cur.fetchall()}
         found_rows = await found.fetchall()

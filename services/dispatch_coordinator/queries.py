@@ -1,6 +1,9 @@
-"""SQL of the dispatch coordinator, as named constants with named parameters."""
+"""SQL of the dispatch coordinator, as named constants with named parameters, composed from each other by
+f-strings in this module only."""
 
 from __future__ import annotations
+
+from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 # A business task is READY (cross-service contract 1) when pending on the desktop_tasks path, due, and
 # without an active execution.
@@ -117,24 +120,29 @@ DELETE FROM dispatch_budget_ledger WHERE window_start < %(window_start)s - 3600
 # counted. The count runs only in the ledger's absence (the first window after a deployment or a change of the
 # window length, until the next full pass starts the ledger): EXISTS over an uncorrelated subquery is a one-time
 # filter, evaluated before either branch scans anything. {ws} is the window start (epoch seconds).
-_BUDGET_USE = f"""
+def _ledger_tracks(ws: str) -> str:
+    """Does the ledger count the window starting at `ws` (an SQL expression)?"""
+    return ("SELECT 1 FROM dispatch_budget_ledger_tracking k "
+            f"WHERE k.window_seconds = %(window)s AND k.since_window_start <= {ws}")
+
+
+BUDGET_USE = f"""
 SELECT l.tenant_id, l.high, sum(l.used) AS n
 FROM dispatch_budget_ledger l
-WHERE l.window_start = {{ws}} AND l.window_seconds = %(window)s AND EXISTS ({{tracked}})
+WHERE l.window_start = %(window_start)s AND l.window_seconds = %(window)s
+  AND EXISTS ({_ledger_tracks("%(window_start)s")})
 GROUP BY 1, 2
 UNION ALL
 SELECT d.tenant_id, d.lane = 'high', count(*)
 FROM dispatch_budget_rows d
-WHERE NOT EXISTS ({{tracked}}) AND d.kind = 'monitor' AND d.created_at >= to_timestamp({{ws}})
-  AND d.created_at < to_timestamp({{ws}} + %(window)s) AND {COUNTS_AGAINST_BUDGET}
+WHERE NOT EXISTS ({_ledger_tracks("%(window_start)s")}) AND d.kind = 'monitor'
+  AND d.created_at >= to_timestamp(%(window_start)s) AND d.created_at < to_timestamp(%(window_start)s + %(window)s)
+  AND {COUNTS_AGAINST_BUDGET}
 GROUP BY 1, 2
 """
-_LEDGER_TRACKS = ("SELECT 1 FROM dispatch_budget_ledger_tracking k "
-                  "WHERE k.window_seconds = %(window)s AND k.since_window_start <= {ws}")
-BUDGET_USE = _BUDGET_USE.format(ws="%(window_start)s", tracked=_LEDGER_TRACKS.format(ws="%(window_start)s"))
 # The high pass needs the window's use per lane class only: from the totals (at most 64 rows, whatever the number of
 # tenants), else counted. For the window of its clock (its `w` row).
-_HIGH_TRACKED = _LEDGER_TRACKS.format(ws="(SELECT ws FROM w)")
+_HIGH_TRACKED = _ledger_tracks("(SELECT ws FROM w)")
 _HIGH_BUDGET_USE = f"""
 SELECT t.high, sum(t.used) AS n
 FROM dispatch_budget_totals t
@@ -148,10 +156,10 @@ WHERE NOT EXISTS ({_HIGH_TRACKED}) AND d.kind = 'monitor' AND d.created_at >= to
 GROUP BY 1
 """
 
-# Eligible clients with their monitor load. ELIGIBLE_CLIENT_SQL is appended by the caller. Set-based: one
+# Eligible clients with their monitor load. Set-based: one
 # aggregate over the active executions (partial index) and one set of clients with pending high work,
 # joined to the (few) eligible clients; no per-client correlated subquery.
-CLIENTS = """
+CLIENTS = f"""
 WITH load AS MATERIALIZED (
     SELECT d.target_client_id AS client_id,
            count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
@@ -160,12 +168,12 @@ WITH load AS MATERIALIZED (
            bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
                    AND d.interrupted_at < now() - make_interval(
                        secs => coalesce(ps.interrupt_soft_timeout_ms, 15000) / 1000.0)) AS interrupt_overdue
-    FROM {active_work} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
+    FROM {ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
     GROUP BY 1
 ), high AS MATERIALIZED (
     -- Clients with pending high business work not yet running (its ready-list index, lane = 'high').
     SELECT DISTINCT t.target_client_id AS client_id
-    FROM monitoring_collect_tasks t {active_probe}
+    FROM monitoring_collect_tasks t {ACTIVE_PROBE}
     WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.target_client_id IS NOT NULL
       AND act.busy IS NULL
 )
@@ -176,7 +184,7 @@ SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_
 FROM desktop_clients c
 LEFT JOIN load a ON a.client_id = c.id
 LEFT JOIN high h ON h.client_id = c.id
-WHERE {eligible}
+WHERE {ELIGIBLE_CLIENT_SQL}
 """
 
 # An operator's per-(tenant, platform) override of the platform-health pause: 'pause' or 'ignore_health'.
@@ -186,6 +194,14 @@ PLATFORM_ACTIVE = f"""
 SELECT w.tenant_id, w.ai_platform_id, count(*) AS n
 FROM {ACTIVE_WORK} w
 GROUP BY 1, 2
+"""
+
+# Platform limits and pauses, for both passes.
+PLATFORM_SETTINGS = """
+SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
+       coalesce(s.paused, false) AS paused, coalesce(s.interrupt_soft_timeout_ms, 15000) AS soft_timeout_ms,
+       coalesce(s.interrupt_hard_timeout_ms, 45000) AS hard_timeout_ms
+FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 """
 
 # ---- high-only pass (collect-now latency) -----------------------------------------------------------
@@ -200,7 +216,7 @@ ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
 # the active executions of the tenants with ready high work, and the eligible clients that work can go to (its
 # bound client, or the clients of its tenant and workspace) with their monitor load. The executions the pass
 # writes are stamped with this clock, so they fall in the window whose budget was read. ELIGIBLE_CLIENT_SQL and
-# PLATFORM_SETTINGS are substituted by the caller.
+# PLATFORM_SETTINGS are part of it.
 HIGH_SNAPSHOT = f"""
 WITH w AS MATERIALIZED (
     SELECT c.ts, (floor(extract(epoch FROM c.ts) / %(window)s) * %(window)s)::bigint AS ws
@@ -214,7 +230,7 @@ WITH w AS MATERIALIZED (
 )
 SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_start,
        b.cluster_used, b.non_high_used,
-       (SELECT coalesce(json_agg(p), '[]')::text FROM ({{platform_settings}}) p) AS platforms,
+       (SELECT coalesce(json_agg(p), '[]')::text FROM ({PLATFORM_SETTINGS}) p) AS platforms,
        (SELECT coalesce(json_agg(a), '[]')::text FROM (
             SELECT d.tenant_id, d.ai_platform_id, count(*) AS n
             FROM {ACTIVE_WORK} d
@@ -243,7 +259,7 @@ SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_sta
                       SELECT l.status FROM legacy_leases l
                       WHERE l.target_client_id = c.id AND l.status IN ('queued', 'in_progress')) d
             ) a ON true
-            WHERE {{eligible}}) l) AS clients
+            WHERE {ELIGIBLE_CLIENT_SQL}) l) AS clients
 FROM w CROSS JOIN (
     -- High work answers to the cluster budget only (no tenant budget): two sums of the window's totals.
     SELECT coalesce(sum(u.n), 0) AS cluster_used, coalesce(sum(u.n) FILTER (WHERE NOT u.high), 0) AS non_high_used
@@ -251,12 +267,7 @@ FROM w CROSS JOIN (
 ) b
 """
 
-PLATFORM_SETTINGS = """
-SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
-       coalesce(s.paused, false) AS paused, coalesce(s.interrupt_soft_timeout_ms, 15000) AS soft_timeout_ms,
-       coalesce(s.interrupt_hard_timeout_ms, 45000) AS hard_timeout_ms
-FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
-"""
+
 
 # (tenant, platform) pairs with pending work (either path): a loose index scan, one probe per pair.
 PENDING_PAIRS = """

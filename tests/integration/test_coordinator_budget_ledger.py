@@ -21,7 +21,7 @@ from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
 from libs.tasks.transitions import end_execution
 from services.collect_now_api import queries as collect_now_queries
 from services.dispatch_coordinator import queries as q
-from services.dispatch_coordinator.dispatcher import HIGH_SNAPSHOT_SQL, Dispatcher, read_snapshot
+from services.dispatch_coordinator.dispatcher import Dispatcher, read_snapshot
 from services.dispatch_coordinator.scanner import scan_once
 from tests.integration.test_coordinator_load import collect_now
 from tests.support.dispatch_fleet import Seeded, seed_fleet
@@ -113,7 +113,7 @@ async def assert_pass_reads_the_count(pool: AsyncConnectionPool[Conn], settings:
         cur = await conn.execute(q.BUDGET_USED, {"window_start": snap.window_start,
                                                  "window_end": snap.window_start + snap.window_seconds})
         rows = await cur.fetchall()
-        cur = await conn.execute(HIGH_SNAPSHOT_SQL, {"window": window,
+        cur = await conn.execute(q.HIGH_SNAPSHOT, {"window": window,
                                                      "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
         high = await cur.fetchone()
         assert high is not None
@@ -242,8 +242,8 @@ async def test_the_high_pass_reads_the_ledger_without_counting(pool: AsyncConnec
     settings = await _settings(pool)
     await dispatcher.run_pass(settings)
     async with pool.connection() as conn:
-        cur = await conn.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + q.HIGH_SNAPSHOT.format(
-            eligible="true", platform_settings=q.PLATFORM_SETTINGS), {"window": 60, "heartbeat_timeout_s": 30})
+        cur = await conn.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + q.HIGH_SNAPSHOT,
+                                 {"window": 60, "heartbeat_timeout_s": 30})
         plan = "\n".join(r["QUERY PLAN"] for r in await cur.fetchall())
     # The count's scan of the window's executions is planned (the ledger's absence) but never runs.
     count_branch = plan[plan.index("Append"):]
