@@ -19,16 +19,16 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import TenantPrincipal
 from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, CollectRequestTask
-from libs.contracts.wire import ControlKind, TaskControl
+from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.lanes import HIGH_PRIORITY
 from libs.domain.shard import ingest_shard_key
 from libs.http import ApiError
-from libs.mq.topology import DISPATCH
-from libs.outbox import NOTIFY_CHANNEL, enqueue
+from libs.outbox import NOTIFY_CHANNEL, enqueue_many
 from libs.outbox.writer import PRIORITY_WAKE
+from libs.tasks.controls import control_event
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
 from libs.telemetry import metrics, tracing
 from services.collect_now_api import queries as q
@@ -400,19 +400,16 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
                         generation: int, cancelled: list[_Execution], interrupted: list[_Execution],
                         replacement: uuid.UUID | None = None) -> None:
     """TaskControl per cancelled / interrupted execution and the lifecycle event (in the caller's pipeline)."""
-    now = datetime.now(UTC)
     if client_id is not None:
+        now = datetime.now(UTC)
         batches: tuple[tuple[list[_Execution], ControlKind], ...] = (
             (cancelled, "cancelled"), (interrupted, "interrupt_requested"))
-        for executions, control in batches:
-            for execution in executions:
-                message = TaskControl(kind="monitor", task_id=execution.task_id, target_client_id=client_id,
-                                      control=control, reason=PREEMPT_REASON, interrupt_generation=generation,
-                                      updated_at=now, collect_request_id=request_id,
-                                      replacement_task_id=replacement if control == "interrupt_requested" else None)
-                await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}",
-                              message=message, ordering_key=f"client:{client_id}", tenant_id=tenant_id,
-                              priority=1)  # claimed before older normal outbox events
+        await enqueue_many(conn, [
+            control_event(task_id=execution.task_id, client_id=client_id, control=control, reason=PREEMPT_REASON,
+                          interrupt_generation=generation, tenant_id=tenant_id, collect_request_id=request_id,
+                          replacement_task_id=replacement if control == "interrupt_requested" else None,
+                          urgent=True, now=now)  # claimed before older normal outbox events
+            for executions, control in batches for execution in executions])
     await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id, lane="high",
                          collect_request_id=request_id,
                          reason=PREEMPT_REASON if cancelled or interrupted else None)

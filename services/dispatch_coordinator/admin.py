@@ -10,7 +10,6 @@ from typing import Any
 from psycopg.pq import TransactionStatus
 
 from libs.contracts.amqp import LifecycleEvent
-from libs.contracts.wire import TaskControl
 from libs.coordinator_state import read_coordinator_state
 from libs.db.pool import Conn
 from libs.dispatch_settings import (
@@ -26,9 +25,10 @@ from libs.dispatch_settings import (
 )
 from libs.domain.dispatch import window_start
 from libs.domain.platform_health import OverrideMode
-from libs.mq.topology import DISPATCH, LIFECYCLE
+from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
+from libs.tasks.controls import control_event
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ELIGIBLE_CLIENT_SQL, ExecutionEnd, end_executions
 from services.dispatch_coordinator import queries as q
 
@@ -405,12 +405,9 @@ async def _abort_in_flight(conn: Conn) -> int:
     events: list[OutboxEvent] = []
     for row in rows:
         client = row["target_client_id"]
-        events.append(OutboxEvent(
-            exchange=DISPATCH, routing_key=f"monitor.control.{client}",
-            message=TaskControl(kind="monitor", task_id=row["id"], target_client_id=client, control="cancelled",
-                                reason=ROLLBACK_REASON, interrupt_generation=row["interrupt_generation"],
-                                updated_at=now, collect_request_id=row["collect_request_id"]),
-            ordering_key=f"client:{client}", tenant_id=row["tenant_id"]))
+        events.append(control_event(task_id=row["id"], client_id=client, control="cancelled", reason=ROLLBACK_REASON,
+                                    interrupt_generation=row["interrupt_generation"], tenant_id=row["tenant_id"],
+                                    collect_request_id=row["collect_request_id"], now=now))
         events.append(OutboxEvent(
             exchange=LIFECYCLE, routing_key="task.aborted",
             message=LifecycleEvent(event="task.aborted", tenant_id=row["tenant_id"], occurred_at=now,

@@ -6,16 +6,14 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 
-from libs.contracts.wire import ControlKind, TaskControl
+from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings
-from libs.mq.topology import DISPATCH
-from libs.outbox import enqueue
+from libs.tasks import controls
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.rules import request_final_status
@@ -92,12 +90,10 @@ async def fix_each(ctx: JobContext, ids: list[uuid.UUID], fix_one: FixOne, resul
 async def send_control(conn: Conn, *, task_id: uuid.UUID, client_id: uuid.UUID, control: ControlKind, reason: str,
                        interrupt_generation: int, collect_request_id: uuid.UUID | None = None,
                        tenant_id: int | None = None) -> None:
-    """A TaskControl to the client on `monitor.control.{client}`, through the outbox."""
-    message = TaskControl(kind="monitor", task_id=task_id, target_client_id=client_id, control=control,
-                          reason=reason, interrupt_generation=interrupt_generation,
-                          updated_at=datetime.now(UTC), collect_request_id=collect_request_id)
-    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}", message=message,
-                  ordering_key=f"client:{client_id}", tenant_id=tenant_id, notify=True)
+    """A TaskControl to the client (libs/tasks/controls.py), the pumps woken at commit."""
+    await controls.send_control(conn, task_id=task_id, client_id=client_id, control=control, reason=reason,
+                                interrupt_generation=interrupt_generation, tenant_id=tenant_id,
+                                collect_request_id=collect_request_id, notify=True)
 
 
 _REQUEST_PROGRESS = """
