@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from libs.db.pool import Conn, json_records
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 
 EXECUTION_OWNERS = ("legacy", "desktop_tasks")
 ExecutionOwner = Literal["legacy", "desktop_tasks"]
@@ -256,7 +257,7 @@ WHERE id = ANY(%(ids)s::uuid[]) AND status = 'in_progress'
 # Live work on the path a task is not owned by: a live legacy lease on a desktop_tasks-owned task, an active execution
 # on a legacy-owned one. Neither path creates these (each dispatches only its own owner's pending tasks, and a task
 # changes owner only when pending without live work); one found is for a human.
-PATH_MISMATCHES = """
+PATH_MISMATCHES = f"""
 SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
        'live legacy lease on a desktop_tasks-owned task' AS problem
 FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
@@ -265,12 +266,12 @@ UNION ALL
 SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
        'active execution on a legacy-owned task'
 FROM desktop_tasks d JOIN monitoring_collect_tasks t ON t.id = d.monitor_task_id
-WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown') AND t.execution_owner = 'legacy'
+WHERE d.kind = 'monitor' AND d.status IN {ACTIVE_EXECUTION_SQL} AND t.execution_owner = 'legacy'
 """
 
 # Work in flight per path: active executions, live legacy leases (offered and pulled).
-IN_FLIGHT_BY_PATH = """
-SELECT (SELECT count(*) FROM desktop_tasks WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown'))
+IN_FLIGHT_BY_PATH = f"""
+SELECT (SELECT count(*) FROM desktop_tasks WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL})
            AS desktop_tasks,
        (SELECT count(*) FROM legacy_leases WHERE status IN ('queued', 'in_progress')) AS legacy
 """

@@ -22,12 +22,12 @@ from libs.domain.lanes import RETRY_PRIORITY
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
 from libs.tasks import legacy
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 
 # Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
 DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
 
 ExecutionOutcome = Literal["succeeded", "failed", "aborted", "expired"]
-ACTIVE_EXECUTION = ("queued", "in_progress", "unknown")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class EndedExecution:
     previous_status: str
 
 
-_END_EXECUTION = """
+_END_EXECUTION = f"""
 UPDATE desktop_tasks d
 SET status = %(status)s,
     finished_at = now(),
@@ -51,7 +51,7 @@ SET status = %(status)s,
     interrupt_reason = coalesce(%(reason)s, d.interrupt_reason),
     lease_token_hash = NULL
 FROM (SELECT id, status AS previous_status FROM desktop_tasks
-      WHERE id = %(task_id)s AND status IN ('queued', 'in_progress', 'unknown')
+      WHERE id = %(task_id)s AND status IN {ACTIVE_EXECUTION_SQL}
         AND (%(lease_epoch)s::int IS NULL OR lease_epoch = %(lease_epoch)s::int)
       FOR UPDATE) prev
 WHERE d.id = prev.id
@@ -156,7 +156,7 @@ class ExecutionEnd:
 # does not depend on statistics. With a join the planner trusted a stale "few active executions" estimate
 # and scanned every active execution (every attempt) per batch: ~6 ms each for 100 of 20,000 in progress.
 # The ids come sorted, so the rows are locked in id order.
-_END_EXECUTIONS = """
+_END_EXECUTIONS = f"""
 WITH wanted AS MATERIALIZED (
     SELECT * FROM unnest(%(task_ids)s::uuid[], %(statuses)s::text[], %(epochs)s::int[], %(reasons)s::text[],
                          %(errors)s::text[]) WITH ORDINALITY AS w(task_id, status, lease_epoch, reason, error, ord)
@@ -166,7 +166,7 @@ WITH wanted AS MATERIALIZED (
     CROSS JOIN LATERAL (
         SELECT d.id, d.status AS previous_status
         FROM desktop_tasks d
-        WHERE d.id = w.task_id AND d.status IN ('queued', 'in_progress', 'unknown')
+        WHERE d.id = w.task_id AND d.status IN {ACTIVE_EXECUTION_SQL}
           AND (w.lease_epoch IS NULL OR d.lease_epoch = w.lease_epoch)
         OFFSET 0
         FOR UPDATE OF d

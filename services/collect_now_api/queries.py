@@ -3,6 +3,7 @@
 import uuid
 from datetime import date
 
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 ACTIVE_REQUEST_STATUSES = ("accepted", "dispatching", "running")
@@ -330,7 +331,7 @@ WHERE r.id = %(request_id)s AND r.tenant_id = %(tenant_id)s AND r.workspace_id =
 
 # Per-task status with its active execution (or, when none is active, this request's latest one). One page, in
 # monitor_task_id order: the tasks after `after_task_id` (the cursor; 0 for the first page), at most `limit`.
-REQUEST_TASKS = """
+REQUEST_TASKS = f"""
 SELECT t.id AS monitor_task_id, t.question_id, t.ai_platform_id, t.status, t.dispatch_lane AS lane,
        e.status AS execution_status, e.execution_phase
 FROM monitoring_collect_tasks t
@@ -341,8 +342,8 @@ LEFT JOIN LATERAL (
           UNION ALL  -- a legacy lease is this task's execution on the legacy path
           SELECT l.status, l.execution_phase, l.collect_request_id, l.created_at FROM legacy_leases l
           WHERE l.monitor_task_id = t.id AND l.tenant_id = t.tenant_id) d
-    WHERE d.status IN ('queued', 'in_progress', 'unknown') OR d.collect_request_id = %(request_id)s
-    ORDER BY (d.status IN ('queued', 'in_progress', 'unknown')) DESC, d.created_at DESC
+    WHERE d.status IN {ACTIVE_EXECUTION_SQL} OR d.collect_request_id = %(request_id)s
+    ORDER BY (d.status IN {ACTIVE_EXECUTION_SQL}) DESC, d.created_at DESC
     LIMIT 1
 ) e ON true
 WHERE t.tenant_id = %(tenant_id)s AND t.id = ANY(%(task_ids)s::bigint[]) AND t.id > %(after_task_id)s

@@ -29,6 +29,7 @@ from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
 from libs.tasks.controls import control_event
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ELIGIBLE_CLIENT_SQL, ExecutionEnd, end_executions
 from services.dispatch_coordinator import queries as q
 
@@ -80,9 +81,9 @@ SELECT t.dispatch_lane AS lane, count(*) AS ready, coalesce(max(extract(epoch FR
        * 1000 AS oldest_ms
 FROM monitoring_collect_tasks t WHERE {q.READY} GROUP BY 1
 """
-_EXECUTIONS = """
+_EXECUTIONS = f"""
 SELECT status, count(*) AS n FROM desktop_tasks
-WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown') GROUP BY 1
+WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL} GROUP BY 1
 """
 _CLIENTS_ONLINE = f"""
 SELECT count(*) FILTER (WHERE {ELIGIBLE_CLIENT_SQL}) AS eligible, count(*) FILTER (WHERE c.online) AS online,
@@ -109,7 +110,7 @@ FROM tenants
 # Active monitor executions (uq_desktop_tasks_monitor_active's statuses), hashed once: READY_BACKLOG's form.
 _ACTIVE_TASK_IDS = (
     "SELECT d.monitor_task_id FROM desktop_tasks d WHERE d.kind = 'monitor' "
-    "AND d.status IN ('queued', 'in_progress', 'unknown') AND d.monitor_task_id IS NOT NULL"
+    f"AND d.status IN {ACTIVE_EXECUTION_SQL} AND d.monitor_task_id IS NOT NULL"
 )
 
 # What a rollback would change, in one snapshot: active executions (aborted with --force, else left to finish) and
@@ -117,17 +118,17 @@ _ACTIVE_TASK_IDS = (
 # those without an active execution).
 _ROLLBACK_PREVIEW = f"""
 SELECT (SELECT count(*) FROM desktop_tasks d
-        WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown')) AS in_flight,
+        WHERE d.kind = 'monitor' AND d.status IN {ACTIVE_EXECUTION_SQL}) AS in_flight,
        count(*) AS pending_desktop_tasks,
        count(*) FILTER (WHERE t.id NOT IN ({_ACTIVE_TASK_IDS})) AS pending_without_execution
 FROM monitoring_collect_tasks t
 WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
 """
 
-_ACTIVE_MONITOR = """
+_ACTIVE_MONITOR = f"""
 SELECT id, target_client_id, tenant_id, interrupt_generation, monitor_task_id, collect_request_id
 FROM desktop_tasks
-WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
+WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL}
 ORDER BY id
 """
 
@@ -383,8 +384,8 @@ async def emergency_rollback(conn: Conn, *, force_in_flight: bool, dry_run: bool
                             aborted=aborted, moved=moved, left=left)
 
 
-_IN_FLIGHT = """
-SELECT count(*) AS n FROM desktop_tasks WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
+_IN_FLIGHT = f"""
+SELECT count(*) AS n FROM desktop_tasks WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL}
 """
 
 

@@ -3,6 +3,7 @@ f-strings in this module only."""
 
 from __future__ import annotations
 
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 # A business task is READY (cross-service contract 1) when pending on the desktop_tasks path, due, and
@@ -13,7 +14,7 @@ from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 # aggregates over the whole backlog use READY_BACKLOG.
 NO_ACTIVE_EXECUTION = (
     "(SELECT true FROM desktop_tasks d WHERE d.monitor_task_id = t.id AND d.kind = 'monitor' "
-    "AND d.status IN ('queued', 'in_progress', 'unknown') LIMIT 1) IS NULL"
+    f"AND d.status IN {ACTIVE_EXECUTION_SQL} LIMIT 1) IS NULL"
 )
 READY = (
     "t.status = 'pending' AND t.dispatch_after <= now() AND "
@@ -27,7 +28,7 @@ READY = (
 READY_BACKLOG = (
     "t.status = 'pending' AND t.dispatch_after <= now() AND t.id NOT IN ("
     "SELECT d.monitor_task_id FROM desktop_tasks d WHERE d.kind = 'monitor' "
-    "AND d.status IN ('queued', 'in_progress', 'unknown') AND d.monitor_task_id IS NOT NULL)"
+    f"AND d.status IN {ACTIVE_EXECUTION_SQL} AND d.monitor_task_id IS NOT NULL)"
 )
 
 # The same test for the candidate scans, which walk an index in dispatch order and stop at a LIMIT: the
@@ -37,7 +38,7 @@ READY_BACKLOG = (
 # ACTIVE_PROBE in the FROM clause.
 ACTIVE_PROBE = (
     "LEFT JOIN LATERAL (SELECT true AS busy FROM desktop_tasks d WHERE d.monitor_task_id = t.id "
-    "AND d.kind = 'monitor' AND d.status IN ('queued', 'in_progress', 'unknown') LIMIT 1) act ON true"
+    f"AND d.kind = 'monitor' AND d.status IN {ACTIVE_EXECUTION_SQL} LIMIT 1) act ON true"
 )
 READY_PROBED = (
     "t.status = 'pending' AND t.dispatch_after <= now() AND act.busy IS NULL"

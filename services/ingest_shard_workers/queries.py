@@ -3,6 +3,8 @@ msgspec in C) unpacked with json_array_elements, rather than one Postgres array 
 dumps element by element in Python (a quarter of a worker's CPU at full rate). Rows are locked in key
 order."""
 
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+
 # The business tasks of a batch, locked in id order (the lock order of every ingest transaction).
 LOCK_BUSINESS_TASKS = """
 SELECT id, tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
@@ -97,12 +99,12 @@ WHERE (monitoring_citation_facts.url, monitoring_citation_facts.domain, monitori
 
 # Another active execution of a business task a success just completed (the result came from an
 # execution that was already ended, e.g. expired and re-dispatched): it is no longer needed.
-OTHER_ACTIVE_EXECUTIONS = """
+OTHER_ACTIVE_EXECUTIONS = f"""
 SELECT id, tenant_id, target_client_id, monitor_task_id, ai_platform_id, lane, interrupt_generation,
        collect_request_id
 FROM desktop_tasks
 WHERE kind = 'monitor' AND monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
-  AND status IN ('queued', 'in_progress', 'unknown') AND NOT (id = ANY(%(task_ids)s::uuid[]))
+  AND status IN {ACTIVE_EXECUTION_SQL} AND NOT (id = ANY(%(task_ids)s::uuid[]))
 UNION ALL
 -- and live legacy leases (libs/tasks/legacy.py)
 SELECT id, tenant_id, target_client_id, monitor_task_id, ai_platform_id, lane, interrupt_generation,

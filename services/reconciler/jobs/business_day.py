@@ -4,6 +4,7 @@ with TaskControl(cancelled)), and their collect-now requests count them as not c
 
 from __future__ import annotations
 
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import emit_lifecycle, end_execution
 from services.reconciler.jobs.base import (
     RETRYABLE_ERRORS,
@@ -34,10 +35,10 @@ WHERE t.id = %(id)s AND t.status IN ('pending', 'leased', 'received')
 FOR UPDATE OF t SKIP LOCKED
 """
 
-_ACTIVE = """
+_ACTIVE = f"""
 SELECT id, target_client_id, status, interrupt_generation, lane, ai_platform_id, collect_request_id
 FROM desktop_tasks
-WHERE monitor_task_id = %(id)s AND status IN ('queued', 'in_progress', 'unknown')
+WHERE monitor_task_id = %(id)s AND status IN {ACTIVE_EXECUTION_SQL}
 FOR UPDATE
 """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from libs.dispatch_settings import DispatchSettings
 from libs.tasks import legacy
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.reconciler.config import ReconcilerConfig
@@ -52,12 +53,12 @@ LIMIT %(limit)s
 FOR UPDATE OF l SKIP LOCKED
 """
 
-_STALLED_READY = """
+_STALLED_READY = f"""
 SELECT count(*) AS n FROM monitoring_collect_tasks t
 WHERE t.status = 'pending' AND t.dispatch_after <= now()
   AND coalesce(t.last_dispatched_at, t.enqueued_at) < now() - make_interval(secs => %(stall_s)s)
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
-                  AND d.status IN ('queued', 'in_progress', 'unknown'))
+                  AND d.status IN {ACTIVE_EXECUTION_SQL})
 """
 
 _ORPHANS = """

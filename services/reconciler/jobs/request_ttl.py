@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 
 from libs.domain.lanes import NORMAL_PRIORITY
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.telemetry import metrics
 from services.reconciler.jobs.base import (
     Job,
@@ -26,10 +27,10 @@ from services.reconciler.jobs.base import (
 
 NAME = "request_ttl"
 
-_ACTIVE_EXECUTION_OF_REQUEST = """
+_ACTIVE_EXECUTION_OF_REQUEST = f"""
 EXISTS (SELECT 1 FROM monitoring_collect_tasks t JOIN desktop_tasks d ON d.monitor_task_id = t.id
         WHERE t.collect_request_id = r.id AND t.tenant_id = r.tenant_id
-          AND d.status IN ('queued', 'in_progress', 'unknown'))
+          AND d.status IN {ACTIVE_EXECUTION_SQL})
 """
 
 _CANDIDATES = f"""
@@ -48,13 +49,13 @@ WHERE r.id = %(id)s AND r.status IN ('accepted', 'dispatching', 'running') AND r
 RETURNING r.id, r.tenant_id, r.status, r.target_client_id, r.requested_task_count, r.dispatched_task_count
 """
 
-_DEMOTE_TASKS = """
+_DEMOTE_TASKS = f"""
 UPDATE monitoring_collect_tasks t
 SET dispatch_lane = 'normal', dispatch_priority = %(normal_priority)s, target_client_id = NULL, updated_at = now()
 WHERE t.collect_request_id = %(id)s AND t.tenant_id = %(tenant_id)s AND t.status = 'pending'
   AND t.dispatch_lane = 'high'
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
-                  AND d.status IN ('queued', 'in_progress', 'unknown'))
+                  AND d.status IN {ACTIVE_EXECUTION_SQL})
 """
 
 _WARN_NO_DISPATCH = """

@@ -1,0 +1,30 @@
+"""The statuses of the shared task tables, named once (docs/architecture.md, state machines; docs/legacy-path.md).
+
+Every statement that asks "is this work still live?" uses these, in Python and, through the `*_SQL` forms, in SQL.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+# monitoring_collect_tasks.status
+BusinessStatus = Literal["pending", "leased", "received", "completed", "failed", "skipped", "expired"]
+# desktop_tasks.status
+ExecutionStatus = Literal["queued", "in_progress", "succeeded", "failed", "aborted", "unknown"]
+# legacy_leases.status
+LegacyLeaseStatus = Literal["queued", "in_progress", "succeeded", "failed", "aborted", "expired"]
+
+# An execution is active (blocks a second one of its business task: uq_desktop_tasks_monitor_active) while it is
+# one of these.
+ACTIVE_EXECUTION: tuple[ExecutionStatus, ...] = ("queued", "in_progress", "unknown")
+# A legacy lease lives (uq_legacy_leases_active) while offered or pulled.
+ACTIVE_LEASE: tuple[LegacyLeaseStatus, ...] = ("queued", "in_progress")
+
+
+def sql_list(values: tuple[str, ...]) -> str:
+    """`('a', 'b')`: a tuple of statuses as an SQL list literal."""
+    return "(" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
+ACTIVE_EXECUTION_SQL = sql_list(ACTIVE_EXECUTION)
+ACTIVE_LEASE_SQL = sql_list(ACTIVE_LEASE)
