@@ -1,0 +1,568 @@
+"""Cost as the backlog grows: the coordinator's own work in-process and click -> socket end to end, at 1,000 /
+10,000 / 100,000 / 1,000,000 ready tasks over 10-1,000 tenants.
+
+    .venv/bin/python -m bench backlog_scale          (--quick: 1,000 and 10,000 ready tasks, fewer rounds)
+    BACKLOG_SIZES=1000000 BACKLOG_PARTS=explain BACKLOG_EXPLAIN_OUT=plans.txt .venv/bin/python -m bench backlog_scale
+
+Settings (environment, since `python -m bench` takes no per-benchmark options): BACKLOG_SIZES (comma-separated ready
+task counts), BACKLOG_PARTS (any of `inproc,clicks,explain`; default `inproc,clicks`), BACKLOG_CLICKS (clicks per
+size, default 100), BACKLOG_WINDOW_RATE (executions per minute already in the budget windows, default 5,000),
+BACKLOG_TENANTS (a fixed number of tenants, at least 10: with BACKLOG_TENANTS=10 BACKLOG_WINDOW_RATE=0 the clicks part
+is `bench collect_now`'s loaded scenario with a larger backlog), BACKLOG_EXPLAIN_OUT (a file for the full plans of
+`explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's
+top node, buffers and scans).
+
+Per size one fresh database, bulk-loaded with INSERT .. SELECT generate_series: tenants = size / 1,000 (at least
+10, at most 1,000), each with a brand, 10 questions, 3 platforms and one desktop client; the ready normal backlog
+spread evenly over the tenants and their past business days (enqueued within the last hour); the budget windows of
+the last and next 10 minutes filled with BACKLOG_WINDOW_RATE finished executions a minute (the same at every size:
+what the budget read counts grows with the dispatch rate, not with the backlog); the probe tenant of
+`bench collect_now` and its 10 fleet tenants (5 clients each) are among the tenants. Then VACUUM ANALYZE, as
+autovacuum would have done in a running system (and so that it does not run during the measurement).
+
+- inproc: the coordinator's own calls against that database, one at a time, every client online, 20 rounds (3 with
+  --quick) after one on cold connections that is not counted: a full pass
+  (`Dispatcher.run_pass`, budgets out of the way; its executions are finished before the next round), a high pass
+  (one promoted task of the probe client), the backlog gauges (`maintenance.observe_backlog`), the budget read, the
+  scanner (300 due plans) and, last, 10 aging rounds (2; `maintenance.run_aging`, with the clicks' budgets).
+- clicks: `bench collect_now`'s loaded scenario against the same database (real processes, the 50-client
+  `desktop-sim` fleet, 100 clicks 50 ms apart): click -> task_available on the socket, and click -> the
+  coordinator's high pass starts.
+- explain: every statement of a click's path in the coordinator's database (collect-now's transaction, in-process,
+  then the high pass that dispatches its task), one full pass, one maintenance tick, one aging round and one
+  scanner batch with EXPLAIN (ANALYZE, BUFFERS) and its real parameters (auto_explain, loaded in the benchmark's own
+  sessions only: no server configuration changes).
+
+At the end one table, a column per size: p50 / p95 of every in-process timing (p50 / p99 of the clicks) and the
+load average (1 min) as each size started and ended: other work shares the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from bench.b_collect_now import (
+    _DISPATCH_ROW,
+    JWT_SECRET,
+    Click,
+    _analyze,
+    _breakdown,
+    _measure,
+    _start_fleet,
+    _stop_fleet,
+)
+from bench.common import bench_environment, percentile
+from libs.auth import TenantPrincipal
+from libs.config import Settings
+from libs.contracts.http import CollectNowRequest
+from libs.db.pool import PREPARE_ON_FIRST_USE, Conn, connect, make_pool
+from libs.demo import seed_demo
+from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
+from libs.domain.lanes import HIGH_PRIORITY, lane_weight
+from services.collect_now_api.service import collect_now
+from services.dispatch_coordinator import queries as q
+from services.dispatch_coordinator.dispatcher import Dispatcher
+from services.dispatch_coordinator.maintenance import measure_signals, observe_backlog, publish_state, run_aging
+from services.dispatch_coordinator.scanner import scan_once
+from tests.support.stack import running_stack
+
+QUESTIONS = 10
+PLATFORMS = ("openai", "gemini", "perplexity")
+FLEET_TENANTS = 10
+SCAN_PLANS = 300
+
+_BULK_TENANTS = "INSERT INTO tenants (name) SELECT 'bulk-' || g FROM generate_series(1, %(n)s) g RETURNING id"
+_BULK_BRANDS = """
+INSERT INTO brands (tenant_id, workspace_id, name) SELECT t, t, 'brand ' || t FROM unnest(%(tenants)s::bigint[]) t
+"""
+_BULK_QUESTIONS = """
+INSERT INTO monitoring_questions (tenant_id, brand_id, text)
+SELECT b.tenant_id, b.id, 'question ' || g FROM brands b CROSS JOIN generate_series(1, %(q)s) g
+WHERE b.tenant_id = ANY(%(tenants)s::bigint[])
+"""
+_BULK_TENANT_PLATFORMS = """
+INSERT INTO tenant_platforms (tenant_id, ai_platform_id)
+SELECT t, p FROM unnest(%(tenants)s::bigint[]) t CROSS JOIN unnest(%(platforms)s::bigint[]) p
+"""
+_BULK_CLIENTS = """
+INSERT INTO desktop_clients (id, tenant_id, workspace_id, user_id, name, token_hash)
+SELECT gen_random_uuid(), t, t, t, 'bulk-desktop-' || t, md5('bulk-' || t || random()::text)
+FROM unnest(%(tenants)s::bigint[]) t
+"""
+# Every backlog tenant with its brand, its first client and its questions in id order.
+_TENANTS = """
+SELECT t.id AS tenant_id, b.id AS brand_id, b.workspace_id,
+       (SELECT c.id FROM desktop_clients c WHERE c.tenant_id = t.id ORDER BY c.created_at, c.id LIMIT 1) AS client_id,
+       (SELECT array_agg(q.id ORDER BY q.id) FROM monitoring_questions q WHERE q.brand_id = b.id) AS questions
+FROM tenants t JOIN brands b ON b.tenant_id = t.id
+WHERE t.id = ANY(%(tenants)s::bigint[])
+ORDER BY t.id
+"""
+# Task i of n: tenant i % T, then platform, then question, then business day (yesterday and back): every business
+# key once. `status` and the first day decide between the ready backlog and the finished tasks of the windows.
+_TASKS = """
+INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
+    status, dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner, enqueued_at, completed_at)
+SELECT t.tenant_id, t.workspace_id, t.brand_id, (%(questions)s::bigint[])[g.ti * %(q)s + g.qi + 1],
+       (%(platforms)s::bigint[])[g.pi + 1], g.day, %(status)s::text, 100, 'normal',
+       t.tenant_id || ':' || t.brand_id || ':' || to_char(g.day, 'YYYY-MM-DD'), 'desktop_tasks',
+       now() - random() * interval '1 hour', CASE WHEN %(status)s::text = 'completed' THEN now() END
+FROM (SELECT i %% %(t)s AS ti, (i / %(t)s) %% %(p)s AS pi, (i / (%(t)s * %(p)s)) %% %(q)s AS qi,
+             current_date - %(first_day)s - (i / (%(t)s * %(p)s * %(q)s))::int AS day
+      FROM generate_series(0, %(n)s - 1) i) g
+JOIN unnest(%(tenants)s::bigint[], %(workspaces)s::bigint[], %(brands)s::bigint[]) WITH ORDINALITY
+     AS t(tenant_id, workspace_id, brand_id, k) ON t.k = g.ti + 1
+"""
+# One finished execution per finished task, created evenly over the last and next 10 minutes, in creation order
+# (as the coordinator writes them: a window's executions share few heap pages).
+_WINDOW_EXECUTIONS = """
+INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
+                           source, monitor_task_id, enqueued_at, brand_id, question_id, ai_platform_id, business_date,
+                           lease_epoch, created_at, updated_at, finished_at)
+SELECT gen_random_uuid(), 'monitor', m.tenant_id, m.workspace_id, c.client_id, 'succeeded', 100, 'normal',
+       %(weight)s, 'daily_schedule', m.id, m.enqueued_at, m.brand_id, m.question_id, m.ai_platform_id,
+       m.business_date, 1, m.created, m.created, m.created
+FROM (SELECT m.*, now() + (random() * 20 - 10) * interval '1 minute' AS created FROM monitoring_collect_tasks m
+      WHERE m.status = 'completed') m
+JOIN unnest(%(tenants)s::bigint[], %(clients)s::uuid[]) AS c(tenant_id, client_id) ON c.tenant_id = m.tenant_id
+ORDER BY m.created
+"""
+_CLIENTS_ONLINE = """
+UPDATE desktop_clients SET online = %(online)s, last_heartbeat_at = now(), connected_hub = 'bench'
+WHERE tenant_id = ANY(%(tenants)s::bigint[])
+"""
+_FINISH_EXECUTIONS = """
+UPDATE desktop_tasks SET status = 'succeeded', lease_epoch = 1, finished_at = now(), updated_at = now()
+WHERE kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
+"""
+# The in-process parts leave their passes' events in the outbox, unpublished (no pump runs then): thousands of
+# task_available events for executions finished since. The clicks' stack would publish them while the clicks run,
+# and the probe would take a stale high event for its click's.
+_DROP_OUTBOX = "DELETE FROM outbox WHERE status <> 'published'"
+_FINISH_HIGH = """
+UPDATE monitoring_collect_tasks SET status = 'completed', completed_at = now()
+WHERE tenant_id = %(tenant)s AND status = 'pending' AND dispatch_lane = 'high'
+"""
+# What a collect-now leaves for the high pass: the probe's task of the day, promoted and bound to its client.
+_PROMOTED = """
+INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
+    status, trigger_source, dispatch_priority, dispatch_lane, target_client_id, ingest_shard_key, execution_owner,
+    dispatch_after)
+VALUES (%(tenant)s, %(workspace)s, %(brand)s, %(question)s, %(platform)s, current_date - %(day)s, 'pending', 'manual',
+        %(priority)s, 'high', %(client)s, %(tenant)s || ':' || %(brand)s || ':' || to_char(current_date - %(day)s,
+        'YYYY-MM-DD'), 'desktop_tasks', now())
+"""
+_DUE_PLANS = """
+INSERT INTO monitoring_plans (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, run_mode, next_run_at)
+SELECT b.tenant_id, b.workspace_id, b.id, q.id, p, %(run_mode)s, now() - interval '1 second'
+FROM brands b JOIN monitoring_questions q ON q.brand_id = b.id CROSS JOIN unnest(%(platforms)s::bigint[]) p
+WHERE b.tenant_id = ANY(%(tenants)s::bigint[])
+LIMIT %(n)s
+"""
+
+# The coordinator's own calls: budgets, limits and queue depths out of the way, so every pass does all its reads.
+_INPROC_SETTINGS: dict[str, object] = {
+    "cluster_dispatch_per_minute": 10_000_000, "tenant_dispatch_per_minute": 10_000_000,
+    "cluster_dispatch_per_minute_ceiling": 10_000_000, "tenant_dispatch_per_minute_ceiling": 10_000_000,
+}
+# `bench collect_now`'s loaded scenario, with a tenant budget above what the windows' executions already use (its
+# 300 a minute is far above what its fleet dispatches; the windows' 5,000 executions a minute would spend it at 10
+# tenants). Aging rounds run with these budgets too: a round ages at most twice what they let dispatch before the next.
+_CLICK_SETTINGS: dict[str, object] = {
+    "max_active_requests_per_tenant": 10_000, "max_requests_per_user_per_hour": 10_000,
+    "cluster_dispatch_per_minute": 20_000, "tenant_dispatch_per_minute": 100_000,
+}
+
+
+def tenants_for(size: int) -> int:
+    fixed = os.environ.get("BACKLOG_TENANTS")
+    return max(FLEET_TENANTS, int(fixed)) if fixed else min(1_000, max(FLEET_TENANTS, size // 1_000))
+
+
+async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: int) -> dict[str, Any]:
+    """The probe tenant, the fleet's tenants and the bulk tenants; the ready backlog; the windows' executions."""
+    conn = await connect(settings.database_url)
+    started = time.perf_counter()
+    try:
+        # A question per click, and one more of its own for the in-process high passes and `explain`'s click.
+        probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks + 1, clients=1, platforms=("openai",),
+                                due=False)
+        fleet = await seed_demo(conn, tenants=FLEET_TENANTS, brands=1, questions=QUESTIONS, clients=5, due=False,
+                                platforms=PLATFORMS)
+        platforms = [p["ai_platform_id"] for p in fleet["platforms"]]
+        fleet_ids = [t["tenant_id"] for t in fleet["tenants"]]
+        cur = await conn.execute(_BULK_TENANTS, {"n": tenants_for(size) - FLEET_TENANTS})
+        bulk_ids = [r["id"] for r in await cur.fetchall()]
+        if bulk_ids:
+            for statement in (_BULK_BRANDS, _BULK_QUESTIONS, _BULK_TENANT_PLATFORMS, _BULK_CLIENTS):
+                await conn.execute(statement, {"tenants": bulk_ids, "q": QUESTIONS, "platforms": platforms})
+        cur = await conn.execute(_TENANTS, {"tenants": fleet_ids + bulk_ids})
+        rows = await cur.fetchall()
+        tenant_ids: list[int] = [r["tenant_id"] for r in rows]
+        shape: dict[str, Any] = {"tenants": tenant_ids, "workspaces": [r["workspace_id"] for r in rows],
+                 "brands": [r["brand_id"] for r in rows],
+                 "questions": [q for r in rows for q in r["questions"][:QUESTIONS]],
+                 "platforms": platforms, "t": len(rows), "p": len(platforms), "q": QUESTIONS}
+        per_day = len(rows) * len(platforms) * QUESTIONS
+        await conn.execute(_TASKS, {**shape, "n": size, "status": "pending", "first_day": 1})
+        finished = window_rate * 20
+        await conn.execute(_TASKS, {**shape, "n": finished, "status": "completed",
+                                    "first_day": 2 + size // per_day})
+        await conn.execute(_WINDOW_EXECUTIONS, {"tenants": tenant_ids, "weight": lane_weight("monitor", "normal"),
+                                                "clients": [r["client_id"] for r in rows]})
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
+                           "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
+        await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
+        await conn.execute("VACUUM ANALYZE")
+        cur = await conn.execute("SELECT count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending'")
+        ready = (await cur.fetchone() or {"n": 0})["n"]
+    finally:
+        await conn.close()
+    print(f"  {size:,}: {ready:,} ready tasks over {len(rows)} tenants, {finished:,} executions in the windows "
+          f"around now; loaded in {time.perf_counter() - started:.0f} s", flush=True)
+    return {"probe": probe["tenants"][0], "probe_platform": probe["platforms"][0]["ai_platform_id"],
+            "background": fleet, "platforms": platforms,
+            "tenants": [*tenant_ids, probe["tenants"][0]["tenant_id"]], "backlog_tenants": tenant_ids}
+
+
+async def _apply(settings: Settings, values: dict[str, object]) -> None:
+    conn = await connect(settings.database_url)
+    try:
+        for key, value in values.items():
+            await set_setting(conn, key, value)
+    finally:
+        await conn.close()
+
+
+async def _timed(timings: dict[str, list[float]], name: str, call: Callable[[], Awaitable[Any]]) -> Any:
+    started = time.perf_counter()
+    result = await call()
+    timings[name].append((time.perf_counter() - started) * 1000)
+    return result
+
+
+async def _budget_read(conn: Conn, settings: DispatchSettings) -> None:
+    """What a pass reads of the budget window (both passes read the same data)."""
+    window = max(1, settings.budget_window_seconds)
+    cur = await conn.execute(q.BUDGET_USE, {"window_start": int(time.time() // window * window), "window": window})
+    await cur.fetchall()
+
+
+async def _promote(conn: Conn, world: dict[str, Any], day: int) -> None:
+    """The probe's own question (not one the clicks use) on a past business day (`explain`'s click takes today)."""
+    probe = world["probe"]
+    await conn.execute(_PROMOTED, {
+        "tenant": probe["tenant_id"], "workspace": probe["workspace_id"], "brand": probe["brands"][0]["brand_id"],
+        "question": probe["brands"][0]["question_ids"][-1], "platform": world["probe_platform"],
+        "client": probe["clients"][0]["client_id"], "priority": HIGH_PRIORITY, "day": day})
+
+
+async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, world: dict[str, Any],
+                     settings: DispatchSettings, timings: dict[str, list[float]], n: int) -> None:
+    async with pool.connection() as conn:
+        await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
+    outcome = await _timed(timings, "full pass", lambda: dispatcher.run_pass(settings))
+    timings["full pass dispatched"].append(outcome.dispatched)
+    async with pool.connection() as conn:
+        await conn.execute(_FINISH_EXECUTIONS)
+        await _promote(conn, world, n + 1)
+    high = await _timed(timings, "high pass", lambda: dispatcher.run_high_pass(settings))
+    timings["high pass dispatched"].append(high.dispatched)
+    async with pool.connection() as conn:
+        await conn.execute(_FINISH_EXECUTIONS)
+        await conn.execute(_FINISH_HIGH, {"tenant": world["probe"]["tenant_id"]})
+        await _timed(timings, "backlog gauges", lambda: observe_backlog(conn))
+        await _timed(timings, "budget read", lambda: _budget_read(conn, settings))
+        await conn.execute(_DUE_PLANS, {"run_mode": f"bench-{n}", "platforms": world["platforms"],
+                                        "tenants": world["backlog_tenants"], "n": SCAN_PLANS})
+    scanned = await _timed(timings, "scanner", lambda: scan_once(pool, batch_size=2_000, rollout_percentage=100))
+    timings["scanner created"].append(scanned.created)
+
+
+async def _inproc(settings: Settings, world: dict[str, Any], *, rounds: int,
+                  aging_rounds: int) -> dict[str, list[float]]:
+    await _apply(settings, _INPROC_SETTINGS)
+    timings: dict[str, list[float]] = defaultdict(list)
+    pool = make_pool(settings, name="bench-backlog", min_size=2, max_size=4, prepare_threshold=PREPARE_ON_FIRST_USE)
+    await pool.open(wait=True)
+    try:
+        async with pool.connection() as conn:
+            dispatch_settings = await load_settings(conn)
+        dispatcher = Dispatcher(pool)
+        for n in range(rounds + 1):
+            await _one_round(pool, dispatcher, world, dispatch_settings, timings, n)
+            if n == 0:  # the first round plans every statement on cold connections: not counted
+                timings.clear()
+        await _apply(settings, _CLICK_SETTINGS)
+        async with pool.connection() as conn:
+            dispatch_settings = await load_settings(conn)
+        for _ in range(aging_rounds):
+            boosted = await _timed(timings, "aging round", lambda: run_aging(pool, dispatch_settings))
+            timings["aging round boosted"].append(boosted)
+    finally:
+        await pool.close()
+    return timings
+
+
+def _explaining_pool(settings: Settings, plans: list[str]) -> AsyncConnectionPool[Conn]:
+    """Connections whose every statement (and every statement of a trigger) sends its EXPLAIN (ANALYZE, BUFFERS)
+    back as a notice: auto_explain loaded in these sessions only."""
+    def on_notice(diag: psycopg.errors.Diagnostic) -> None:
+        if diag.message_primary and "plan:" in diag.message_primary:
+            plans.append(diag.message_primary)
+
+    async def configure(conn: Conn) -> None:
+        await conn.set_autocommit(True)
+        conn.add_notice_handler(on_notice)
+        for statement in ("LOAD 'auto_explain'", "SET auto_explain.log_min_duration = 0",
+                          "SET auto_explain.log_analyze = on", "SET auto_explain.log_buffers = on",
+                          "SET auto_explain.log_nested_statements = on", "SET auto_explain.log_triggers = on",
+                          "SET auto_explain.log_level = notice", "SET client_min_messages = notice"):
+            await conn.execute(statement)
+
+    return AsyncConnectionPool(settings.database_url, min_size=1, max_size=2, open=False, configure=configure,
+                               kwargs={"row_factory": dict_row, "application_name": "bench-backlog-explain"})
+
+
+_SCAN_NODE = re.compile(r"((?:Parallel )?(?:Index Only Scan|Index Scan|Bitmap Index Scan|Seq Scan|Bitmap Heap Scan)"
+                        r"(?: Backward)?(?: using| on) \S+)")
+_ACTUAL_ROWS = re.compile(r"actual time=\S+ rows=(\d+) loops=(\d+)")
+
+
+def _duration_ms(plan: str) -> float:
+    head = plan.split("plan:", 1)[0]
+    return float(head.split("duration:", 1)[1].split("ms", 1)[0]) if "duration:" in head else 0.0
+
+
+def _plan_summary(plan: str) -> tuple[str, str] | None:
+    """One line for a statement's plan: duration, the statement's start, the top node's rows, its buffers and every
+    scan (index or table) with the rows it returned, after the statement's text (its first 80 characters); None for
+    a foreign-key check of a trigger."""
+    lines = plan.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Query Text:")), 0)
+    top = next((i for i in range(start + 1, len(lines)) if "(cost=" in lines[i]), len(lines))
+    query = " ".join(" ".join(lines[start:top])[len("Query Text:"):].split())
+    if query.startswith("SELECT 1 FROM ONLY"):
+        return None
+    node = lines[top].strip() if top < len(lines) else ""
+    rows = _ACTUAL_ROWS.search(node)
+    buffers = next((line.strip() for line in lines[top:] if line.strip().startswith("Buffers:")), "")
+    scans: list[str] = []
+    for line in lines[top:]:
+        found, counted = _SCAN_NODE.search(line), _ACTUAL_ROWS.search(line)
+        if found and counted:
+            scans.append(f"{found.group(1)} rows={counted.group(1)}x{counted.group(2)}")
+    return query[:80], (f"{_duration_ms(plan):.3f} ms | {query[:80]} | {node.split('  (')[0]} "
+                        f"rows={rows.group(1) if rows else '?'} | {buffers or 'Buffers: -'} | "
+                        f"{'; '.join(scans) or 'no scans'}")
+
+
+
+async def _explain(settings: Settings, world: dict[str, Any], out: str | None) -> None:
+    await _apply(settings, _INPROC_SETTINGS)
+    plans: list[str] = []
+    sections: list[tuple[str, list[str]]] = []
+    pool = _explaining_pool(settings, plans)
+    await pool.open(wait=True)
+    try:
+        async with pool.connection() as conn:
+            dispatch_settings = await load_settings(conn)
+            await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
+        plans.clear()
+        dispatcher = Dispatcher(pool)
+
+        async def tick() -> None:
+            async with pool.connection() as conn:
+                await observe_backlog(conn)
+                await measure_signals(conn, dispatcher.write_stats)
+                await publish_state(conn, "leader", {"instance_id": "bench"})
+
+        async def aging() -> None:  # with the clicks' budgets, as `inproc` measures it
+            await _apply(settings, _CLICK_SETTINGS)
+            async with pool.connection() as conn:
+                aging_settings = await load_settings(conn)
+            plans.clear()
+            await run_aging(pool, aging_settings)
+
+        async def scan() -> None:
+            async with pool.connection() as conn:
+                await conn.execute(_DUE_PLANS, {"run_mode": f"explain-{uuid.uuid4().hex[:8]}", "n": SCAN_PLANS,
+                                                "platforms": world["platforms"], "tenants": world["backlog_tenants"]})
+            plans.clear()
+            await scan_once(pool, batch_size=2_000, rollout_percentage=100)
+
+        # Steady state, as a running leader sees it: a full pass has started the budget ledger and the backlog
+        # census has completed its first sweep (both once per leader: their plans are not shown).
+        await dispatcher.run_pass(dispatch_settings)
+        await tick()
+        probe = world["probe"]
+        principal = TenantPrincipal(tenant_id=probe["tenant_id"], workspace_id=probe["workspace_id"],
+                                    user_id=probe["user_id"])
+        click = CollectNowRequest(target_client_id=uuid.UUID(probe["clients"][0]["client_id"]),
+                                  question_ids=[probe["brands"][0]["question_ids"][-1]])
+        plans.clear()
+        steps: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+            ("collect-now request", lambda: collect_now(pool, principal, probe["brands"][0]["brand_id"], click,
+                                                        dispatch_settings)),
+            ("high pass (the click's task)", lambda: dispatcher.run_high_pass(dispatch_settings)),
+            ("full pass", lambda: dispatcher.run_pass(dispatch_settings)),
+            ("maintenance tick", tick),
+            ("aging round", aging),
+            ("scanner batch", scan)]
+        for name, step in steps:
+            await step()
+            sections.append((name, list(plans)))
+            plans.clear()
+    finally:
+        await pool.close()
+    text: list[str] = []
+    for name, statements in sections:
+        text.append(f"==== {name}: {len(statements)} statements")
+        checks: list[float] = []
+        runs: list[tuple[str, list[float], str]] = []  # consecutive runs of one statement: (text, durations, slowest)
+        for plan in statements:
+            text.append(plan)
+            summary = _plan_summary(plan)
+            if summary is None:
+                checks.append(_duration_ms(plan))
+                continue
+            query, line = summary
+            duration = _duration_ms(plan)
+            if runs and runs[-1][0] == query:
+                durations = runs[-1][1]
+                runs[-1] = (query, durations, line if duration > max(durations) else runs[-1][2])
+                durations.append(duration)
+            else:
+                runs.append((query, [duration], line))
+        for _, durations, line in runs:  # the full pass's candidate chunks, say: one line, its slowest plan
+            more = (f"{len(durations)} statements like it, {sum(durations):.2f} ms in all; the slowest: "
+                    if len(durations) > 1 else "")
+            print(f"  {name}: {more}{line}", flush=True)
+        if checks:  # a trigger's statement per inserted row and key: one line for them all
+            print(f"  {name}: {len(checks)} foreign-key checks (RI triggers), {sum(checks):.2f} ms in all, "
+                  f"the slowest {max(checks):.3f} ms", flush=True)
+    if out:
+        await asyncio.to_thread(Path(out).write_text, "\n".join(text) + "\n")
+        print(f"  full plans written to {out}", flush=True)
+
+
+async def _stages(settings: Settings, marks: list[Click]) -> list[float]:
+    """Click -> the start of the coordinator's high pass (its outbox row's created_at), per click."""
+    starts: list[float] = []
+    conn = await connect(settings.database_url)
+    try:
+        for mark in marks:
+            cur = await conn.execute(_DISPATCH_ROW, {"task": f"%{mark.task_id}%".encode()})
+            row = await cur.fetchone()
+            if row is not None:
+                starts.append((row["dispatched"] - mark.clicked) * 1000)
+    finally:
+        await conn.close()
+    return starts
+
+
+async def _clicks(settings: Settings, world: dict[str, Any], clicks: int) -> dict[str, list[float]]:
+    """`bench collect_now`'s loaded scenario on this database: the real processes, the fleet, the clicks."""
+    await _apply(settings, _CLICK_SETTINGS)
+    conn = await connect(settings.database_url)
+    try:  # the bulk clients have no desktop behind them; the fleet's and the probe's come online on their sockets
+        await conn.execute(_CLIENTS_ONLINE, {"online": False, "tenants": world["tenants"]})
+        await conn.execute(_FINISH_EXECUTIONS)
+        cur = await conn.execute(_DROP_OUTBOX)
+        if cur.rowcount:
+            print(f"  {cur.rowcount:,} unpublished outbox events of the in-process parts dropped", flush=True)
+    finally:
+        await conn.close()
+    with tempfile.TemporaryDirectory() as logs:
+        async with running_stack(settings, Path(logs), DB_POOL_MAX=6) as stack:
+            fleet = await _start_fleet(stack, world)
+            try:
+                await asyncio.sleep(5)  # dispatch reaches its steady state with the fleet working
+                await _analyze(settings)
+                to_socket, _, marks = await _measure(settings, stack, world, clicks)
+            finally:
+                totals = await _stop_fleet(fleet)
+    print(f"  the fleet executed {totals.get('executed', '?')} normal tasks meanwhile", flush=True)
+    await _breakdown(settings, "clicks", marks)  # `bench collect_now`'s stages and slowest clicks
+    return {"click -> socket": to_socket, "click -> high pass starts": await _stages(settings, marks)}
+
+
+def _fmt(values: list[float], pct: float) -> str:
+    return f"{percentile(values, pct):,.1f}" if values else "-"
+
+
+def _pair(values: list[float] | None, high: float) -> str:
+    return f"{_fmt(values, 50)} / {_fmt(values, high)}" if values else "-"
+
+
+# (row label, timing, the upper percentile): the table's rows, in the order of a click's and a tick's work.
+_ROWS = (
+    ("click -> task_available on the socket, p50 / p99", "click -> socket", 99),
+    ("click -> coordinator's high pass starts, p50 / p99", "click -> high pass starts", 99),
+    ("high pass (one promoted task), p50 / p95", "high pass", 95),
+    ("full pass, p50 / p95", "full pass", 95),
+    ("  tasks dispatched by a full pass, p50 / p95", "full pass dispatched", 95),
+    ("budget read, p50 / p95", "budget read", 95),
+    ("backlog gauges (one maintenance tick), p50 / p95", "backlog gauges", 95),
+    ("scanner (300 due plans), p50 / p95", "scanner", 95),
+    ("aging round, p50 / p95", "aging round", 95),
+    ("  tasks boosted by a round, p50 / p95", "aging round boosted", 95),
+)
+
+
+def _table(results: list[tuple[int, int, str, dict[str, list[float]]]]) -> str:
+    """A column per size; timings in ms."""
+    lines = ["| | " + " | ".join(f"{size:,}" for size, _, _, _ in results) + " |",
+             "|---|" + "---|" * len(results),
+             "| tenants | " + " | ".join(str(tenants) for _, tenants, _, _ in results) + " |",
+             "| load average (1 min) at start -> end | " + " | ".join(load for _, _, load, _ in results) + " |"]
+    for label, name, high in _ROWS:
+        lines.append(f"| {label} | " + " | ".join(_pair(t.get(name), high) for _, _, _, t in results) + " |")
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> None:
+    default_sizes = "1000,10000" if args.quick else "1000,10000,100000,1000000"
+    sizes = [int(s) for s in os.environ.get("BACKLOG_SIZES", default_sizes).split(",") if s.strip()]
+    parts = set(os.environ.get("BACKLOG_PARTS", "inproc,clicks").split(","))
+    clicks = int(os.environ.get("BACKLOG_CLICKS", "15" if args.quick else "100"))
+    window_rate = int(os.environ.get("BACKLOG_WINDOW_RATE", "5000"))
+    rounds, aging_rounds = (3, 2) if args.quick else (20, 10)
+    results: list[tuple[int, int, str, dict[str, list[float]]]] = []
+    for size in sizes:
+        load_at_start = os.getloadavg()[0]
+        print(f"  {size:,}: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+        async with bench_environment(shards=16) as base:
+            settings = replace(base, gateway_jwt_secret=JWT_SECRET)
+            world = await _prepare(settings, size=size, clicks=clicks, window_rate=window_rate)
+            timings: dict[str, list[float]] = {}
+            if "explain" in parts:
+                await _explain(settings, world, os.environ.get("BACKLOG_EXPLAIN_OUT"))
+            if "inproc" in parts:
+                timings.update(await _inproc(settings, world, rounds=rounds, aging_rounds=aging_rounds))
+                for name, values in sorted(timings.items()):
+                    print(f"  {size:,} in-process {name}: " + ", ".join(f"{v:.1f}" for v in values), flush=True)
+            if "clicks" in parts:
+                timings.update(await _clicks(settings, world, clicks))
+                for name in ("click -> socket", "click -> high pass starts"):
+                    values = timings[name]
+                    print(f"  {size:,} {name} (ms): p50 {_fmt(values, 50)} p90 {_fmt(values, 90)} "
+                          f"p99 {_fmt(values, 99)} max {_fmt(values, 100)}", flush=True)
+            load = f"{load_at_start:.1f} -> {os.getloadavg()[0]:.1f}"
+            results.append((size, len(world["backlog_tenants"]), load, timings))
+    print("\n" + _table(results), flush=True)
