@@ -12,6 +12,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
+from typing import Any
 
 from psycopg import AsyncPipeline
 
@@ -89,22 +90,14 @@ async def apply_batch(conn: Conn, results: list[MonitorResult], *, applied_by: s
 
 async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome, *, applied_by: str,
                  settings: SettingsCache, pipe: AsyncPipeline) -> None:
-    cur = await conn.execute(q.LOCK_BUSINESS_TASKS, {"ids": sorted({r.monitor_task_id for r in results})})
-    tasks = {int(row["id"]): row for row in await cur.fetchall()}
-    valid: list[MonitorResult] = []
-    for r in results:
-        reason = _validate(r, tasks.get(r.monitor_task_id))
-        if reason is None:
-            valid.append(r)
-        else:
-            outcome.rejected[r.result_id] = reason
+    """The batch's statements, in this order: lock the business tasks, record the valid results in the ledger,
+    upsert the runs, end the executions, retry or complete the business tasks, count request progress, write the
+    outbox events. Every statement goes out on `apply_batch`'s pipelined transaction."""
+    tasks = await _lock_business_tasks(conn, results)
+    valid = _valid_results(results, tasks, outcome)
     if not valid:
         return
-    cur = await conn.execute(q.RECORD_APPLIED, {"applied_by": applied_by, "rows": json_rows(
-        (r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status) for r in valid)})
-    fresh_ids = {row["result_id"] for row in await cur.fetchall()}
-    fresh = [r for r in valid if r.result_id in fresh_ids]
-    outcome.duplicates += len(valid) - len(fresh)
+    fresh = await _record_applied(conn, valid, outcome, applied_by=applied_by)
     if not fresh:
         return
     outcome.applied = fresh
@@ -113,43 +106,101 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
     won_keys = await _upsert_runs(conn, fresh, outcome)
     written += len(won_keys)
 
+    enders, ended_rows = await _end_executions(conn, fresh)
+    written += ended_rows
+
+    business_before = {tid: str(row["status"]) for tid, row in tasks.items()}
+    business_after, settled_rows = await _settle_business_tasks(conn, fresh, enders, business_before, settings)
+    written += settled_rows
+
+    await _request_progress(conn, fresh, tasks, business_before, business_after, outcome)
+
+    written += await _write_events(conn, pipe, won_keys, enders, outcome)
+    outcome.rows_written += written
+
+
+async def _lock_business_tasks(conn: Conn, results: list[MonitorResult]) -> dict[int, dict[str, Any]]:
+    """The business tasks of `results`, locked (in id order), by id."""
+    cur = await conn.execute(q.LOCK_BUSINESS_TASKS, {"ids": sorted({r.monitor_task_id for r in results})})
+    return {int(row["id"]): row for row in await cur.fetchall()}
+
+
+def _valid_results(results: list[MonitorResult], tasks: dict[int, dict[str, Any]],
+                   outcome: BatchOutcome) -> list[MonitorResult]:
+    """The results that match their business task; the others are recorded in `outcome.rejected` (poison)."""
+    valid: list[MonitorResult] = []
+    for r in results:
+        reason = _validate(r, tasks.get(r.monitor_task_id))
+        if reason is None:
+            valid.append(r)
+        else:
+            outcome.rejected[r.result_id] = reason
+    return valid
+
+
+async def _record_applied(conn: Conn, valid: list[MonitorResult], outcome: BatchOutcome, *,
+                          applied_by: str) -> list[MonitorResult]:
+    """Record `valid` in the applied-results ledger; the fresh ones are returned, those in it already
+    (redeliveries) are counted as duplicates."""
+    cur = await conn.execute(q.RECORD_APPLIED, {"applied_by": applied_by, "rows": json_rows(
+        (r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status) for r in valid)})
+    fresh_ids = {row["result_id"] for row in await cur.fetchall()}
+    fresh = [r for r in valid if r.result_id in fresh_ids]
+    outcome.duplicates += len(valid) - len(fresh)
+    return fresh
+
+
+async def _end_executions(conn: Conn, fresh: list[MonitorResult]) -> tuple[
+        list[tuple[MonitorResult, EndedExecution]], int]:
+    """End the executions of `fresh`: (each result that ended its execution with that execution, rows written).
+    The first result of an execution ends it; later ones of the same execution only update facts."""
     ended = await end_executions(conn, [
         ExecutionEnd(task_id=r.task_id, outcome=r.status, lease_epoch=r.lease_epoch, error=r.error) for r in fresh])
     ended_by_task = {e.task_id: e for e in ended}
-    written += 2 * len(ended)
-    # The first result of an execution ends it; later ones of the same execution only update facts.
     first_of_task: dict[uuid.UUID, uuid.UUID] = {}
     for r in fresh:
         first_of_task.setdefault(r.task_id, r.result_id)
-    enders = [r for r in fresh if r.task_id in ended_by_task and first_of_task[r.task_id] == r.result_id]
+    enders = [(r, ended_by_task[r.task_id]) for r in fresh
+              if r.task_id in ended_by_task and first_of_task[r.task_id] == r.result_id]
+    return enders, 2 * len(ended)
 
-    business_before = {tid: str(row["status"]) for tid, row in tasks.items()}
-    business_after = dict(business_before)
+
+async def _settle_business_tasks(conn: Conn, fresh: list[MonitorResult],
+                                 enders: list[tuple[MonitorResult, EndedExecution]], before: dict[int, str],
+                                 settings: SettingsCache) -> tuple[dict[int, str], int]:
+    """The business outcome: failed executions retry (or fail) their task, successes complete it and abort its
+    other live executions. (the status of every business task after, rows written)"""
+    after = dict(before)
+    written = 0
     # Failures first: a success of the same business task later in the batch still completes it.
-    failed_now = [r for r in enders if r.status == "failed"]
+    failed_now = [r for r, _ in enders if r.status == "failed"]
     if failed_now:
         retried = await retry_business_tasks(conn, {r.monitor_task_id: r.error for r in failed_now},
                                              max_attempts=(await settings.get(conn)).max_dispatch_attempts)
-        business_after.update(retried)
+        after.update(retried)
         written += len(retried)
     succeeded_ids = sorted({r.monitor_task_id for r in fresh if r.status == "succeeded"})
     completed = await finish_business_tasks(conn, succeeded_ids, status="completed")
     for tid in completed:
-        business_after[tid] = "completed"
+        after[tid] = "completed"
     written += len(completed)
     if succeeded_ids:
         written += await _abort_other_executions(conn, succeeded_ids, [r.task_id for r in fresh])
+    return after, written
 
-    await _request_progress(conn, fresh, tasks, business_before, business_after, outcome)
 
+async def _write_events(conn: Conn, pipe: AsyncPipeline, won_keys: set[RunKey],
+                        enders: list[tuple[MonitorResult, EndedExecution]], outcome: BatchOutcome) -> int:
+    """Projection rebuilds of the changed runs, then the lifecycle event of each ended execution, into the outbox;
+    returns how many events were written."""
     events = await _request_projections(conn, won_keys, outcome)
-    events += [_result_lifecycle(r, ended_by_task[r.task_id]) for r in enders]
+    events += [_result_lifecycle(r, execution) for r, execution in enders]
     if events and not conn.info.transaction_status:
         # Nothing was synced since the pipeline's BEGIN (no run row changed: a failed result for a key that had
         # succeeded already), so libpq still reports the connection idle and the outbox refuses to write.
         await pipe.sync()
     await enqueue_many(conn, events)
-    outcome.rows_written += written + len(events)
+    return len(events)
 
 
 async def _upsert_runs(conn: Conn, fresh: list[MonitorResult], outcome: BatchOutcome) -> set[RunKey]:
