@@ -593,11 +593,16 @@ SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks WHERE status
 # statistics say. The join it replaces was planned as a nested loop over every queued execution per client once
 # `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500 queued executions).
 CLIENT_QUEUE_DEPTH = """
+WITH q AS MATERIALIZED (
+    -- Materialized: computed once. As a plain subquery, statistics taken while no client was online made the planner
+    -- rescan the aggregate for every online client (1.5 s a tick at 1,000,000 ready tasks; docs/benchmarks.md
+    -- "Backlog scale").
+    SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{}'::jsonb) AS depths
+    FROM (SELECT w.target_client_id, count(*) AS n FROM """ + ACTIVE_WORK + """ w
+          WHERE w.status = 'queued' GROUP BY 1) d
+)
 SELECT c.id, coalesce((q.depths ->> c.id::text)::int, 0) AS queued
-FROM desktop_clients c
-CROSS JOIN (SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{}'::jsonb) AS depths
-            FROM (SELECT w.target_client_id, count(*) AS n FROM """ + ACTIVE_WORK + """ w
-                  WHERE w.status = 'queued' GROUP BY 1) d) q
+FROM desktop_clients c CROSS JOIN q
 WHERE c.online
 """
 
