@@ -45,9 +45,8 @@ from libs.dispatch_settings import SettingsCache
 from libs.domain.safe_points import bucket_of
 from libs.domain.shard import shard_for
 from libs.http import ApiError
-from libs.mq.topology import DISPATCH
-from libs.outbox import enqueue
 from libs.tasks import legacy
+from libs.tasks.controls import send_control
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
 from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
@@ -371,8 +370,10 @@ async def _resend_current_interrupt(conn: Conn, principal: ClientPrincipal, task
     client = principal.client_id
     metrics.interrupt_generation_mismatch_count.inc()
     control = current_interrupt(row, now=datetime.now(UTC))
-    await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client}", message=control,
-                  ordering_key=f"client:{client}", tenant_id=principal.tenant_id, notify=True)
+    await send_control(conn, task_id=control.task_id, client_id=client, control=control.control, reason=control.reason,
+                       interrupt_generation=control.interrupt_generation, tenant_id=principal.tenant_id,
+                       collect_request_id=control.collect_request_id,
+                       replacement_task_id=control.replacement_task_id, notify=True)
     log.warning("stale preempt callback; current interrupt re-sent", extra={
         "task_id": str(task_id), "client_id": str(client), "tenant_id": principal.tenant_id,
         "callback_generation": body.interrupt_generation,

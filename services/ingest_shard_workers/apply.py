@@ -17,15 +17,15 @@ from typing import Any
 from psycopg import AsyncPipeline
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind, MonitorResult, ProjectionRebuild
-from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn, json_rows
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import SettingsCache
 from libs.ingest.citations import ParsedCitation, parse_citations
 from libs.ingest.progress import CountDelta, request_count_delta, request_status_after
 from libs.ingest.runs import fold_latest_effective
-from libs.mq.topology import DISPATCH, LIFECYCLE, PROJECTION
-from libs.outbox import OutboxEvent, enqueue, enqueue_many
+from libs.mq.topology import LIFECYCLE, PROJECTION
+from libs.outbox import OutboxEvent, enqueue_many
+from libs.tasks.controls import send_control
 from libs.tasks.transitions import (
     EndedExecution,
     ExecutionEnd,
@@ -242,11 +242,9 @@ async def _abort_other_executions(conn: Conn, monitor_task_ids: list[int], own_t
             continue
         aborted += 1
         client_id = row["target_client_id"]
-        control = TaskControl(kind="monitor", task_id=row["id"], target_client_id=client_id, control="cancelled",
-                              reason=SUPERSEDED_BY_RESULT, interrupt_generation=int(row["interrupt_generation"]),
-                              updated_at=datetime.now(UTC), collect_request_id=row["collect_request_id"])
-        await enqueue(conn, exchange=DISPATCH, routing_key=f"monitor.control.{client_id}", message=control,
-                      ordering_key=f"client:{client_id}", tenant_id=int(row["tenant_id"]))
+        await send_control(conn, task_id=row["id"], client_id=client_id, control="cancelled",
+                           reason=SUPERSEDED_BY_RESULT, interrupt_generation=int(row["interrupt_generation"]),
+                           tenant_id=int(row["tenant_id"]), collect_request_id=row["collect_request_id"])
         await emit_lifecycle(conn, "task.aborted", tenant_id=int(row["tenant_id"]), client_id=client_id,
                              task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]),
                              ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason=SUPERSEDED_BY_RESULT,
