@@ -118,10 +118,10 @@ async def test_a_rollout_zero_runs_a_days_schedule_on_the_legacy_path(
         assert sorted(lease["monitor_task_id"] for lease in succeeded) == sorted(t["id"] for t in tasks)
         runs = await one(pool, "SELECT count(*) AS n FROM question_monitor_runs")
         assert runs["n"] == len(tasks)
-        # The clients were told the path, and both worked.
+        # The clients were told the path, and posted every result (which client took which is the coordinator's).
         owners = {owner for client in clients for owner in client.stats.owners.values()}
         assert owners == {"legacy"}
-        assert all(client.stats.executed for client in clients)
+        assert sum(len(client.stats.executed) for client in clients) >= len(succeeded)
         # The budget counted every offer (the ledger of the window equals the offers made).
         assert await _budget_counted(pool) == len(leases)
         assert await never_both_paths(pool) == []
