@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
+from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
-from libs.db.pool import make_pool
-from libs.db.write_health import publishing, writer_health
+from libs.db.pool import Conn, make_pool
+from libs.db.write_health import WriterHealth, publishing, writer_health
 from libs.dispatch_settings import SettingsCache
 from libs.http import add_readiness_check, make_app
 from libs.mq.connection import connect as mq_connect
@@ -36,64 +38,95 @@ POOL_MAX = 6
 def build(settings: Settings) -> web.Application:
     app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
     app[MAX_BODY] = settings.max_body_bytes
-    app[UPGRADE_LIMITS] = UpgradeLimits(
+    app[UPGRADE_LIMITS] = _upgrade_limits(settings)
+    add_routes(app)
+    app.cleanup_ctx.append(_resources)
+    app.on_shutdown.append(_close_sockets)
+    _run_loops(app)
+    return app
+
+
+def _upgrade_limits(settings: Settings) -> UpgradeLimits:
+    """WebSocket upgrades allowed per address and per client (token buckets)."""
+    return UpgradeLimits(
         by_address=TokenBuckets(settings.hub_upgrades_per_address_per_s, settings.hub_upgrade_burst_per_address),
         by_client=TokenBuckets(settings.hub_upgrades_per_client_per_s, settings.hub_upgrade_burst_per_client))
-    add_routes(app)
 
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        settings = app[SETTINGS]
-        topology = Topology(settings.mq_prefix, settings.ingest_shards)
-        pool = make_pool(settings, name="dispatch-hub", min_size=2, max_size=POOL_MAX)
-        await pool.open(wait=True, timeout=30)
-        amqp = await mq_connect(settings.amqp_url, name=f"dispatch-hub-{settings.instance_id}")
-        publisher = AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s)
-        await publisher.start()
-        gateway = Gateway(
-            pool, amqp, topology, hub_id=settings.instance_id,
-            heartbeat_interval_s=settings.hub_ping_interval_s,
-            heartbeat_timeout_s=settings.heartbeat_timeout_seconds,
-            heartbeat_flush_s=settings.hub_heartbeat_flush_s,
-            max_sockets_per_client=settings.hub_max_sockets_per_client,
-            revocation_check_s=settings.hub_revocation_check_s,
-            on_revoked=lambda client_id: app[AUTH].forget(client_id),
-            write_health=(health := writer_health(settings, "hub")))
-        await gateway.start()
-        app[AUTH] = ClientAuthenticator(pool, cache_ttl_s=settings.hub_auth_cache_s,
-                                        negative_ttl_s=settings.hub_auth_negative_cache_s)
-        app[GATEWAY] = gateway
-        app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool, max_age_s=5.0), platforms=PlatformCodes(),
-                                  safe_points=SafePointStats(), publisher=publisher,
-                                  ingest_shards=settings.ingest_shards, write_health=health)
-        add_pool_check(app, pool)
 
-        async def broker() -> None:
-            if not (gateway.ready() and publisher.ready()):
-                raise ConnectionError("broker connection not ready")
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    """Postgres pool, broker connection, result publisher and gateway for the app's lifetime; on the way out the
+    gateway drains first and everything closes in reverse order."""
+    settings = app[SETTINGS]
+    topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    pool = make_pool(settings, name="dispatch-hub", min_size=2, max_size=POOL_MAX)
+    await pool.open(wait=True, timeout=30)
+    amqp = await mq_connect(settings.amqp_url, name=f"dispatch-hub-{settings.instance_id}")
+    publisher = AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s)
+    await publisher.start()
+    health = writer_health(settings, "hub")
+    gateway = _gateway(app, settings, pool, amqp, topology, health)
+    await gateway.start()
+    _install(app, settings, pool, gateway, publisher, health)
+    async with publishing(health, pool, settings.write_health_publish_s):
+        yield
+    await _drain_and_close(app, pool, amqp, gateway, publisher)
 
-        add_readiness_check(app, "rabbitmq", broker)
-        async with publishing(health, pool, settings.write_health_publish_s):
-            yield
-        await gateway.drain()
-        await gateway.heartbeats.flush()
-        with contextlib.suppress(Exception):
-            await app[CONTEXT].safe_points.flush(pool)
-        await gateway.close()
-        await publisher.close()
-        await amqp.close()
-        await pool.close()
 
-    async def on_shutdown(app: web.Application) -> None:
-        await app[GATEWAY].close_all()
+def _gateway(app: web.Application, settings: Settings, pool: AsyncConnectionPool[Conn],
+             amqp: AbstractRobustConnection, topology: Topology, health: WriterHealth) -> Gateway:
+    return Gateway(
+        pool, amqp, topology, hub_id=settings.instance_id,
+        heartbeat_interval_s=settings.hub_ping_interval_s,
+        heartbeat_timeout_s=settings.heartbeat_timeout_seconds,
+        heartbeat_flush_s=settings.hub_heartbeat_flush_s,
+        max_sockets_per_client=settings.hub_max_sockets_per_client,
+        revocation_check_s=settings.hub_revocation_check_s,
+        on_revoked=lambda client_id: app[AUTH].forget(client_id),
+        write_health=health)
 
-    app.cleanup_ctx.append(resources)
-    app.on_shutdown.append(on_shutdown)
+
+def _install(app: web.Application, settings: Settings, pool: AsyncConnectionPool[Conn], gateway: Gateway,
+             publisher: AmqpResultPublisher, health: WriterHealth) -> None:
+    """What the handlers use (client auth, the gateway, the calls' context) and the readiness checks."""
+    app[AUTH] = ClientAuthenticator(pool, cache_ttl_s=settings.hub_auth_cache_s,
+                                    negative_ttl_s=settings.hub_auth_negative_cache_s)
+    app[GATEWAY] = gateway
+    app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool, max_age_s=5.0), platforms=PlatformCodes(),
+                              safe_points=SafePointStats(), publisher=publisher,
+                              ingest_shards=settings.ingest_shards, write_health=health)
+    add_pool_check(app, pool)
+
+    async def broker() -> None:
+        if not (gateway.ready() and publisher.ready()):
+            raise ConnectionError("broker connection not ready")
+
+    add_readiness_check(app, "rabbitmq", broker)
+
+
+async def _drain_and_close(app: web.Application, pool: AsyncConnectionPool[Conn], amqp: AbstractRobustConnection,
+                           gateway: Gateway, publisher: AmqpResultPublisher) -> None:
+    """Drain the gateway, write what is buffered (heartbeats, safe points: best effort), then close."""
+    await gateway.drain()
+    await gateway.heartbeats.flush()
+    with contextlib.suppress(Exception):
+        await app[CONTEXT].safe_points.flush(pool)
+    await gateway.close()
+    await publisher.close()
+    await amqp.close()
+    await pool.close()
+
+
+async def _close_sockets(app: web.Application) -> None:
+    await app[GATEWAY].close_all()
+
+
+def _run_loops(app: web.Application) -> None:
+    """The gateway's background loops and the safe-point flush, for the app's lifetime."""
     background(app, "heartbeat-writer", lambda stop: app[GATEWAY].heartbeats.run(stop))
     background(app, "websocket-pinger", lambda stop: app[GATEWAY].run_pinger(stop))
     background(app, "revocation-sweep", lambda stop: app[GATEWAY].run_revocation_sweep(stop))
     background(app, "safe-point-flush", lambda stop: app[CONTEXT].safe_points.run(
         app[CONTEXT].pool, stop, app[SETTINGS].hub_safe_point_flush_s))
-    return app
 
 
 def main() -> None:
