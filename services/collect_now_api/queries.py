@@ -3,6 +3,7 @@
 import uuid
 from datetime import date
 
+from libs.tasks import requests as collect_requests
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
@@ -283,13 +284,6 @@ UPDATE monitoring_collect_tasks SET superseded_by_request_id = %(request_id)s, u
 WHERE tenant_id = %(tenant_id)s AND collect_request_id = ANY(%(old_ids)s::uuid[])
 """
 
-SUPERSEDE_REQUESTS = """
-UPDATE monitoring_collect_requests
-SET status = 'superseded', superseded_by_request_id = %(request_id)s, finished_at = now(), updated_at = now()
-WHERE id = ANY(%(old_ids)s::uuid[]) AND tenant_id = %(tenant_id)s AND status IN ('accepted', 'dispatching', 'running')
-RETURNING id
-"""
-
 INSERT_REQUEST = """
 INSERT INTO monitoring_collect_requests
     (id, tenant_id, workspace_id, brand_id, keyword_id, requested_by_user_id, target_client_id, scope_hash,
@@ -365,4 +359,4 @@ WARM_UP_PARAMS: dict[str, object] = {
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
     READS, INCREMENT_GENERATION, CANCEL_QUEUED_SCHEDULED, MARK_INTERRUPT_REQUESTED, WITHDRAW_LEGACY_OFFERS,
     INTERRUPT_LEGACY_LEASES, CREATE_MISSING_TASKS,
-    PROMOTE_SCOPE, MARK_TASKS_SUPERSEDED, SUPERSEDE_REQUESTS, INSERT_REQUEST)]
+    PROMOTE_SCOPE, MARK_TASKS_SUPERSEDED, collect_requests.SUPERSEDE, INSERT_REQUEST)]

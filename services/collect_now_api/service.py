@@ -28,6 +28,7 @@ from libs.domain.shard import ingest_shard_key
 from libs.http import ApiError
 from libs.outbox import NOTIFY_CHANNEL, enqueue_many
 from libs.outbox.writer import PRIORITY_WAKE
+from libs.tasks import requests as collect_requests
 from libs.tasks.controls import control_event
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
 from libs.telemetry import metrics, tracing
@@ -355,7 +356,7 @@ async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
         "ttl_s": click.settings.request_ttl_seconds, "traceparent": tracing.current_traceparent()})
     superseded_cur = None
     if click.superseded_ids:
-        superseded_cur = await conn.execute(q.SUPERSEDE_REQUESTS, {
+        superseded_cur = await conn.execute(collect_requests.SUPERSEDE, {
             "request_id": click.request_id, "tenant_id": tenant_id, "old_ids": click.superseded_ids})
     replacement = uuid.uuid4() if promotion.interrupted and promotion.promoted_ids else None
     if replacement is not None:

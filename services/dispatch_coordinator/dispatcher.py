@@ -51,6 +51,7 @@ from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
 from libs.tasks import legacy
+from libs.tasks import requests as collect_requests
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
 
@@ -68,7 +69,7 @@ WARM_UP_PARAMS: dict[str, object] = {
 }
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
     q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, q.COUNT_ATTEMPTS, q.INSERT_EXECUTIONS,
-    q.REQUESTS_DISPATCHED)]
+    collect_requests.MARK_DISPATCHED)]
 PAIRS_MAX_AGE_S = 1.0
 # How long a pass waits for the relay of its high events before its bookkeeping (see `_relay_committed`).
 RELAY_HEAD_START_S = 0.05
@@ -688,7 +689,7 @@ class Dispatcher:
                                   claimed_by=relay.claimed_by, lease_seconds=self._relay_lease_seconds)
         cur = None
         if requests:
-            cur = await conn.execute(q.REQUESTS_DISPATCHED, {"ids": list(requests),
+            cur = await conn.execute(collect_requests.MARK_DISPATCHED, {"ids": list(requests),
                                                              "counts": list(requests.values())})
         return _Written(rows, cur, own, list(clicks.values()))
 

@@ -269,7 +269,6 @@ FROM w CROSS JOIN (
 """
 
 
-
 # (tenant, platform) pairs with pending work (either path): a loose index scan, one probe per pair.
 PENDING_PAIRS = """
 WITH RECURSIVE pairs AS (
@@ -417,25 +416,6 @@ EXECUTION_KEYS = ("id", "tenant_id", "workspace_id", "target_client_id", "priori
 # (the DISPATCH re-check then sees its high work and sends no normal) or it waits for this pass and then
 # cancels the normal executions this pass queued on its client.
 LOCK_CLIENTS = "SELECT id FROM desktop_clients WHERE id = ANY(%(ids)s) ORDER BY id FOR SHARE"
-
-REQUESTS_DISPATCHED = """
-WITH counts AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(counts)s::int[]) AS c(id, n)
-), old AS (
-    SELECT r.id, r.first_dispatched_at IS NULL AS first
-    FROM monitoring_collect_requests r JOIN counts c ON c.id = r.id
-    ORDER BY r.id
-    FOR UPDATE OF r
-)
-UPDATE monitoring_collect_requests r
-SET dispatched_task_count = r.dispatched_task_count + c.n,
-    first_dispatched_at = coalesce(r.first_dispatched_at, now()),
-    status = CASE WHEN r.status = 'accepted' THEN 'dispatching' ELSE r.status END,
-    updated_at = now()
-FROM counts c JOIN old o ON o.id = c.id
-WHERE r.id = c.id
-RETURNING r.id, o.first, extract(epoch FROM (clock_timestamp() - r.created_at)) * 1000 AS latency_ms
-"""
 
 # ---- scanner -------------------------------------------------------------------------------------
 

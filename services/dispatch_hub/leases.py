@@ -46,6 +46,7 @@ from libs.domain.safe_points import bucket_of
 from libs.domain.shard import shard_for
 from libs.http import ApiError
 from libs.tasks import legacy
+from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
 from libs.telemetry import metrics, tracing
@@ -203,7 +204,7 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
                     "task_id": row["id"], "epoch": epoch, "token_hash": hash_token(token),
                     "ttl_s": dispatch.lease_ttl_seconds})
                 if row["collect_request_id"] is not None:
-                    await conn.execute(q.REQUEST_RUNNING, {"request_id": row["collect_request_id"],
+                    await conn.execute(collect_requests.MARK_RUNNING, {"request_id": row["collect_request_id"],
                                                            "tenant_id": principal.tenant_id})
                 await emit_lifecycle(conn, "task.leased", tenant_id=principal.tenant_id,
                                      client_id=principal.client_id, task_id=row["id"],
@@ -396,7 +397,8 @@ async def _abort_preempted(conn: Conn, principal: ClientPrincipal, task_id: uuid
         ack.induced_retry = True
     request = (row["control_flags"] or {}).get("collect_request_id")
     if request:
-        cur = await conn.execute(q.PREEMPT_REQUEST_AGE_MS, {"request_id": request, "tenant_id": principal.tenant_id})
+        cur = await conn.execute(collect_requests.FIRST_PREEMPT,
+                                 {"request_id": request, "tenant_id": principal.tenant_id})
         age = await cur.fetchone()
         ack.request_age_ms = float(age["age_ms"]) if age else None
     await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=principal.client_id,

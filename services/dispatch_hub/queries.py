@@ -72,11 +72,6 @@ WITH leased AS (
 SELECT lease_expires_at FROM leased
 """
 
-REQUEST_RUNNING = """
-UPDATE monitoring_collect_requests SET status = 'running', updated_at = now()
-WHERE id = %(request_id)s AND tenant_id = %(tenant_id)s AND status IN ('accepted', 'dispatching')
-"""
-
 # Extend on the hot path: one statement that both checks the fence and extends.
 EXTEND_LEASE = """
 UPDATE desktop_tasks
@@ -132,13 +127,6 @@ WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
 MARK_RESULT_RECEIVED = """
 UPDATE desktop_tasks SET result_received_at = now(), execution_phase = 'POSTING', updated_at = now()
 WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
-"""
-
-PREEMPT_REQUEST_AGE_MS = """
-UPDATE monitoring_collect_requests
-SET first_preempt_at = coalesce(first_preempt_at, now()), updated_at = now()
-WHERE id = %(request_id)s AND tenant_id = %(tenant_id)s
-RETURNING extract(epoch FROM (clock_timestamp() - created_at)) * 1000 AS age_ms
 """
 
 PLATFORM_CODES = "SELECT id, code FROM ai_platforms"

@@ -21,11 +21,12 @@ from libs.db.pool import Conn, json_rows
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import SettingsCache
 from libs.ingest.citations import ParsedCitation, parse_citations
-from libs.ingest.progress import CountDelta, request_count_delta, request_status_after
 from libs.ingest.runs import fold_latest_effective
 from libs.mq.topology import LIFECYCLE, PROJECTION
 from libs.outbox import OutboxEvent, enqueue_many
+from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
+from libs.tasks.requests import CountDelta, request_count_delta, request_status_after
 from libs.tasks.transitions import (
     EndedExecution,
     ExecutionEnd,
@@ -272,7 +273,7 @@ async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[
             delta = CountDelta(completed=delta.completed + change.completed, failed=delta.failed + change.failed)
         deltas[key] = delta
     for (request_id, tenant_id), delta in sorted(deltas.items(), key=lambda item: str(item[0][0])):
-        cur = await conn.execute(q.REQUEST_PROGRESS, {"id": request_id, "tenant_id": tenant_id,
+        cur = await conn.execute(collect_requests.RECORD_RESULTS, {"id": request_id, "tenant_id": tenant_id,
                                                       "completed": delta.completed, "failed": delta.failed})
         row = await cur.fetchone()
         if row is None:

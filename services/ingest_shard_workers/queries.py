@@ -115,24 +115,6 @@ WHERE monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
 ORDER BY id
 """
 
-# Collect-now request progress: first result, terminal-task counters (the status follows in Python).
-REQUEST_PROGRESS = """
-WITH prev AS (
-    SELECT id, first_result_at AS previous_first_result_at
-    FROM monitoring_collect_requests WHERE id = %(id)s AND tenant_id = %(tenant_id)s
-    FOR UPDATE
-)
-UPDATE monitoring_collect_requests r
-SET first_result_at = coalesce(r.first_result_at, now()),
-    completed_task_count = greatest(r.completed_task_count + %(completed)s, 0),
-    failed_task_count = greatest(r.failed_task_count + %(failed)s, 0),
-    updated_at = now()
-FROM prev
-WHERE r.id = prev.id
-RETURNING r.status, r.requested_task_count, r.completed_task_count, r.failed_task_count,
-          prev.previous_first_result_at IS NULL AS first_result,
-          extract(epoch FROM now() - r.created_at) * 1000 AS since_created_ms
-"""
 FINISH_REQUEST = """
 UPDATE monitoring_collect_requests
 SET status = %(status)s, finished_at = coalesce(finished_at, now()), updated_at = now()

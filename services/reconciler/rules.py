@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 UnknownVerdict = Literal["succeeded", "failed", "aborted", "queued"]
-RequestFinal = Literal["succeeded", "partial", "failed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,17 +30,6 @@ def converge_unknown(evidence: UnknownEvidence) -> UnknownVerdict:
     if evidence.run_status == "failed":
         return "failed"
     return "queued" if evidence.lease_alive else "aborted"
-
-
-def request_final_status(requested: int, completed: int, failed: int) -> RequestFinal | None:
-    """Final status of a collect-now request once every requested task is terminal, else None."""
-    if requested <= 0 or completed + failed < requested:
-        return None
-    if failed == 0:
-        return "succeeded"
-    if completed == 0:
-        return "failed"
-    return "partial"
 
 
 def parse_intervals(raw: str) -> dict[str, float]:

@@ -11,9 +11,9 @@ import pytest
 from libs.contracts.http import Citation
 from libs.ingest.aggregates import CitationFact, RunFact, compute_daily, mention_rate
 from libs.ingest.citations import citation_fingerprint, extract_domain, normalise_url, parse_citations
-from libs.ingest.progress import CountDelta, request_count_delta, request_status_after
 from libs.ingest.runs import fold_latest_effective, incoming_wins
 from libs.ingest.shards import assign_shards, lag_ms
+from libs.tasks.requests import CountDelta, request_count_delta, request_status_after
 
 
 @pytest.mark.parametrize(("a", "b"), [

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from libs.dispatch_settings import DispatchSettings
+from libs.tasks.requests import request_final_status
 from services.reconciler.config import DEFAULT_INTERVALS, ReconcilerConfig
 from services.reconciler.jobs import JOBS
-from services.reconciler.rules import UnknownEvidence, converge_unknown, parse_intervals, request_final_status
+from services.reconciler.rules import UnknownEvidence, converge_unknown, parse_intervals
 
 
 @pytest.mark.parametrize(("run_status", "lease_alive", "verdict"), [

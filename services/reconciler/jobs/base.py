@@ -14,9 +14,9 @@ from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings
 from libs.tasks import controls
+from libs.tasks.requests import refresh_progress
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
 from services.reconciler.config import ReconcilerConfig
-from services.reconciler.rules import request_final_status
 
 log = logging.getLogger("reconciler")
 
@@ -96,47 +96,6 @@ async def send_control(conn: Conn, *, task_id: uuid.UUID, client_id: uuid.UUID, 
                                 collect_request_id=collect_request_id, notify=True)
 
 
-_REQUEST_PROGRESS = """
-SELECT r.requested_task_count, r.completed_task_count, r.failed_task_count, r.status,
-       count(*) FILTER (WHERE t.status = 'completed') AS completed,
-       count(*) FILTER (WHERE t.status IN ('failed', 'expired', 'skipped')) AS failed
-FROM monitoring_collect_requests r
-LEFT JOIN monitoring_collect_tasks t ON t.collect_request_id = r.id AND t.tenant_id = r.tenant_id
-WHERE r.id = %(id)s
-GROUP BY r.id
-"""
-
-_UPDATE_REQUEST_PROGRESS = """
-UPDATE monitoring_collect_requests
-SET completed_task_count = greatest(completed_task_count, %(completed)s),
-    failed_task_count = greatest(failed_task_count, %(failed)s),
-    status = coalesce(%(final)s, status),
-    finished_at = CASE WHEN %(final)s::text IS NULL THEN finished_at ELSE now() END,
-    updated_at = now()
-WHERE id = %(id)s AND status IN ('accepted', 'dispatching', 'running')
-"""
-
-
-async def refresh_request_progress(conn: Conn, request_id: uuid.UUID | None) -> str | None:
-    """After the reconciler made a request's task terminal: recount from the business tasks (idempotent,
-    never lowers a count) and finish the request when all its tasks are terminal. Returns the final status."""
-    if request_id is None:
-        return None
-    cur = await conn.execute(_REQUEST_PROGRESS, {"id": request_id})
-    row = await cur.fetchone()
-    if row is None or row["status"] not in ("accepted", "dispatching", "running"):
-        return None
-    completed = max(int(row["completed"]), int(row["completed_task_count"]))
-    failed = max(int(row["failed"]), int(row["failed_task_count"]))
-    final = request_final_status(int(row["requested_task_count"]), completed, failed)
-    await conn.execute(_UPDATE_REQUEST_PROGRESS, {"id": request_id, "completed": completed, "failed": failed,
-                                                  "final": final})
-    if final is not None:
-        log.info("collect request finished by reconcile", extra={"collect_request_id": str(request_id),
-                                                                 "status": final})
-    return final
-
-
 @dataclass(frozen=True, slots=True)
 class Expired:
     """`expire_and_retry`'s outcome: whether the lease was still live (and so ended here), and the business task's
@@ -165,5 +124,5 @@ async def expire_and_retry(ctx: JobContext, row: dict[str, Any], *, reason: str,
                          ai_platform_id=ended.ai_platform_id, lane=ended.lane, reason=reason,
                          collect_request_id=request)
     if status == "failed":
-        await refresh_request_progress(conn, request)
+        await refresh_progress(conn, request)
     return Expired(ended=True, business_status=status)

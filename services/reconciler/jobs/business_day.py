@@ -4,6 +4,7 @@ with TaskControl(cancelled)), and their collect-now requests count them as not c
 
 from __future__ import annotations
 
+from libs.tasks.requests import refresh_progress
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import emit_lifecycle, end_execution
 from services.reconciler.jobs.base import (
@@ -13,7 +14,6 @@ from services.reconciler.jobs.base import (
     JobResult,
     configured_interval,
     log,
-    refresh_request_progress,
     send_control,
 )
 
@@ -88,7 +88,7 @@ async def run(ctx: JobContext) -> JobResult:
                                          lane=d["lane"], reason="business_day_expired",
                                          collect_request_id=d["collect_request_id"])
                 await conn.execute(_EXPIRE, {"id": task["id"]})
-                await refresh_request_progress(conn, task["collect_request_id"])
+                await refresh_progress(conn, task["collect_request_id"])
         except RETRYABLE_ERRORS as exc:
             result.add("skipped_conflict")
             log.warning("business-day expiry lost a race", extra={"monitor_task_id": candidate["id"],

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import uuid
 
+from libs.tasks.requests import refresh_progress
 from libs.tasks.transitions import (
     emit_lifecycle,
     end_execution,
@@ -29,7 +30,6 @@ from services.reconciler.jobs.base import (
     configured_interval,
     fix_each,
     log,
-    refresh_request_progress,
 )
 from services.reconciler.rules import UnknownEvidence, converge_unknown
 
@@ -123,7 +123,7 @@ async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -
                                  ai_platform_id=row["ai_platform_id"], lane=row["lane"],
                                  reason="reconciled_from_unknown", collect_request_id=row["collect_request_id"])
         if business in ("completed", "failed"):
-            await refresh_request_progress(conn, row["collect_request_id"])
+            await refresh_progress(conn, row["collect_request_id"])
     result.fixed += 1
     result.add(f"converged_{verdict}")
     log.info("unknown execution converged", extra={
