@@ -17,6 +17,7 @@ from tests.support.reconcile_factory import (
     heartbeat,
     insert_execution,
     insert_legacy_lease,
+    insert_request,
     insert_task,
     legacy_lease,
     make_world,
@@ -167,3 +168,20 @@ async def test_the_coordinators_start_up_check_counts_both_paths_and_finds_misma
     assert found["in_flight"] == {"desktop_tasks": 2, "legacy": 1}
     assert [(m["id"], m["problem"]) for m in found["mismatches"]] == [
         (wrong, "active execution on a legacy-owned task")]
+
+
+async def test_a_running_request_with_a_live_legacy_lease_does_not_time_out(pool: AsyncConnectionPool[Conn]) -> None:
+    async with pool.connection() as conn:
+        w = await make_world(conn)
+        a = w.clients[0]
+        busy = await insert_request(conn, w, client_id=a, status="running", ttl_in=-1, dispatched=1)
+        task = await insert_task(conn, w, lane="high", execution_owner="legacy", collect_request_id=busy)
+        await insert_legacy_lease(conn, w, task, a, lane="high")
+        stalled = await insert_request(conn, w, client_id=a, status="running", ttl_in=-1, dispatched=1)
+        await insert_task(conn, w, question_index=1, lane="high", execution_owner="legacy", collect_request_id=stalled)
+
+        await reconcile(conn, "request_ttl")
+
+        cur = await conn.execute("SELECT id, status FROM monitoring_collect_requests")
+        statuses = {r["id"]: r["status"] for r in await cur.fetchall()}
+        assert statuses == {busy: "running", stalled: "timed_out"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 
 from libs.domain.lanes import NORMAL_PRIORITY
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL
 from libs.telemetry import metrics
 from services.reconciler.jobs.base import (
     Job,
@@ -27,10 +27,13 @@ from services.reconciler.jobs.base import (
 
 NAME = "request_ttl"
 
+# A task of the request still running, on either path: an active execution, or a live legacy lease.
 _ACTIVE_EXECUTION_OF_REQUEST = f"""
-EXISTS (SELECT 1 FROM monitoring_collect_tasks t JOIN desktop_tasks d ON d.monitor_task_id = t.id
-        WHERE t.collect_request_id = r.id AND t.tenant_id = r.tenant_id
-          AND d.status IN {ACTIVE_EXECUTION_SQL})
+(EXISTS (SELECT 1 FROM monitoring_collect_tasks t JOIN desktop_tasks d ON d.monitor_task_id = t.id
+         WHERE t.collect_request_id = r.id AND t.tenant_id = r.tenant_id
+           AND d.status IN {ACTIVE_EXECUTION_SQL})
+ OR EXISTS (SELECT 1 FROM monitoring_collect_tasks t JOIN legacy_leases l ON l.monitor_task_id = t.id
+            WHERE t.collect_request_id = r.id AND t.tenant_id = r.tenant_id AND l.status IN {ACTIVE_LEASE_SQL}))
 """
 
 _CANDIDATES = f"""
