@@ -54,6 +54,8 @@ from libs.tasks import legacy
 from libs.tasks import requests as collect_requests
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
+from services.dispatch_coordinator.high_relay import HighRelay
+from services.dispatch_coordinator.pending_pairs import PendingPairs
 
 log = logging.getLogger("dispatch.pass")
 
@@ -70,9 +72,6 @@ WARM_UP_PARAMS: dict[str, object] = {
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
     q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, q.COUNT_ATTEMPTS, q.INSERT_EXECUTIONS,
     collect_requests.MARK_DISPATCHED)]
-PAIRS_MAX_AGE_S = 1.0
-# How long a pass waits for the relay of its high events before its bookkeeping (see `_relay_committed`).
-RELAY_HEAD_START_S = 0.05
 PER_PAIR_CAP = 50
 # A full pass reads its normal candidates in statements of about this many rows (see `_candidates`).
 CANDIDATE_CHUNK_ROWS = 100
@@ -233,24 +232,16 @@ def _candidate(r: dict[str, Any]) -> Candidate:
 
 
 class Dispatcher:
-    """Stateful across passes only for fairness rotation, the pending-pair cache and write statistics."""
+    """One dispatch pass at a time, high-only or full. Stateful across passes only for fairness rotation
+    (`last_served`), the pending-pair cache (`pending`), the relay of its high events (`high_relay`) and write
+    statistics."""
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, relay: OutboxRelay | None = None,
                  relay_lease_seconds: float = 5.0) -> None:
         self._pool = pool
-        # High TaskAvailable events are claimed in the writing transaction and published by this process
-        # right after the commit (libs/outbox/relay.py); without a relay (or with its broker away) the pumps
-        # publish them, woken by the commit's NOTIFY.
-        self._relay = relay
-        self._relay_lease_seconds = relay_lease_seconds
-        self._relaying: set[asyncio.Task[int]] = set()
+        self.high_relay = HighRelay(relay, lease_seconds=relay_lease_seconds)
         self.last_served: dict[str, int] = {}
-        self._pairs: set[tuple[int, int]] = set()
-        self._pair_tenants: set[int] = set()  # the tenants of `pairs`, for a per-completion lookup
-        self._pairs_at = 0.0
-        # A re-read of the pairs in flight (see `_refresh_pairs_in_background`), and what `add_pairs` added meanwhile.
-        self._pairs_refresh: asyncio.Task[None] | None = None
-        self._pairs_added: set[tuple[int, int]] = set()
+        self.pending = PendingPairs(pool)
         self.write_stats = WriteStats()
         self.slowdown = False
         # Refreshed by the maintenance loop: ready backlog, for the retry low-water rule.
@@ -267,49 +258,25 @@ class Dispatcher:
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
-        """Every (tenant, platform) with a pending task, of any lane (as of `pairs_read_at`, plus `add_pairs`)."""
-        return self._pairs
+        """Every (tenant, platform) with a pending task (services/dispatch_coordinator/pending_pairs.py)."""
+        return self.pending.pairs
 
     @pairs.setter
     def pairs(self, pairs: set[tuple[int, int]]) -> None:
-        self._pairs = set(pairs)
-        self._pair_tenants = {tenant for tenant, _ in self._pairs}
+        self.pending.pairs = pairs
 
     @property
     def pairs_read_at(self) -> float:
         """Monotonic time of the last read of the pending pairs (0 before the first)."""
-        return self._pairs_at
+        return self.pending.read_at
 
     def has_pending(self, tenant_id: int) -> bool:
         """Does `pairs` list the tenant?"""
-        return tenant_id in self._pair_tenants
+        return self.pending.has_pending(tenant_id)
 
     def add_pairs(self, pairs: Sequence[tuple[int, int]]) -> None:
         """New work the scanner just created (so the pass need not wait for the next pair refresh)."""
-        self._pairs.update(pairs)
-        self._pair_tenants.update(tenant for tenant, _ in pairs)
-        self._pairs_added.update(pairs)
-
-    async def _refresh_pairs(self, conn: Conn) -> None:
-        self._pairs_added = set()
-        cur = await conn.execute(q.PENDING_PAIRS)
-        self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()} | self._pairs_added
-        self._pairs_at = time.monotonic()
-
-    def _refresh_pairs_in_background(self) -> None:
-        """Re-read the pairs on a connection of their own while passes go on with the ones they have: the read is a
-        probe per pair (40-65 ms for 3,000 pairs, 1,000 tenants), and on the dispatch loop a click arriving meanwhile
-        waited for it before its high pass could start."""
-        if self._pairs_refresh is not None and not self._pairs_refresh.done():
-            return
-        self._pairs_refresh = asyncio.create_task(self._refresh_pairs_pooled(), name="dispatch-pairs")
-
-    async def _refresh_pairs_pooled(self) -> None:
-        try:
-            async with self._pool.connection() as conn:
-                await self._refresh_pairs(conn)
-        except Exception as exc:  # the next stale pass tries again
-            log.warning("reading the pending pairs failed", extra={"error": str(exc)[:300]})
+        self.pending.add(pairs)
 
     async def _ensure_ledger(self, conn: Conn, window: int) -> None:
         """Once a window, before a full pass: the budget ledger (migration 021) counts this window length (else it is
@@ -547,10 +514,10 @@ class Dispatcher:
     async def _before_pass(self, conn: Conn, settings: DispatchSettings) -> None:
         """A full pass's preparations outside its transaction: the pending pairs (read now for the first pass,
         refreshed in the background when stale) and, once a window, the budget ledger."""
-        if not self._pairs_at:
-            await self._refresh_pairs(conn)  # the first pass has none to go on with
-        elif time.monotonic() - self._pairs_at > PAIRS_MAX_AGE_S:
-            self._refresh_pairs_in_background()
+        if not self.pending.read_at:
+            await self.pending.refresh(conn)  # the first pass has none to go on with
+        elif self.pending.stale:
+            self.pending.refresh_in_background()
         window = max(1, settings.budget_window_seconds)
         if self._ledger_window[0] != window or time.time() >= self._ledger_window[1] + window:
             try:
@@ -681,43 +648,23 @@ class Dispatcher:
         if len(executions) < len(rows):
             await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
         high = any(r["lane"] == "high" for r in rows)
-        relay = self._relay if high and self._relay is not None and self._relay.ready() else None
+        relay = self.high_relay.ready() if high else None
         event_ids = await enqueue_many(conn, events, notify=high and relay is None)
         own = None
         if relay is not None:  # claim the high events for this process (the rest, if any, wake the pumps)
             own = await claim_own(conn, [i for i, e in zip(event_ids, events, strict=True) if e.priority > 0],
-                                  claimed_by=relay.claimed_by, lease_seconds=self._relay_lease_seconds)
+                                  claimed_by=relay.claimed_by, lease_seconds=self.high_relay.lease_seconds)
         cur = None
         if requests:
             cur = await conn.execute(collect_requests.MARK_DISPATCHED, {"ids": list(requests),
                                                              "counts": list(requests.values())})
         return _Written(rows, cur, own, list(clicks.values()))
 
-    async def _relay_committed(self, written: _Written) -> None:
-        """After the commit: publish the events this pass claimed for itself. The pass gives the relay a head
-        start of up to RELAY_HEAD_START_S before its own bookkeeping (which would otherwise run first and hold the
-        message in this process); past it, the relay finishes in the background (a slow broker must not stall
-        dispatch). A failed publish goes back to the pumps (retryable, with backoff)."""
-        if written.own is None or self._relay is None:
-            return
-        task = asyncio.create_task(self._relay_own(self._relay, written.own), name="dispatch-relay")
-        self._relaying.add(task)
-        task.add_done_callback(self._relaying.discard)
-        await asyncio.wait([task], timeout=RELAY_HEAD_START_S)
-
-    async def _relay_own(self, relay: OutboxRelay, own: OwnClaim) -> int:
-        try:
-            batch = await own.events()
-            return await relay.process(batch) if batch else 0
-        except Exception as exc:  # the claim's lease expires and a pump publishes the rows
-            log.warning("relaying dispatch events failed; the pumps take them over when the claim expires",
-                        extra={"error": str(exc)[:300]})
-            return 0
-
     async def drain_relays(self, timeout: float) -> None:
         """Let in-flight relays finish (shutdown): what is not published by then is left to the pumps. A re-read of
         the pairs in flight is let finish too (it holds a pool connection)."""
-        pending = {*self._relaying, *([self._pairs_refresh] if self._pairs_refresh is not None else [])}
+        refreshing = self.pending.refreshing
+        pending = {*self.high_relay.in_flight, *([refreshing] if refreshing is not None else [])}
         if pending:
             await asyncio.wait(pending, timeout=timeout)
 
@@ -726,7 +673,7 @@ class Dispatcher:
         latencies, metrics, logs."""
         for span in written.click_spans:
             span.end()
-        await self._relay_committed(written)
+        await self.high_relay.publish_committed(written.own)
         if written.requests is not None:
             for r in await written.requests.fetchall():
                 if r["first"]:

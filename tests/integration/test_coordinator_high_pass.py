@@ -254,7 +254,7 @@ async def test_a_full_pass_reads_its_candidates_in_chunks_and_yields_between_the
         monkeypatch.setattr(dispatcher_module, "CANDIDATE_CHUNK_ROWS", chunk_rows)
         dispatcher = Dispatcher(pool)
         async with pool.connection() as conn, conn.transaction():
-            await dispatcher._refresh_pairs(conn)
+            await dispatcher.pending.refresh(conn)
             snap = await read_snapshot(conn, settings)
             candidates = await dispatcher._candidates(conn, snap, limits, settings)
         found.append({c.id for lane in candidates.values() for c in lane})

@@ -164,7 +164,7 @@ async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_pending() 
 
     assert await woken(1)  # the pending pairs were never read: wake
     dispatcher.pairs = {(2, 7)}
-    dispatcher._pairs_at = time.monotonic()
+    dispatcher.pending.read_at = time.monotonic()
     assert not await woken(1)  # tenant 1 has nothing pending
     assert await woken(2)  # tenant 2 has work the freed slot may serve
     dispatcher.add_pairs([(1, 7)])  # the scanner created tasks for tenant 1
@@ -172,5 +172,5 @@ async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_pending() 
     dispatcher.pairs = {(2, 7)}
     coordinator.wake_high()  # a click after the read: its high work may wait for the slot being freed
     assert await woken(1)
-    dispatcher._pairs_at = time.monotonic()  # the next read (which would list that high work)
+    dispatcher.pending.read_at = time.monotonic()  # the next read (which would list that high work)
     assert not await woken(1)

@@ -1,0 +1,76 @@
+"""The coordinator's cache of the (tenant, platform) pairs with pending work: what a full pass reads candidates for,
+and what tells a completion whether a pass could serve anything."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+from psycopg_pool import AsyncConnectionPool
+
+from libs.db.pool import Conn
+from services.dispatch_coordinator import queries as q
+
+log = logging.getLogger("dispatch.pass")
+
+# A pass re-reads the pairs (in the background) once they are older than this.
+PAIRS_MAX_AGE_S = 1.0
+
+
+class PendingPairs:
+    """Every (tenant, platform) with a pending task, of any lane and either execution path, as of `read_at`, plus
+    what the scanner added since."""
+
+    def __init__(self, pool: AsyncConnectionPool[Conn]) -> None:
+        self._pool = pool
+        self._pairs: set[tuple[int, int]] = set()
+        self._tenants: set[int] = set()  # the tenants of `pairs`, for a per-completion lookup
+        self.read_at = 0.0  # monotonic time of the last read (0 before the first)
+        # A re-read in flight (see `refresh_in_background`), and what `add` added meanwhile.
+        self.refreshing: asyncio.Task[None] | None = None
+        self._added: set[tuple[int, int]] = set()
+
+    @property
+    def pairs(self) -> set[tuple[int, int]]:
+        return self._pairs
+
+    @pairs.setter
+    def pairs(self, pairs: set[tuple[int, int]]) -> None:
+        self._pairs = set(pairs)
+        self._tenants = {tenant for tenant, _ in self._pairs}
+
+    def has_pending(self, tenant_id: int) -> bool:
+        return tenant_id in self._tenants
+
+    def add(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """New work the scanner just created (so the pass need not wait for the next refresh)."""
+        self._pairs.update(pairs)
+        self._tenants.update(tenant for tenant, _ in pairs)
+        self._added.update(pairs)
+
+    @property
+    def stale(self) -> bool:
+        return time.monotonic() - self.read_at > PAIRS_MAX_AGE_S
+
+    async def refresh(self, conn: Conn) -> None:
+        self._added = set()
+        cur = await conn.execute(q.PENDING_PAIRS)
+        self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()} | self._added
+        self.read_at = time.monotonic()
+
+    def refresh_in_background(self) -> None:
+        """Re-read the pairs on a connection of their own while passes go on with the ones they have: the read is a
+        probe per pair (40-65 ms for 3,000 pairs, 1,000 tenants), and on the dispatch loop a click arriving meanwhile
+        waited for it before its high pass could start."""
+        if self.refreshing is not None and not self.refreshing.done():
+            return
+        self.refreshing = asyncio.create_task(self._refresh_pooled(), name="dispatch-pairs")
+
+    async def _refresh_pooled(self) -> None:
+        try:
+            async with self._pool.connection() as conn:
+                await self.refresh(conn)
+        except Exception as exc:  # the next stale pass tries again
+            log.warning("reading the pending pairs failed", extra={"error": str(exc)[:300]})
