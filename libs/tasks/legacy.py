@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from libs.db.pool import Conn, json_records
+from libs.tasks.result_claims import claim_result, release_result_claim
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 
 EXECUTION_OWNERS = ("legacy", "desktop_tasks")
@@ -149,22 +150,9 @@ WHERE l.id = ext.id
 RETURNING ext.lease_expires_at, l.interrupt_generation, l.control_flags, l.ai_platform_id
 """
 
-CLAIM_RESULT = """
-WITH prev AS (
-    SELECT id, result_digest FROM legacy_leases
-    WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
-    FOR UPDATE
-)
-UPDATE legacy_leases l SET result_digest = coalesce(prev.result_digest, %(digest)s)
-FROM prev WHERE l.id = prev.id
-RETURNING prev.result_digest AS previous, l.result_received_at
-"""
+CLAIM_RESULT = claim_result("legacy_leases")
 
-RELEASE_RESULT_CLAIM = """
-UPDATE legacy_leases SET result_digest = NULL
-WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
-  AND result_digest = %(digest)s AND result_received_at IS NULL
-"""
+RELEASE_RESULT_CLAIM = release_result_claim("legacy_leases")
 
 # The result is on its way to ingest: the business row `received` (first, the lock order above), then the lease's
 # row, whose slot is free again. Two statements in one transaction. Ingest may have ended the lease already (it

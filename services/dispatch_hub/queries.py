@@ -2,6 +2,7 @@
 statements (the same calls on a lease of the business row) are in libs/tasks/legacy.py."""
 
 from libs.tasks import legacy
+from libs.tasks.result_claims import claim_result, release_result_claim
 
 # The tokens of every handshake and call that missed the hub's cache while the previous lookup ran.
 AUTHENTICATE_CLIENTS = """
@@ -106,23 +107,10 @@ WHERE t.id = %(monitor_task_id)s AND t.tenant_id = %(tenant_id)s
 
 # The first result body posted on a lease claims it; `previous` is the digest an earlier post stored (NULL: this
 # post is the first).
-CLAIM_RESULT = """
-WITH prev AS (
-    SELECT id, result_digest FROM desktop_tasks
-    WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
-    FOR UPDATE
-)
-UPDATE desktop_tasks d SET result_digest = coalesce(prev.result_digest, %(digest)s)
-FROM prev WHERE d.id = prev.id
-RETURNING prev.result_digest AS previous, d.result_received_at
-"""
+CLAIM_RESULT = claim_result("desktop_tasks")
 
 # A publish that failed gives the claim back, so the client's retry can post again.
-RELEASE_RESULT_CLAIM = """
-UPDATE desktop_tasks SET result_digest = NULL
-WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
-  AND result_digest = %(digest)s AND result_received_at IS NULL
-"""
+RELEASE_RESULT_CLAIM = release_result_claim("desktop_tasks")
 
 MARK_RESULT_RECEIVED = """
 UPDATE desktop_tasks SET result_received_at = now(), execution_phase = 'POSTING', updated_at = now()
