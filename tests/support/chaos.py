@@ -1,6 +1,8 @@
 """Service chaos and soak: every service as real processes (two of most, the leader-elected ones hot standbys) on
 real Postgres and RabbitMQ, a fleet of simulated desktop clients spread over both hubs, a compressed business
-day plus collect-now clicks, a fault injector, and the invariants read back from the database and the broker.
+day plus collect-now clicks (optionally some tenants on the legacy execution path, the others on desktop_tasks:
+`seed_world(legacy_tenants=...)`), a fault injector, and the invariants read back from the database and the broker,
+each on both paths.
 
 Used by tests/e2e/test_service_chaos.py (faults) and bench/soak.py (no faults, resources sampled over time).
 
@@ -39,6 +41,7 @@ from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
+from libs.domain.schedule import execution_owner_for
 from libs.ingest.runs import incoming_wins
 from libs.mq.topology import Topology, delete_all
 from tests.support.procs import ServiceProcess, service_env
@@ -98,6 +101,8 @@ TERMINAL_TASK = ("completed", "failed", "skipped", "expired")
 OPEN_REQUEST = ("accepted", "dispatching", "running")
 ACTIVE_EXECUTION = ("queued", "in_progress", "unknown")
 HARNESS_APPLICATIONS = ("tests", "chaos-injector", "soak")
+# How many times a replica is started again before the run gives up on it (one second apart).
+START_ATTEMPTS = 30
 
 
 @dataclass
@@ -207,8 +212,12 @@ class ChaosStack:
         self.replicas: list[Replica] = []
         # Replicas that exited although nobody killed them: (seconds since start, replica, the end of its log).
         self.crashes: list[tuple[float, str, str]] = []
+        # Starts again after a kill or a crash that failed (exited before ready, or not ready in time), each
+        # retried: (seconds since start, replica, the end of its log, where the reason is).
+        self.failed_starts: list[tuple[float, str, str]] = []
         self._started = time.monotonic()
         self._supervisor: asyncio.Task[None] | None = None
+        self._restarts: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.link.start()
@@ -239,15 +248,23 @@ class ChaosStack:
                     self.crashes.append((round(time.monotonic() - self._started, 1), replica.label,
                                          replica.proc.logs()[-3000:]))
                     await asyncio.to_thread(replica.proc.kill)  # closes its log
-                    with contextlib.suppress(Exception):
-                        await self.restart(replica)
+                    restart = asyncio.create_task(self._restart_crashed(replica))  # the others stay watched
+                    self._restarts.add(restart)
+                    restart.add_done_callback(self._restarts.discard)
             await asyncio.sleep(0.5)  # a polling period, not a wait for a condition
+
+    async def _restart_crashed(self, replica: Replica) -> None:
+        with contextlib.suppress(Exception):  # every failed start is in failed_starts already
+            await self.restart(replica)
 
     async def stop(self) -> None:
         if self._supervisor is not None:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._supervisor
+        for restart in list(self._restarts):
+            restart.cancel()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
         await asyncio.gather(*(asyncio.to_thread(r.proc.stop) for r in reversed(self.replicas)))
         for replica in self.replicas:
             replica.up = False
@@ -277,8 +294,22 @@ class ChaosStack:
         await asyncio.to_thread(replica.proc.kill)
 
     async def restart(self, replica: Replica) -> None:
-        await asyncio.to_thread(replica.proc.start)
-        replica.up = True
+        """Start a replica again, as Kubernetes would: a start that fails is recorded in `failed_starts` and
+        retried a second later (up to START_ATTEMPTS times), so one failed start does not leave the service a
+        replica short for the rest of the run (and every later check with it)."""
+        for attempt in range(START_ATTEMPTS):
+            try:
+                await asyncio.to_thread(replica.proc.start)
+            except Exception as exc:
+                await asyncio.to_thread(replica.proc.kill)  # a start not ready in time is still running
+                self.failed_starts.append((round(time.monotonic() - self._started, 1), replica.label,
+                                           str(exc)[-3000:]))
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(1.0)  # the back-off between two starts, not a wait for a condition
+            else:
+                replica.up = True
+                return
 
     async def metric(self, replica: Replica, sample: str) -> float:
         """A sample of a replica's /metrics (`name{labels}` as printed); 0 when absent or unreachable."""
@@ -326,16 +357,36 @@ async def running_chaos_stack(settings: Settings, log_dir: Path, **kwargs: Any) 
 
 # ---- the workload ---------------------------------------------------------------------------------------------
 
-async def seed_world(conn: Conn, *, tenants: int, brands: int, questions: int, clients: int) -> dict[str, Any]:
+async def seed_world(conn: Conn, *, tenants: int, brands: int, questions: int, clients: int,
+                     legacy_tenants: int = 0) -> dict[str, Any]:
     """Tenants with brands, questions and plans (not due: `schedule_business_day` spreads them), desktop clients,
-    and the run's dispatch and platform settings."""
+    and the run's dispatch and platform settings. `legacy_tenants` of the tenants run on the legacy path
+    (`rollout_legacy`); each tenant of the result says its `execution_owner`."""
     seeded = await seed_demo(conn, tenants=tenants, brands=brands, questions=questions, clients=clients, due=False)
     for key, value in CHAOS_SETTINGS.items():
         await set_setting(conn, key, value)
+    rollout = rollout_legacy([int(t["tenant_id"]) for t in seeded["tenants"]], legacy_tenants)
+    await set_setting(conn, "rollout_percentage", rollout)
+    for tenant in seeded["tenants"]:
+        tenant["execution_owner"] = execution_owner_for(int(tenant["tenant_id"]), rollout)
+    seeded["rollout_percentage"] = rollout
     soft, hard = INTERRUPT_TIMEOUTS_MS
     await conn.execute("UPDATE platform_settings SET max_concurrent = %s, interrupt_soft_timeout_ms = %s, "
                        "interrupt_hard_timeout_ms = %s", (PLATFORM_MAX_CONCURRENT, soft, hard))
     return seeded
+
+
+def rollout_legacy(tenant_ids: Sequence[int], legacy: int) -> int:
+    """The `rollout_percentage` that puts exactly `legacy` of the tenants on the legacy path (`tenant_id % 100 <
+    rollout` takes desktop_tasks): those with the highest `tenant_id % 100`. Tenant ids are serial from 1 in a test
+    database: tenants 1, 2, 3 with one on legacy give rollout 3 (tenant 3 on legacy)."""
+    if legacy <= 0:
+        return 100
+    buckets = sorted(t % 100 for t in tenant_ids)
+    rollout = buckets[-legacy]
+    if legacy < len(buckets) and buckets[-legacy - 1] >= rollout:
+        raise ValueError(f"tenants {sorted(tenant_ids)}: no rollout percentage puts exactly {legacy} on legacy")
+    return rollout
 
 
 async def schedule_business_day(conn: Conn, rng: random.Random, spread_s: float) -> int:
@@ -362,7 +413,8 @@ class Click:
 
 
 class Clicker:
-    """Collect-now clicks on random tenants, brands and question subsets, at random moments."""
+    """Collect-now clicks on random tenants, brands and question subsets, at random moments: every tenant once
+    first (in a random order, so each execution path gets its clicks), then random tenants."""
 
     def __init__(self, stack: ChaosStack, seeded: dict[str, Any], rng: random.Random) -> None:
         self.stack = stack
@@ -372,11 +424,12 @@ class Clicker:
 
     async def run(self, duration_s: float, *, mean_gap_s: float) -> None:
         started = time.monotonic()
+        first_round = self.rng.sample(self.tenants, len(self.tenants))
         while True:
             await asyncio.sleep(self.rng.uniform(0.5, 1.5) * mean_gap_s)  # the pace of the users, not a wait
             if time.monotonic() - started >= duration_s:
                 return
-            tenant = self.rng.choice(self.tenants)
+            tenant = first_round.pop(0) if first_round else self.rng.choice(self.tenants)
             brand = self.rng.choice(tenant["brands"])
             chosen = self.rng.sample(brand["question_ids"], min(len(brand["question_ids"]), self.rng.randint(1, 3)))
             status, body = await self.stack.collect_now(tenant, brand["brand_id"], {"question_ids": chosen})
@@ -386,6 +439,14 @@ class Clicker:
 
     def summary(self) -> dict[str, int]:
         return dict(sorted(Counter(str(c.status) for c in self.clicks).items()))
+
+    def by_path(self) -> dict[str, dict[str, int]]:
+        """Clicks by the execution path of their tenant, then by status."""
+        owner = {int(t["tenant_id"]): str(t.get("execution_owner", "desktop_tasks")) for t in self.tenants}
+        paths: dict[str, Counter[str]] = defaultdict(Counter)
+        for click in self.clicks:
+            paths[owner[click.tenant_id]][str(click.status)] += 1
+        return {path: dict(sorted(c.items())) for path, c in sorted(paths.items())}
 
 
 # ---- the fleet ------------------------------------------------------------------------------------------------
@@ -653,7 +714,7 @@ class FaultInjector:
         try:
             await self.stack.restart(victim)
         except Exception as exc:
-            self.errors.append(f"{victim.label} did not come back: {exc}"[:2000])
+            self.errors.append(f"{victim.label} did not come back: ...{str(exc)[-2000:]}")  # the end: the reason
 
     def summary(self) -> dict[str, int]:
         return dict(sorted(Counter(f.kind if f.kind != "kill -9" else f"kill -9 {f.target.split('#')[0]}"
@@ -668,6 +729,7 @@ SELECT
   (SELECT count(*) FROM monitoring_collect_tasks WHERE status NOT IN ('completed', 'failed', 'skipped', 'expired'))
       AS open_business_tasks,
   (SELECT count(*) FROM desktop_tasks WHERE status IN ('queued', 'in_progress', 'unknown')) AS active_executions,
+  (SELECT count(*) FROM legacy_leases WHERE status IN ('queued', 'in_progress')) AS live_legacy_leases,
   (SELECT count(*) FROM monitoring_collect_requests WHERE status IN ('accepted', 'dispatching', 'running'))
       AS open_requests,
   (SELECT count(*) FROM outbox WHERE status IN ('queued', 'running', 'retryable')) AS outbox_in_flight,
@@ -755,9 +817,13 @@ async def check_results(pool: AsyncConnectionPool[Conn], accepted: set[str]) -> 
     """Every 202 result in the ingest ledger (applied exactly once: the ledger's key is the result id), one run
     row per business key, holding the effective result (success priority over the ledger's apply order), with
     exactly its citations as facts."""
-    ledger = await _rows(pool, "SELECT result_id::text AS result_id, seq, status, monitor_task_id "
-                               "FROM ingest_applied_results ORDER BY seq")
+    ledger = await _rows(pool, """
+        SELECT a.result_id::text AS result_id, a.seq, a.status, a.monitor_task_id,
+               CASE WHEN EXISTS (SELECT 1 FROM legacy_leases l WHERE l.id = a.task_id) THEN 'legacy'
+                    ELSE 'execution' END AS path
+        FROM ingest_applied_results a ORDER BY a.seq""")
     applied = {r["result_id"] for r in ledger}
+    applied_by_path = Counter(str(r["path"]) for r in ledger)
     missing = sorted(accepted - applied)
     effective: dict[int, dict[str, Any]] = {}
     for r in ledger:
@@ -783,7 +849,8 @@ async def check_results(pool: AsyncConnectionPool[Conn], accepted: set[str]) -> 
              if r["facts"] != (r["citation_count"] if r["status"] == "succeeded" else 0)]
     return [
         Invariant("results answered 202 applied to the raw facts exactly once", len(accepted), len(missing),
-                  f"{len(applied)} results in the ingest ledger, {len(applied - accepted)} of them without a 202 "
+                  f"{len(applied)} results in the ingest ledger ({applied_by_path['execution']} of executions, "
+                  f"{applied_by_path['legacy']} of legacy leases), {len(applied - accepted)} of them without a 202 "
                   "(the client gave up or the hub died after the publish)", missing[:5]),
         Invariant("one raw-fact run per business key with results", len(effective) + len(orphans),
                   len(not_one) + len(orphans), "", (not_one + orphans)[:5]),
@@ -793,33 +860,55 @@ async def check_results(pool: AsyncConnectionPool[Conn], accepted: set[str]) -> 
     ]
 
 
+# Every run of a business task on either path, as [start, end) (an open one runs to now): the attempts of its
+# desktop_tasks executions, and its legacy leases from the pull (the offer, if it was never pulled) to their end.
+RUNS = """
+SELECT 'execution' AS path, a.task_id::text || '#' || a.lease_epoch AS id, a.monitor_task_id,
+       a.started_at AS s, a.finished_at AS e
+FROM desktop_task_attempts a
+UNION ALL
+SELECT 'legacy', l.id::text, l.monitor_task_id, coalesce(l.leased_at, l.created_at), l.finished_at
+FROM legacy_leases l
+"""
+
+
 async def check_double_execution(pool: AsyncConnectionPool[Conn]) -> Invariant:
-    overlaps = await _rows(pool, """
-        SELECT a.monitor_task_id, a.id AS first, b.id AS second,
-               extract(epoch FROM least(coalesce(a.finished_at, clock_timestamp()),
-                                        coalesce(b.finished_at, clock_timestamp()))
-                                - greatest(a.started_at, b.started_at))::float8 AS overlap_s
-        FROM desktop_task_attempts a
-        JOIN desktop_task_attempts b ON b.monitor_task_id = a.monitor_task_id AND b.id > a.id
-        WHERE tstzrange(a.started_at, coalesce(a.finished_at, 'infinity'), '[)')
-           && tstzrange(b.started_at, coalesce(b.finished_at, 'infinity'), '[)')""")
-    tasks = await _rows(pool, "SELECT count(DISTINCT monitor_task_id) AS n FROM desktop_task_attempts")
+    overlaps = await _rows(pool, f"""
+        WITH runs AS MATERIALIZED ({RUNS})
+        SELECT a.monitor_task_id, a.path || ' ' || a.id AS first, b.path || ' ' || b.id AS second,
+               a.path <> b.path AS across_paths,
+               extract(epoch FROM least(coalesce(a.e, clock_timestamp()), coalesce(b.e, clock_timestamp()))
+                                - greatest(a.s, b.s))::float8 AS overlap_s
+        FROM runs a
+        JOIN runs b ON b.monitor_task_id = a.monitor_task_id AND (b.path, b.id) > (a.path, a.id)
+        WHERE tstzrange(a.s, coalesce(a.e, 'infinity'), '[)') && tstzrange(b.s, coalesce(b.e, 'infinity'), '[)')""")
+    tasks = await _rows(pool, f"""
+        SELECT count(DISTINCT monitor_task_id) AS n,
+               count(DISTINCT monitor_task_id) FILTER (WHERE path = 'execution') AS execution,
+               count(DISTINCT monitor_task_id) FILTER (WHERE path = 'legacy') AS legacy
+        FROM ({RUNS}) r""")
     real = [o for o in overlaps if o["overlap_s"] > STAMP_TOLERANCE_S]
-    return Invariant("no business task with two executions at once (attempt intervals)", int(tasks[0]["n"]),
-                     len(real), f"{len(overlaps)} overlaps in all, the longest "
-                     f"{max((o['overlap_s'] for o in overlaps), default=0):.3f}s", real[:5])
+    counts = tasks[0]
+    return Invariant("no business task with two executions at once (attempts and legacy leases)",
+                     int(counts["n"]), len(real),
+                     f"{counts['execution']} tasks with executions, {counts['legacy']} with legacy leases; "
+                     f"{len(overlaps)} overlaps in all ({sum(o['across_paths'] for o in overlaps)} across paths), "
+                     f"the longest {max((o['overlap_s'] for o in overlaps), default=0):.3f}s", real[:5])
 
 
 async def check_nothing_stuck(pool: AsyncConnectionPool[Conn], stack: ChaosStack) -> list[Invariant]:
     tasks = await _rows(pool, """
-        SELECT t.id, t.status, t.dispatch_lane, t.dispatch_after <= now() AS due,
+        SELECT t.id, t.status, t.execution_owner, t.dispatch_lane, t.dispatch_after <= now() AS due,
                EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
-                       AND d.status IN ('queued', 'in_progress', 'unknown')) AS executing
+                       AND d.status IN ('queued', 'in_progress', 'unknown'))
+               OR EXISTS (SELECT 1 FROM legacy_leases l WHERE l.monitor_task_id = t.id
+                          AND l.status IN ('queued', 'in_progress')) AS executing
         FROM monitoring_collect_tasks t""")
     open_tasks = [t for t in tasks if t["status"] not in TERMINAL_TASK]
-    # Pending and dispatchable (due, nothing executing it) is where the coordinator picks work up: not stuck.
+    # Pending and dispatchable (due, nothing executing it on either path) is where the coordinator picks work up:
+    # not stuck. A row still `leased` or `received` (the legacy path's lease on it) after settling is.
     stuck_tasks = [t for t in open_tasks if not (t["status"] == "pending" and t["due"] and not t["executing"])]
-    by_status = dict(sorted(Counter(t["status"] for t in tasks).items()))
+    by_status = dict(sorted(Counter(f"{t['execution_owner']} {t['status']}" for t in tasks).items()))
     requests = await _rows(pool, "SELECT id, status FROM monitoring_collect_requests")
     open_requests = [r for r in requests if r["status"] in OPEN_REQUEST]
     outbox = await _rows(pool, """
@@ -834,6 +923,7 @@ async def check_nothing_stuck(pool: AsyncConnectionPool[Conn], stack: ChaosStack
            OR (status = 'unknown' AND updated_at < now() - interval '30 seconds')""")
     executions = await _rows(pool, "SELECT count(*) AS n, count(*) FILTER (WHERE status IN ('queued', "
                                    "'in_progress', 'unknown')) AS active FROM desktop_tasks")
+    legacy = await check_legacy_leases(pool)
     depths = await asyncio.to_thread(queue_stats, stack.settings.mq_prefix)
     consumers = await asyncio.to_thread(queue_consumers, stack.settings.mq_prefix)
     expected = work_queues(Topology(stack.settings.mq_prefix, stack.settings.ingest_shards))
@@ -845,6 +935,7 @@ async def check_nothing_stuck(pool: AsyncConnectionPool[Conn], stack: ChaosStack
         Invariant("no execution with an expired lease (or unknown) past the reconciler's grace",
                   int(executions[0]["n"]), len(leases), f"{executions[0]['active']} executions still active",
                   leases[:5]),
+        *legacy,
         Invariant("every collect-now request ended", len(requests), len(open_requests), "", open_requests[:5]),
         Invariant("outbox: nothing queued, running or retryable for more than 10 s",
                   sum(int(r["n"]) for r in outbox), stuck_outbox,
@@ -854,9 +945,100 @@ async def check_nothing_stuck(pool: AsyncConnectionPool[Conn], stack: ChaosStack
                   sum(d.messages for d in busy_queues.values()), "", sorted(busy_queues.items())[:5]),
         Invariant("broker: every work queue has a consumer again (ingest shards, projection, lifecycle)",
                   len(expected), len(unconsumed), "", unconsumed[:5]),
-        Invariant("no replica exited unless killed", len(stack.replicas), len(stack.crashes),
-                  "", [(at, label, tail[-600:]) for at, label, tail in stack.crashes][:3]),
+        Invariant("no replica exited unless killed, none failed to start again", len(stack.replicas),
+                  len(stack.crashes) + len(stack.failed_starts),
+                  f"{len(stack.failed_starts)} failed starts (each retried)" if stack.failed_starts else "",
+                  [(at, label, tail[-600:]) for at, label, tail in [*stack.crashes, *stack.failed_starts]][:3]),
     ]
+
+
+async def check_legacy_leases(pool: AsyncConnectionPool[Conn]) -> list[Invariant]:
+    """The legacy path's lease on the business row, after settling: no live lease and no row `leased` or
+    `received`; no lease past its expiry beyond the reconciler's grace; the business row's lease columns set only
+    while it holds its live lease (`legacy_lease_id` naming it, `leased_to_executor` its client), and every live
+    lease named by its business row."""
+    leases = await _rows(pool, """
+        SELECT l.id, l.monitor_task_id, l.status, l.target_client_id, t.status AS business_status,
+               t.legacy_lease_id, t.lease_expires_at
+        FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id""")
+    live = [r for r in leases if r["status"] in ("queued", "in_progress")]
+    held = await _rows(pool, "SELECT id, status, legacy_lease_id FROM monitoring_collect_tasks "
+                             "WHERE status IN ('leased', 'received')")
+    expired = await _rows(pool, """
+        SELECT t.id, t.status, t.legacy_lease_id, t.lease_expires_at FROM monitoring_collect_tasks t
+        WHERE t.status = 'leased' AND t.lease_expires_at < now() - interval '5 seconds'""")
+    inconsistent = await _rows(pool, """
+        SELECT t.id, t.status, t.execution_owner, t.legacy_lease_id, t.leased_to_executor,
+               t.lease_token_hash IS NOT NULL AS token, t.leased_at, t.lease_expires_at, l.status AS lease_status
+        FROM monitoring_collect_tasks t LEFT JOIN legacy_leases l ON l.id = t.legacy_lease_id
+        WHERE (t.legacy_lease_id IS NOT NULL OR t.leased_to_executor IS NOT NULL OR t.lease_token_hash IS NOT NULL
+               OR t.leased_at IS NOT NULL OR t.lease_expires_at IS NOT NULL OR t.status IN ('leased', 'received'))
+          AND NOT (t.status IN ('leased', 'received') AND t.execution_owner = 'legacy'
+                   AND l.status IN ('queued', 'in_progress') AND l.monitor_task_id = t.id
+                   AND t.leased_to_executor = l.target_client_id)
+        UNION ALL
+        SELECT t.id, t.status, t.execution_owner, t.legacy_lease_id, t.leased_to_executor,
+               t.lease_token_hash IS NOT NULL, t.leased_at, t.lease_expires_at, l.status
+        FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
+        WHERE l.status IN ('queued', 'in_progress') AND t.legacy_lease_id IS DISTINCT FROM l.id""")
+    by_status = dict(sorted(Counter(str(r["status"]) for r in leases).items()))
+    return [
+        Invariant("legacy path: no live lease, no business row left leased or received", len(leases),
+                  len(live) + len(held), f"leases {by_status}", [*live, *held][:5]),
+        Invariant("legacy path: no lease past its expiry beyond the reconciler's grace (5 s)", len(leases),
+                  len(expired), "", expired[:5]),
+        Invariant("legacy path: lease columns only on a row holding its live lease, every live lease named",
+                  len(leases), len(inconsistent), "", inconsistent[:5]),
+    ]
+
+
+async def check_paths(pool: AsyncConnectionPool[Conn], rollout: int) -> Invariant:
+    """Each business task on the path the rollout gives its tenant (`rollout_percentage` does not change during the
+    run, so every task the scanner or a click created, or a click re-collected, is routed by it), and each run on
+    its task's path: executions only of desktop_tasks-owned tasks, legacy leases only of legacy-owned ones."""
+    wrong = await _rows(pool, """
+        SELECT 'task off its tenant''s path' AS problem, t.id AS monitor_task_id, t.tenant_id, t.execution_owner,
+               NULL::text AS run
+        FROM monitoring_collect_tasks t
+        WHERE t.execution_owner <> CASE WHEN t.tenant_id %% 100 < %(rollout)s THEN 'desktop_tasks' ELSE 'legacy' END
+        UNION ALL
+        SELECT 'execution of a legacy-owned task', t.id, t.tenant_id, t.execution_owner, d.id::text
+        FROM desktop_tasks d JOIN monitoring_collect_tasks t ON t.id = d.monitor_task_id
+        WHERE t.execution_owner <> 'desktop_tasks'
+        UNION ALL
+        SELECT 'legacy lease of a desktop_tasks-owned task', t.id, t.tenant_id, t.execution_owner, l.id::text
+        FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
+        WHERE t.execution_owner <> 'legacy'""", {"rollout": rollout})
+    counts = await _rows(pool, "SELECT (SELECT count(*) FROM monitoring_collect_tasks) AS tasks, "
+                               "(SELECT count(*) FROM desktop_tasks) + (SELECT count(*) FROM legacy_leases) AS runs")
+    return Invariant(f"each task on its tenant's path (rollout {rollout}), each run on its task's path",
+                     int(counts[0]["tasks"]) + int(counts[0]["runs"]), len(wrong), "", wrong[:5])
+
+
+# What the services log when their own dual-path checks find something: the reconcile's repairs of the legacy path
+# (libs/tasks/legacy.py's lease columns left behind, an accepted legacy result never applied) and the
+# owner/execution mismatches the reconcile and the coordinator's start-up check alert on. None of it should ever
+# be needed.
+REPAIR_EVENTS = ("zombie lease cleared", "legacy lease ended: its accepted result was never applied")
+
+
+def check_service_repairs(stack: ChaosStack) -> Invariant:
+    found: list[tuple[str, str, Any]] = []
+    lines = 0
+    for replica in stack.replicas:
+        for line in replica.proc.logs().splitlines():
+            if '"event"' not in line:
+                continue
+            lines += 1
+            try:
+                event = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                continue
+            name = str(event.get("event", "")) if isinstance(event, dict) else ""
+            if name in REPAIR_EVENTS or name.startswith("ALERT:"):
+                found.append((replica.label, name, event.get("monitor_task_id")))
+    return Invariant("no dual-path repair or alert in any service's log (zombie leases, lost results, mismatches)",
+                     lines, len(found), "", found[:5])
 
 
 async def check_limits(pool: AsyncConnectionPool[Conn]) -> list[Invariant]:
@@ -866,12 +1048,18 @@ async def check_limits(pool: AsyncConnectionPool[Conn]) -> list[Invariant]:
     tenant = int(settings.get("tenant_dispatch_per_minute", 30))
     reserve = float(settings.get("high_reserved_share", 0.10))
     non_high_cap = cluster - math.ceil(cluster * reserve)
+    # Executions and legacy offers alike, by their created_at (as the coordinator counts them); refunded: collect-now
+    # aborted it before it was ever leased (epoch 0).
     counts = await _rows(pool, """
         SELECT floor(extract(epoch FROM created_at) / %(w)s)::bigint AS window, tenant_id, lane = 'high' AS high,
-               count(*) AS n
-        FROM desktop_tasks
+               count(*) AS n, count(*) FILTER (WHERE path = 'legacy') AS legacy
+        FROM (SELECT 'execution' AS path, kind, status, interrupt_reason, lease_epoch, created_at, tenant_id, lane
+              FROM desktop_tasks
+              UNION ALL
+              SELECT 'legacy', kind, status, interrupt_reason, lease_epoch, created_at, tenant_id, lane
+              FROM legacy_leases) w
         WHERE kind = 'monitor'
-          AND NOT (status = 'aborted' AND interrupt_reason = 'collect_now_preempt' AND lease_epoch = 0)
+          AND NOT (status = 'aborted' AND coalesce(interrupt_reason, '') = 'collect_now_preempt' AND lease_epoch = 0)
         GROUP BY 1, 2, 3""", {"w": window})
     per_window: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in counts:
@@ -881,13 +1069,23 @@ async def check_limits(pool: AsyncConnectionPool[Conn]) -> list[Invariant]:
     over_tenant = [(r["window"], r["tenant_id"], r["n"]) for r in counts if not r["high"] and r["n"] > tenant]
     busiest = max((sum(r["n"] for r in rs) for rs in per_window.values()), default=0)
     busiest_tenant = max((r["n"] for r in counts if not r["high"]), default=0)
+    windows_with_legacy = len({r["window"] for r in counts if r["legacy"]})
+    budget_note = f"{sum(int(r['n']) for r in counts)} counted, {sum(int(r['legacy']) for r in counts)} legacy offers"
 
+    # In progress on the client, on either path: from the lease (an execution's attempt, a legacy lease's pull)
+    # until its result reached the hub or it ended.
     attempts = await _rows(pool, """
-        SELECT a.client_id, c.max_concurrent_monitor AS limit_, extract(epoch FROM a.started_at)::float8 AS s,
+        SELECT 'execution' AS path, a.client_id, c.max_concurrent_monitor AS limit_,
+               extract(epoch FROM a.started_at)::float8 AS s,
                extract(epoch FROM least(coalesce(a.finished_at, clock_timestamp()),
                    CASE WHEN d.lease_epoch = a.lease_epoch THEN d.result_received_at END))::float8 AS e
         FROM desktop_task_attempts a JOIN desktop_tasks d ON d.id = a.task_id
-        JOIN desktop_clients c ON c.id = a.client_id""")
+        JOIN desktop_clients c ON c.id = a.client_id
+        UNION ALL
+        SELECT 'legacy', l.target_client_id, c.max_concurrent_monitor, extract(epoch FROM l.leased_at)::float8,
+               extract(epoch FROM least(coalesce(l.finished_at, clock_timestamp()), l.result_received_at))::float8
+        FROM legacy_leases l JOIN desktop_clients c ON c.id = l.target_client_id
+        WHERE l.leased_at IS NOT NULL""")
     by_client: dict[Any, list[tuple[float, float]]] = defaultdict(list)
     client_limit: dict[Any, int] = {}
     for r in attempts:
@@ -896,17 +1094,29 @@ async def check_limits(pool: AsyncConnectionPool[Conn]) -> list[Invariant]:
     client_excess = {c: excess_episodes(iv, client_limit[c]) for c, iv in by_client.items()}
     client_over = [(str(c), ep) for c, eps in client_excess.items() for ep in eps if ep[1] > STAMP_TOLERANCE_S]
     client_peak = max((_peak(iv) for iv in by_client.values()), default=0)
+    legacy_clients = {r["client_id"] for r in attempts if r["path"] == "legacy"}
+    client_note = (f"highest {client_peak}, limit {max(client_limit.values(), default=0)}; "
+                   f"{sum(r['path'] == 'legacy' for r in attempts)} of {len(attempts)} legacy leases, on "
+                   f"{len(legacy_clients)} clients, highest there "
+                   f"{max((_peak(by_client[c]) for c in legacy_clients), default=0)}")
 
-    # Queued or in progress count against (tenant, platform) as the coordinator counts them; an execution that
-    # turned `unknown` (a result the hub took that ingest had not applied within the grace) stops counting then.
+    # Queued or in progress count against (tenant, platform) as the coordinator counts them, on either path; an
+    # execution that turned `unknown` (a result the hub took that ingest had not applied within the grace) stops
+    # counting then. A legacy lease counts from its offer until it ended (it has no `unknown`).
     grace = float(settings.get("unknown_grace_seconds", 120))
     executions = await _rows(pool, """
-        SELECT d.tenant_id, d.ai_platform_id, coalesce(s.max_concurrent, 1) AS limit_,
+        SELECT 'execution' AS path, d.tenant_id, d.ai_platform_id, coalesce(s.max_concurrent, 1) AS limit_,
                extract(epoch FROM d.created_at)::float8 AS s,
                extract(epoch FROM least(coalesce(d.finished_at, clock_timestamp()),
                                         d.result_received_at + make_interval(secs => %(grace)s)))::float8 AS e
         FROM desktop_tasks d LEFT JOIN platform_settings s ON s.ai_platform_id = d.ai_platform_id
-        WHERE d.kind = 'monitor'""", {"grace": grace})
+        WHERE d.kind = 'monitor'
+        UNION ALL
+        SELECT 'legacy', l.tenant_id, l.ai_platform_id, coalesce(s.max_concurrent, 1),
+               extract(epoch FROM l.created_at)::float8,
+               extract(epoch FROM coalesce(l.finished_at, clock_timestamp()))::float8
+        FROM legacy_leases l LEFT JOIN platform_settings s ON s.ai_platform_id = l.ai_platform_id
+        WHERE l.kind = 'monitor'""", {"grace": grace})
     by_pair: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
     pair_limit: dict[tuple[int, int], int] = {}
     for r in executions:
@@ -915,19 +1125,23 @@ async def check_limits(pool: AsyncConnectionPool[Conn]) -> list[Invariant]:
     pair_over = [(pair, ep) for pair, iv in by_pair.items() for ep in excess_episodes(iv, pair_limit[pair])
                  if ep[1] > STAMP_TOLERANCE_S]
     pair_peak = max((_peak(iv) for iv in by_pair.values()), default=0)
+    legacy_pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in executions if r["path"] == "legacy"}
+    legacy_pair_peak = max((_peak(by_pair[k]) for k in legacy_pairs), default=0)
+    pair_note = (f"highest {pair_peak}, limit {max(pair_limit.values(), default=0)}; "
+                 f"{sum(r['path'] == 'legacy' for r in executions)} of {len(executions)} legacy, on "
+                 f"{len(legacy_pairs)} pairs, highest there {legacy_pair_peak}")
     return [
-        Invariant(f"cluster budget per {window}s window (<= {cluster})", len(per_window), len(over_cluster),
-                  f"busiest window {busiest}", over_cluster[:5]),
+        Invariant(f"cluster budget per {window}s window (<= {cluster}), both paths", len(per_window),
+                  len(over_cluster), f"busiest window {busiest}; {budget_note}, in {windows_with_legacy} windows",
+                  over_cluster[:5]),
         Invariant(f"non-high work per window (<= {non_high_cap}, the high reserve kept)", len(per_window),
                   len(over_non_high), "", over_non_high[:5]),
         Invariant(f"tenant budget per window, non-high (<= {tenant})", len(counts), len(over_tenant),
                   f"busiest tenant window {busiest_tenant}", over_tenant[:5]),
         Invariant("client concurrency (in progress <= max_concurrent_monitor at every instant)", len(by_client),
-                  len(client_over), f"highest {client_peak}, limit {max(client_limit.values(), default=0)}",
-                  client_over[:5]),
+                  len(client_over), client_note, client_over[:5]),
         Invariant("platform concurrency per (tenant, platform) (active <= max_concurrent)", len(by_pair),
-                  len(pair_over), f"highest {pair_peak}, limit {max(pair_limit.values(), default=0)}",
-                  pair_over[:5]),
+                  len(pair_over), pair_note, pair_over[:5]),
     ]
 
 
@@ -951,8 +1165,13 @@ async def check_controls(pool: AsyncConnectionPool[Conn], fleet: Fleet) -> Invar
         SELECT payload, extract(epoch FROM published_at)::float8 AS published
         FROM outbox WHERE message_type = 'task_control' AND status = 'published' ORDER BY id""")
     clients = fleet.by_client_id()
-    ended = {str(r["id"]): r["finished"] for r in await _rows(
-        pool, "SELECT id, extract(epoch FROM finished_at)::float8 AS finished FROM desktop_tasks")}
+    # The task_id of a control is an execution's id or a legacy lease's: either ends with its finished_at.
+    ends = await _rows(pool, """
+        SELECT id, 'execution' AS path, extract(epoch FROM finished_at)::float8 AS finished FROM desktop_tasks
+        UNION ALL SELECT id, 'legacy', extract(epoch FROM finished_at)::float8 FROM legacy_leases""")
+    ended = {str(r["id"]): r["finished"] for r in ends}
+    path_of = {str(r["id"]): str(r["path"]) for r in ends}
+    per_path: Counter[str] = Counter()
     received: dict[tuple[str, str], set[str]] = defaultdict(set)
     for sim in clients.values():
         for _, event in sim.received:
@@ -963,6 +1182,7 @@ async def check_controls(pool: AsyncConnectionPool[Conn], fleet: Fleet) -> Invar
     for row in rows:
         control = msgspec.json.decode(bytes(row["payload"]))
         client_id, task_id, kind = str(control["target_client_id"]), str(control["task_id"]), control["control"]
+        per_path[f"{path_of.get(task_id, 'unknown task')} {kind}"] += 1
         client = clients.get(client_id)
         if client is None:
             outcome["to a client outside the fleet"] += 1
@@ -987,11 +1207,13 @@ async def check_controls(pool: AsyncConnectionPool[Conn], fleet: Fleet) -> Invar
             outcome["interrupt lost while the way was down; the execution was over before the reconnect"] += 1
             continue
         outcome["missed"] += 1
-        missed.append({"client": client_id, "task": task_id, "control": kind, "reason": control.get("reason"),
+        missed.append({"client": client_id, "task": task_id, "path": path_of.get(task_id), "control": kind,
+                       "reason": control.get("reason"),
                        "published": published, "held": held, "path_down": path_down,
                        "fenced": client.fenced.get(task_id)})
-    return Invariant("every client got every task_control that applied to it", len(rows), len(missed),
-                     "; ".join(f"{k} {v}" for k, v in sorted(outcome.items())), missed[:5])
+    return Invariant("every client got every task_control that applied to it (both paths)", len(rows), len(missed),
+                     "; ".join(f"{k} {v}" for k, v in sorted(outcome.items()))
+                     + " | by path: " + ", ".join(f"{k} {v}" for k, v in sorted(per_path.items())), missed[:5])
 
 
 async def check_projections(pool: AsyncConnectionPool[Conn]) -> Invariant:
@@ -1008,28 +1230,54 @@ async def check_projections(pool: AsyncConnectionPool[Conn]) -> Invariant:
                      differ[:3])
 
 
-async def check_all(pool: AsyncConnectionPool[Conn], stack: ChaosStack, fleet: Fleet) -> list[Invariant]:
+async def check_all(pool: AsyncConnectionPool[Conn], stack: ChaosStack, fleet: Fleet, *,
+                    rollout: int = 100) -> list[Invariant]:
     return [*await check_results(pool, fleet.accepted_results), await check_double_execution(pool),
-            *await check_nothing_stuck(pool, stack), *await check_limits(pool), await check_controls(pool, fleet),
-            await check_projections(pool)]
+            await check_paths(pool, rollout), *await check_nothing_stuck(pool, stack), check_service_repairs(stack),
+            *await check_limits(pool), await check_controls(pool, fleet), await check_projections(pool)]
 
 
 # ---- the report -----------------------------------------------------------------------------------------------
+
+async def path_summary(pool: AsyncConnectionPool[Conn]) -> dict[str, dict[str, int]]:
+    """Per execution path: business tasks (and how many completed), runs (executions or legacy leases) and results
+    applied: what a reader checks to see that both paths were exercised."""
+    rows = await _rows(pool, """
+        SELECT t.execution_owner AS path, count(*) AS business_tasks,
+               count(*) FILTER (WHERE t.status = 'completed') AS completed,
+               count(DISTINCT t.tenant_id) AS tenants,
+               (SELECT count(*) FROM desktop_tasks d JOIN monitoring_collect_tasks b ON b.id = d.monitor_task_id
+                WHERE b.execution_owner = t.execution_owner) AS executions,
+               (SELECT count(*) FROM legacy_leases l JOIN monitoring_collect_tasks b ON b.id = l.monitor_task_id
+                WHERE b.execution_owner = t.execution_owner) AS legacy_leases,
+               (SELECT count(*) FROM ingest_applied_results a JOIN monitoring_collect_tasks b
+                  ON b.id = a.monitor_task_id WHERE b.execution_owner = t.execution_owner) AS results_applied
+        FROM monitoring_collect_tasks t GROUP BY 1 ORDER BY 1""")
+    return {str(r.pop("path")): {k: int(v) for k, v in r.items()} for r in rows}
+
 
 async def work_summary(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
     tasks = await _rows(pool, "SELECT status, count(*) AS n FROM monitoring_collect_tasks GROUP BY 1 ORDER BY 1")
     attempts = await _rows(pool, "SELECT status, coalesce(abort_reason, '') AS reason, count(*) AS n "
                                  "FROM desktop_task_attempts GROUP BY 1, 2 ORDER BY 1, 2")
     lanes = await _rows(pool, "SELECT lane, count(*) AS n FROM desktop_tasks GROUP BY 1 ORDER BY 1")
+    leases = await _rows(pool, "SELECT status, coalesce(interrupt_reason, '') AS reason, count(*) AS n "
+                               "FROM legacy_leases GROUP BY 1, 2 ORDER BY 1, 2")
+    lease_lanes = await _rows(pool, "SELECT lane, count(*) AS n FROM legacy_leases GROUP BY 1 ORDER BY 1")
     delays = await _rows(pool, """
         SELECT percentile_disc(ARRAY[0.5, 0.9, 0.99, 1.0]) WITHIN GROUP (ORDER BY s) AS p
-        FROM (SELECT extract(epoch FROM l.applied_at - d.result_received_at)::float8 AS s
-              FROM ingest_applied_results l JOIN desktop_tasks d ON d.id = l.task_id
-              WHERE d.result_received_at IS NOT NULL) x""")
+        FROM (SELECT extract(epoch FROM l.applied_at - r.result_received_at)::float8 AS s
+              FROM ingest_applied_results l
+              JOIN (SELECT id, result_received_at FROM desktop_tasks
+                    UNION ALL SELECT id, result_received_at FROM legacy_leases) r ON r.id = l.task_id
+              WHERE r.result_received_at IS NOT NULL) x""")
     p = delays[0]["p"] or []
-    return {"business tasks": {r["status"]: r["n"] for r in tasks},
+    return {"tasks per path": await path_summary(pool),
+            "business tasks": {r["status"]: r["n"] for r in tasks},
             "executions by lane": {r["lane"]: r["n"] for r in lanes},
             "attempts": {f"{r['status']}{'/' + r['reason'] if r['reason'] else ''}": r["n"] for r in attempts},
+            "legacy leases by lane": {r["lane"]: r["n"] for r in lease_lanes},
+            "legacy leases": {f"{r['status']}{'/' + r['reason'] if r['reason'] else ''}": r["n"] for r in leases},
             "result accepted -> raw facts (s)": dict(zip(("p50", "p90", "p99", "max"),
                                                          (round(v, 2) for v in p), strict=False))}
 
@@ -1047,10 +1295,11 @@ def format_report(*, seed: int, fault_seconds: float, faults: Sequence[Fault], f
         lines.append(f"{key}: {value}")
     ok, seconds, last = settled
     lines.append(f"settled: {ok} after {seconds}s ({last})")
-    lines.append(f"{'invariant':<82} {'checked':>8} {'violations':>10}")
+    width = max([82, *(len(inv.name) for inv in invariants)])
+    lines.append(f"{'invariant':<{width}} {'checked':>8} {'violations':>10}")
     for inv in invariants:
-        lines.append(f"{inv.name:<82} {inv.checked:>8} {inv.violations:>10}" + (f"  ({inv.note})" if inv.note
-                                                                                 else ""))
+        lines.append(f"{inv.name:<{width}} {inv.checked:>8} {inv.violations:>10}"
+                     + (f"  ({inv.note})" if inv.note else ""))
         for example in inv.examples if inv.violations else []:
             lines.append(f"      e.g. {example}")
     return "\n".join(lines)
