@@ -118,11 +118,3 @@ def json_records(rows: Iterable[Mapping[str, Any]], keys: Sequence[str]) -> str:
     `json_to_recordset(%(rows)s::json) AS r(name type, ...)`: the statement names each column and its type, the
     caller each value, and nothing depends on an order both sides must keep. Encoded by msgspec in C."""
     return msgspec.json.encode([{k: row[k] for k in keys} for row in rows]).decode()
-
-
-def json_rows(rows: Iterable[tuple[Any, ...]]) -> str:
-    """A batch of rows as one JSON parameter (a JSON array of row arrays), for
-    `json_array_elements(%(rows)s::json) AS e(v)` with `(e.v->>i)::type` columns. msgspec encodes it in C;
-    one array parameter per column would be dumped element by element in Python. UUIDs, dates and
-    datetimes become ISO strings, which the casts parse back."""
-    return msgspec.json.encode(list(rows)).decode()

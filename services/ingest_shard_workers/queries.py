@@ -1,9 +1,18 @@
-"""SQL of result ingest. A batch's rows go in as ONE JSON array of row arrays (`json_rows`, encoded by
-msgspec in C) unpacked with json_array_elements, rather than one Postgres array per column, which psycopg
+"""SQL of result ingest. A batch's rows go in as ONE JSON array of named records (`json_records`, encoded by
+msgspec in C) unpacked with json_to_recordset, rather than one Postgres array per column, which psycopg
 dumps element by element in Python (a quarter of a worker's CPU at full rate). Rows are locked in key
 order."""
 
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+
+# The keys of each JSON record, per statement.
+APPLIED_KEYS = ("ord", "result_id", "tenant_id", "shard", "task_id", "monitor_task_id", "status")
+RUN_KEYS = ("tenant_id", "workspace_id", "brand_id", "question_id", "ai_platform_id", "collector_type", "run_mode",
+            "business_date", "status", "answer_text", "brand_mentioned", "citation_count", "error", "desktop_task_id",
+            "client_id", "result_id", "started_at", "finished_at")
+CITE_KEYS = ("run_id", "tenant_id", "brand_id", "question_id", "ai_platform_id", "business_date", "fingerprint", "url",
+             "title", "position", "domain")
+
 
 # The business tasks of a batch, locked in id order (the lock order of every ingest transaction).
 LOCK_BUSINESS_TASKS = """
@@ -16,13 +25,13 @@ FOR UPDATE
 """
 
 # Applied-result ledger: a result_id that is already there was applied before and changes nothing.
-# rows: [result_id, tenant_id, shard, task_id, monitor_task_id, status]
+# rows: named records (libs.db.pool.json_records), `ord` their delivery order.
 RECORD_APPLIED = """
 INSERT INTO ingest_applied_results (result_id, tenant_id, shard, task_id, monitor_task_id, status, applied_by)
-SELECT (e.v->>0)::uuid, (e.v->>1)::bigint, (e.v->>2)::int, (e.v->>3)::uuid, (e.v->>4)::bigint, e.v->>5,
-       %(applied_by)s
-FROM json_array_elements(%(rows)s::json) WITH ORDINALITY AS e(v, ord)
-ORDER BY e.ord
+SELECT r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status, %(applied_by)s
+FROM json_to_recordset(%(rows)s::json) AS r(
+    ord int, result_id uuid, tenant_id bigint, shard int, task_id uuid, monitor_task_id bigint, status text)
+ORDER BY r.ord
 ON CONFLICT (result_id) DO NOTHING
 RETURNING result_id
 """
@@ -33,10 +42,14 @@ INSERT INTO question_monitor_runs AS q (
     tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
     status, answer_text, brand_mentioned, citation_count, error, desktop_task_id, client_id, result_id,
     started_at, finished_at)
-SELECT (e.v->>0)::bigint, (e.v->>1)::bigint, (e.v->>2)::bigint, (e.v->>3)::bigint, (e.v->>4)::bigint, e.v->>5,
-       e.v->>6, (e.v->>7)::date, e.v->>8, e.v->>9, (e.v->>10)::boolean, (e.v->>11)::int, e.v->>12,
-       (e.v->>13)::uuid, (e.v->>14)::uuid, (e.v->>15)::uuid, (e.v->>16)::timestamptz, (e.v->>17)::timestamptz
-FROM json_array_elements(%(rows)s::json) AS e(v)
+SELECT r.tenant_id, r.workspace_id, r.brand_id, r.question_id, r.ai_platform_id, r.collector_type, r.run_mode,
+       r.business_date, r.status, r.answer_text, r.brand_mentioned, r.citation_count, r.error, r.desktop_task_id,
+       r.client_id, r.result_id, r.started_at, r.finished_at
+FROM json_to_recordset(%(rows)s::json) AS r(
+    tenant_id bigint, workspace_id bigint, brand_id bigint, question_id bigint, ai_platform_id bigint,
+    collector_type text, run_mode text, business_date date, status text, answer_text text, brand_mentioned boolean,
+    citation_count int, error text, desktop_task_id uuid, client_id uuid, result_id uuid, started_at timestamptz,
+    finished_at timestamptz)
 ORDER BY 1, 3, 8, 4, 5
 ON CONFLICT ON CONSTRAINT uk_monitor_run_idempotent DO UPDATE
 SET workspace_id = EXCLUDED.workspace_id,
@@ -55,12 +68,11 @@ WHERE q.status = 'failed' OR EXCLUDED.status = 'succeeded'
 RETURNING id, result_id
 """
 
-# Citations of the runs just (over)written. cites: [run_id, tenant_id, brand_id, question_id, ai_platform_id,
-# business_date, fingerprint, url, title, position, domain]. First drop the ones the effective result no
-# longer has ...
+# Citations of the runs just (over)written, as named records (CITE_KEYS). First drop the ones the effective result
+# no longer has ...
 _CITES = """
 WITH n AS MATERIALIZED (
-    SELECT (e.v->>0)::bigint AS run_id, e.v->>6 AS fp FROM json_array_elements(%(cites)s::json) AS e(v)
+    SELECT r.run_id, r.fingerprint AS fp FROM json_to_recordset(%(cites)s::json) AS r(run_id bigint, fingerprint text)
 )"""
 DELETE_STALE_PARSE_RESULTS = _CITES + """
 DELETE FROM question_monitor_parse_results p
@@ -75,8 +87,9 @@ WHERE f.run_id = ANY(%(run_ids)s::bigint[])
 # ... and upsert the current ones, idempotent on (run_id, citation_fingerprint).
 UPSERT_PARSE_RESULTS = """
 INSERT INTO question_monitor_parse_results (run_id, tenant_id, citation_fingerprint, url, title, position, domain)
-SELECT (e.v->>0)::bigint, (e.v->>1)::bigint, e.v->>6, e.v->>7, e.v->>8, (e.v->>9)::int, e.v->>10
-FROM json_array_elements(%(cites)s::json) AS e(v)
+SELECT r.run_id, r.tenant_id, r.fingerprint, r.url, r.title, r.position, r.domain
+FROM json_to_recordset(%(cites)s::json) AS r(
+    run_id bigint, tenant_id bigint, fingerprint text, url text, title text, position int, domain text)
 ORDER BY 1, 3
 ON CONFLICT (run_id, citation_fingerprint) DO UPDATE
 SET url = EXCLUDED.url, title = EXCLUDED.title, position = EXCLUDED.position, domain = EXCLUDED.domain
@@ -87,9 +100,11 @@ WHERE (question_monitor_parse_results.url, question_monitor_parse_results.title,
 UPSERT_CITATION_FACTS = """
 INSERT INTO monitoring_citation_facts (run_id, tenant_id, brand_id, question_id, ai_platform_id, business_date,
                                        citation_fingerprint, url, domain, position)
-SELECT (e.v->>0)::bigint, (e.v->>1)::bigint, (e.v->>2)::bigint, (e.v->>3)::bigint, (e.v->>4)::bigint,
-       (e.v->>5)::date, e.v->>6, e.v->>7, e.v->>10, (e.v->>9)::int
-FROM json_array_elements(%(cites)s::json) AS e(v)
+SELECT r.run_id, r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.business_date, r.fingerprint, r.url,
+       r.domain, r.position
+FROM json_to_recordset(%(cites)s::json) AS r(
+    run_id bigint, tenant_id bigint, brand_id bigint, question_id bigint, ai_platform_id bigint, business_date date,
+    fingerprint text, url text, domain text, position int)
 ORDER BY 1, 7
 ON CONFLICT (run_id, citation_fingerprint) DO UPDATE
 SET url = EXCLUDED.url, domain = EXCLUDED.domain, position = EXCLUDED.position
