@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from typing import Any
 
+import msgspec
 from psycopg import AsyncPipeline
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind, MonitorResult, ProjectionRebuild
-from libs.db.pool import Conn, json_records
+from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import SettingsCache
 from libs.ingest.citations import ParsedCitation, parse_citations
@@ -42,6 +43,58 @@ log = logging.getLogger("ingest.apply")
 
 RunKey = tuple[int, int, int, int, str, str, date]
 SUPERSEDED_BY_RESULT = "superseded_by_result"
+
+
+
+# The JSON records of the batch statements (services/ingest_shard_workers/queries.py names each field and its type):
+# msgspec Structs, encoded by name in C, as cheap to build as the tuples they replace.
+class _AppliedRow(msgspec.Struct):
+    ord: int
+    result_id: uuid.UUID
+    tenant_id: int
+    shard: int
+    task_id: uuid.UUID
+    monitor_task_id: int
+    status: str
+
+
+class _RunRow(msgspec.Struct):
+    tenant_id: int
+    workspace_id: int
+    brand_id: int
+    question_id: int
+    ai_platform_id: int
+    collector_type: str
+    run_mode: str
+    business_date: date
+    status: str
+    answer_text: str | None
+    brand_mentioned: bool
+    citation_count: int
+    error: str | None
+    desktop_task_id: uuid.UUID
+    client_id: uuid.UUID
+    result_id: uuid.UUID
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class _CiteRow(msgspec.Struct):
+    run_id: int
+    tenant_id: int
+    brand_id: int
+    question_id: int
+    ai_platform_id: int
+    business_date: date
+    fingerprint: str
+    url: str
+    title: str | None
+    position: int | None
+    domain: str
+
+
+def _json(rows: list[_AppliedRow] | list[_RunRow] | list[_CiteRow]) -> str:
+    return msgspec.json.encode(rows).decode()
 
 
 def run_key(r: MonitorResult) -> RunKey:
@@ -143,9 +196,9 @@ async def _record_applied(conn: Conn, valid: list[MonitorResult], outcome: Batch
                           applied_by: str) -> list[MonitorResult]:
     """Record `valid` in the applied-results ledger; the fresh ones are returned, those in it already
     (redeliveries) are counted as duplicates."""
-    cur = await conn.execute(q.RECORD_APPLIED, {"applied_by": applied_by, "rows": json_records((
-        {"ord": n, "result_id": r.result_id, "tenant_id": r.tenant_id, "shard": r.shard, "task_id": r.task_id,
-         "monitor_task_id": r.monitor_task_id, "status": r.status} for n, r in enumerate(valid)), q.APPLIED_KEYS)})
+    cur = await conn.execute(q.RECORD_APPLIED, {"applied_by": applied_by, "rows": _json([
+        _AppliedRow(n, r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status)
+        for n, r in enumerate(valid)])})
     fresh_ids = {row["result_id"] for row in await cur.fetchall()}
     fresh = [r for r in valid if r.result_id in fresh_ids]
     outcome.duplicates += len(valid) - len(fresh)
@@ -210,23 +263,19 @@ async def _upsert_runs(conn: Conn, fresh: list[MonitorResult], outcome: BatchOut
     winners = list(fold_latest_effective(fresh, run_key).values())
     parsed: dict[uuid.UUID, list[ParsedCitation]] = {
         r.result_id: parse_citations(r.citations) if r.status == "succeeded" else [] for r in winners}
-    cur = await conn.execute(q.UPSERT_RUNS, {"rows": json_records((
-        {"tenant_id": r.tenant_id, "workspace_id": r.workspace_id, "brand_id": r.brand_id,
-         "question_id": r.question_id, "ai_platform_id": r.ai_platform_id, "collector_type": r.collector_type,
-         "run_mode": r.run_mode, "business_date": r.business_date, "status": r.status, "answer_text": r.answer_text,
-         "brand_mentioned": r.brand_mentioned and r.status == "succeeded", "citation_count": len(parsed[r.result_id]),
-         "error": r.error, "desktop_task_id": r.task_id, "client_id": r.client_id, "result_id": r.result_id,
-         "started_at": r.started_at, "finished_at": r.finished_at} for r in winners), q.RUN_KEYS)})
+    cur = await conn.execute(q.UPSERT_RUNS, {"rows": _json([
+        _RunRow(r.tenant_id, r.workspace_id, r.brand_id, r.question_id, r.ai_platform_id, r.collector_type, r.run_mode,
+                r.business_date, r.status, r.answer_text, r.brand_mentioned and r.status == "succeeded",
+                len(parsed[r.result_id]), r.error, r.task_id, r.client_id, r.result_id, r.started_at, r.finished_at)
+        for r in winners])})
     run_ids = {row["result_id"]: int(row["id"]) for row in await cur.fetchall()}
     if not run_ids:
         return set()
     won = [r for r in winners if r.result_id in run_ids]
     cites = [(run_ids[r.result_id], r, c) for r in won for c in parsed[r.result_id]]
-    params = {"run_ids": sorted(run_ids.values()), "cites": json_records((
-        {"run_id": rid, "tenant_id": r.tenant_id, "brand_id": r.brand_id, "question_id": r.question_id,
-         "ai_platform_id": r.ai_platform_id, "business_date": r.business_date, "fingerprint": c.fingerprint,
-         "url": c.url, "title": c.title, "position": c.position, "domain": c.domain} for rid, r, c in cites),
-        q.CITE_KEYS)}
+    params = {"run_ids": sorted(run_ids.values()), "cites": _json([
+        _CiteRow(rid, r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.business_date, c.fingerprint, c.url,
+                 c.title, c.position, c.domain) for rid, r, c in cites])}
     async with conn.pipeline():
         await conn.execute(q.DELETE_STALE_PARSE_RESULTS, params)
         await conn.execute(q.DELETE_STALE_CITATION_FACTS, params)

@@ -1,18 +1,9 @@
-"""SQL of result ingest. A batch's rows go in as ONE JSON array of named records (`json_records`, encoded by
-msgspec in C) unpacked with json_to_recordset, rather than one Postgres array per column, which psycopg
+"""SQL of result ingest. A batch's rows go in as ONE JSON array of named records (msgspec Structs in apply.py, encoded
+by name in C) unpacked with json_to_recordset, rather than one Postgres array per column, which psycopg
 dumps element by element in Python (a quarter of a worker's CPU at full rate). Rows are locked in key
 order."""
 
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
-
-# The keys of each JSON record, per statement.
-APPLIED_KEYS = ("ord", "result_id", "tenant_id", "shard", "task_id", "monitor_task_id", "status")
-RUN_KEYS = ("tenant_id", "workspace_id", "brand_id", "question_id", "ai_platform_id", "collector_type", "run_mode",
-            "business_date", "status", "answer_text", "brand_mentioned", "citation_count", "error", "desktop_task_id",
-            "client_id", "result_id", "started_at", "finished_at")
-CITE_KEYS = ("run_id", "tenant_id", "brand_id", "question_id", "ai_platform_id", "business_date", "fingerprint", "url",
-             "title", "position", "domain")
-
 
 # The business tasks of a batch, locked in id order (the lock order of every ingest transaction).
 LOCK_BUSINESS_TASKS = """
