@@ -19,16 +19,11 @@ Every function runs in the caller's transaction.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any
 
 from libs.db.pool import Conn, json_records
 from libs.tasks.result_claims import claim_result, release_result_claim
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
-
-EXECUTION_OWNERS = ("legacy", "desktop_tasks")
-ExecutionOwner = Literal["legacy", "desktop_tasks"]
-# legacy_leases statuses while the lease lives: offered (queued) and pulled (in_progress).
-ACTIVE_LEASE = ("queued", "in_progress")
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, CLEAR_LEGACY_LEASE_SQL
 
 # ---- coordinator: the offer -----------------------------------------------------------------------------------
 
@@ -173,7 +168,7 @@ WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
 # Like transitions._END_EXECUTIONS: the live leases among `task_ids` end with their outcome, and their business rows
 # go back to `pending` with the lease cleared (the caller then completes, retries or yields them). Rows are locked
 # in id order.
-END_LEASES = """
+END_LEASES = f"""
 WITH wanted AS MATERIALIZED (
     SELECT * FROM unnest(%(task_ids)s::uuid[], %(statuses)s::text[], %(epochs)s::int[], %(reasons)s::text[],
                          %(errors)s::text[]) AS w(task_id, status, lease_epoch, reason, error)
@@ -182,7 +177,7 @@ WITH wanted AS MATERIALIZED (
     FROM wanted w
     CROSS JOIN LATERAL (
         SELECT l.id, l.status AS previous_status FROM legacy_leases l
-        WHERE l.id = w.task_id AND l.status IN ('queued', 'in_progress')
+        WHERE l.id = w.task_id AND l.status IN {ACTIVE_LEASE_SQL}
           AND (w.lease_epoch IS NULL OR l.lease_epoch = w.lease_epoch)
         OFFSET 0
         FOR UPDATE OF l
@@ -198,8 +193,7 @@ WITH wanted AS MATERIALIZED (
               prev.previous_status
 ), released AS (
     UPDATE monitoring_collect_tasks t
-    SET status = 'pending', leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL,
-        leased_at = NULL, lease_expires_at = NULL, updated_at = now()
+    SET status = 'pending', {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
     FROM ended
     WHERE t.id = ended.monitor_task_id AND t.legacy_lease_id = ended.id AND t.status IN ('leased', 'received')
 )
@@ -249,7 +243,7 @@ PATH_MISMATCHES = f"""
 SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
        'live legacy lease on a desktop_tasks-owned task' AS problem
 FROM legacy_leases l JOIN monitoring_collect_tasks t ON t.id = l.monitor_task_id
-WHERE l.status IN ('queued', 'in_progress') AND t.execution_owner = 'desktop_tasks'
+WHERE l.status IN {ACTIVE_LEASE_SQL} AND t.execution_owner = 'desktop_tasks'
 UNION ALL
 SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
        'active execution on a legacy-owned task'
@@ -261,6 +255,6 @@ WHERE d.kind = 'monitor' AND d.status IN {ACTIVE_EXECUTION_SQL} AND t.execution_
 IN_FLIGHT_BY_PATH = f"""
 SELECT (SELECT count(*) FROM desktop_tasks WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL})
            AS desktop_tasks,
-       (SELECT count(*) FROM legacy_leases WHERE status IN ('queued', 'in_progress')) AS legacy
+       (SELECT count(*) FROM legacy_leases WHERE status IN {ACTIVE_LEASE_SQL}) AS legacy
 """
 

@@ -28,3 +28,7 @@ def sql_list(values: tuple[str, ...]) -> str:
 
 ACTIVE_EXECUTION_SQL = sql_list(ACTIVE_EXECUTION)
 ACTIVE_LEASE_SQL = sql_list(ACTIVE_LEASE)
+
+# The business row's legacy lease columns, cleared (SET list): a row that holds no live lease carries none of them.
+CLEAR_LEGACY_LEASE_SQL = ("leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL, "
+                          "leased_at = NULL, lease_expires_at = NULL")

@@ -22,7 +22,7 @@ from libs.domain.lanes import RETRY_PRIORITY
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
 from libs.tasks import legacy
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
 
 # Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
 DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
@@ -108,11 +108,9 @@ RETURNING status
 
 # Finishing clears a legacy lease still on the row (a result of an earlier lease completed the task while a later one
 # was out: that one is ended by ingest's abort of the other active work).
-_FINISH_BUSINESS = """
+_FINISH_BUSINESS = f"""
 UPDATE monitoring_collect_tasks
-SET status = %(status)s, completed_at = now(), last_error = %(error)s, updated_at = now(),
-    leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL, leased_at = NULL,
-    lease_expires_at = NULL
+SET status = %(status)s, completed_at = now(), last_error = %(error)s, updated_at = now(), {CLEAR_LEGACY_LEASE_SQL}
 WHERE id = %(id)s AND status NOT IN ('completed', 'skipped', 'expired')
   AND NOT (status = 'failed' AND %(status)s = 'failed')
 RETURNING id
@@ -202,11 +200,9 @@ FROM (
 WHERE a.id = x.id
 """
 
-_FINISH_BUSINESS_MANY = """
+_FINISH_BUSINESS_MANY = f"""
 UPDATE monitoring_collect_tasks
-SET status = %(status)s, completed_at = now(), last_error = NULL, updated_at = now(),
-    leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL, leased_at = NULL,
-    lease_expires_at = NULL
+SET status = %(status)s, completed_at = now(), last_error = NULL, updated_at = now(), {CLEAR_LEGACY_LEASE_SQL}
 WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('completed', 'skipped', 'expired')
   AND NOT (status = 'failed' AND %(status)s = 'failed')
 RETURNING id

@@ -4,7 +4,7 @@ import uuid
 from datetime import date
 
 from libs.tasks import requests as collect_requests
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 ACTIVE_REQUEST_STATUSES = ("accepted", "dispatching", "running")
@@ -191,9 +191,8 @@ withdrawn AS (
     RETURNING id, monitor_task_id, ai_platform_id, lane
 ), released AS (
     UPDATE monitoring_collect_tasks t
-    SET status = 'pending', leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL,
-        leased_at = NULL, lease_expires_at = NULL, dispatch_attempts = greatest(t.dispatch_attempts - 1, 0),
-        updated_at = now()
+    SET status = 'pending', """ + CLEAR_LEGACY_LEASE_SQL + """,
+        dispatch_attempts = greatest(t.dispatch_attempts - 1, 0), updated_at = now()
     FROM withdrawn w
     WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
 )

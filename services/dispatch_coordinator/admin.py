@@ -29,7 +29,7 @@ from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
 from libs.tasks.controls import control_event
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ELIGIBLE_CLIENT_SQL, ExecutionEnd, end_executions
 from services.dispatch_coordinator import queries as q
 
@@ -144,8 +144,7 @@ WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending'
 # without --force its execution finishes on desktop_tasks). Any zombie legacy lease columns are cleared on the way.
 _ROLLBACK_BUSINESS = f"""
 UPDATE monitoring_collect_tasks t
-SET execution_owner = 'legacy', lease_token_hash = NULL, leased_to_executor = NULL, legacy_lease_id = NULL,
-    leased_at = NULL, lease_expires_at = NULL, updated_at = now()
+SET execution_owner = 'legacy', {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
 WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.id NOT IN ({_ACTIVE_TASK_IDS})
 """
 

@@ -90,8 +90,6 @@ class SimStats:
     interrupt_generation_mismatch_count: int = 0
     safe_point_intervals_ms: list[float] = field(default_factory=list)
     phases: dict[str, list[str]] = field(default_factory=dict)
-    # Legacy tasks that were asked to yield after they had really started, and so ran to their result (Phase 1).
-    finished_despite_interrupt: list[str] = field(default_factory=list)
     # task id -> execution_owner of each lease this client took.
     owners: dict[str, str] = field(default_factory=dict)
     died: bool = False
@@ -438,12 +436,10 @@ class SimClient:
             interval_ms = (now - active.last_safe_point_at) * 1000
             active.last_safe_point_at = now
             self.stats.safe_point_intervals_ms.append(interval_ms)
-        if active.interrupt_requested and not self.options.ignore_interrupts:
-            if yields_at_checkpoint(active.execution_owner, active.phase, next_phase):
-                await self._abort(active, safe_point_interval_ms=interval_ms)
-                return False
-            if active.execution_owner == "legacy" and task_id not in self.stats.finished_despite_interrupt:
-                self.stats.finished_despite_interrupt.append(task_id)
+        if (active.interrupt_requested and not self.options.ignore_interrupts
+                and yields_at_checkpoint(active.execution_owner, active.phase, next_phase)):
+            await self._abort(active, safe_point_interval_ms=interval_ms)
+            return False
         if (self.options.die_at_phase == next_phase and active.ordinal == self.options.die_on_task
                 and not self.stats.died):
             await self._die()

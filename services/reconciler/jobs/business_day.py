@@ -5,7 +5,7 @@ with TaskControl(cancelled)), and their collect-now requests count them as not c
 from __future__ import annotations
 
 from libs.tasks.requests import refresh_progress
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
 from libs.tasks.transitions import emit_lifecycle, end_execution
 from services.reconciler.jobs.base import (
     RETRYABLE_ERRORS,
@@ -50,10 +50,10 @@ WHERE monitor_task_id = %(id)s AND status IN ('queued', 'in_progress')
 FOR UPDATE
 """
 
-_EXPIRE = """
+_EXPIRE = f"""
 UPDATE monitoring_collect_tasks
 SET status = 'expired', completed_at = now(), last_error = 'business date is over', updated_at = now(),
-    lease_token_hash = NULL, leased_to_executor = NULL, leased_at = NULL, lease_expires_at = NULL
+    {CLEAR_LEGACY_LEASE_SQL}
 WHERE id = %(id)s AND status = 'pending'
 """
 

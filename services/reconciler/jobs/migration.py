@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from libs.dispatch_settings import DispatchSettings
 from libs.tasks import legacy
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.reconciler.config import ReconcilerConfig
@@ -29,11 +29,10 @@ NAME = "migration_reconcile"
 ORPHAN_LOOKBACK_DAYS = 7
 ORPHANS_LOGGED = 100
 
-_CLEAR_LEGACY_ZOMBIES = """
+_CLEAR_LEGACY_ZOMBIES = f"""
 UPDATE monitoring_collect_tasks t
 SET status = CASE WHEN t.status IN ('leased', 'received') THEN 'pending' ELSE t.status END,
-    lease_token_hash = NULL, leased_to_executor = NULL, leased_at = NULL, lease_expires_at = NULL,
-    legacy_lease_id = NULL, updated_at = now()
+    {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
 WHERE (t.leased_to_executor IS NOT NULL OR t.legacy_lease_id IS NOT NULL OR t.status IN ('leased', 'received'))
   AND (t.execution_owner = 'desktop_tasks'
        OR NOT EXISTS (SELECT 1 FROM legacy_leases l
