@@ -35,7 +35,7 @@ import msgspec
 from bench.common import bench_environment, summary
 from libs.config import Settings
 from libs.contracts.wire import TaskAvailable
-from libs.db.pool import connect
+from libs.db.pool import Conn, connect
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
 from libs.mq.topology import Topology
@@ -58,6 +58,18 @@ ON CONFLICT DO NOTHING
 """
 
 
+async def open_limits_for_probe(conn: Conn, probe_tenant_id: int) -> None:
+    """Limits out of the probe's way (its clicks measure latency, not the rate limits), then ANALYZE: a production
+    database has statistics (autovacuum)."""
+    await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
+                       "WHERE tenant_id = %s", (probe_tenant_id,))
+    await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
+    for key, value in {"max_active_requests_per_tenant": 10_000, "max_requests_per_user_per_hour": 10_000,
+                       "cluster_dispatch_per_minute": 20_000, "tenant_dispatch_per_minute": 300}.items():
+        await set_setting(conn, key, value)
+    await conn.execute("ANALYZE")
+
+
 async def _prepare(settings: Settings, *, clicks: int, load: bool, legacy: bool = False) -> dict[str, Any]:
     conn = await connect(settings.database_url)
     try:
@@ -71,13 +83,7 @@ async def _prepare(settings: Settings, *, clicks: int, load: bool, legacy: bool 
             tenants = [t["tenant_id"] for t in background["tenants"]]
             cur = await conn.execute(_BACKLOG, {"tenants": tenants, "days": 34})
             print(f"  backlog: {cur.rowcount} ready normal tasks across {len(tenants)} tenants", flush=True)
-        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
-                           "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
-        await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
-        for key, value in {"max_active_requests_per_tenant": 10_000, "max_requests_per_user_per_hour": 10_000,
-                           "cluster_dispatch_per_minute": 20_000, "tenant_dispatch_per_minute": 300}.items():
-            await set_setting(conn, key, value)
-        await conn.execute("ANALYZE")  # a production database has statistics (autovacuum)
+        await open_limits_for_probe(conn, probe["tenants"][0]["tenant_id"])
     finally:
         await conn.close()
     return {"probe": probe["tenants"][0], "background": background}

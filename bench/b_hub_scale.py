@@ -50,13 +50,13 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from bench.b_collect_now import _hub_hop as collect_now_hub_hop
+from bench.b_collect_now import open_limits_for_probe
 from bench.common import bench_environment, percentile, summary
 from libs.auth import hash_token, new_client_token
 from libs.config import Settings
 from libs.contracts.wire import TaskAvailable
 from libs.db.pool import connect
 from libs.demo import seed_demo
-from libs.dispatch_settings import set_setting
 from libs.domain.lanes import lane_spec
 from libs.mq.topology import Topology
 from tests.support.procs import die_with_parent
@@ -106,13 +106,7 @@ async def _prepare(settings: Settings, *, fleet: int, clicks: int) -> World:
         spec = lane_spec("publish", "normal")
         await conn.execute(_REPLAY_TASKS, {"priority": spec.default_priority, "weight": spec.weight,
                                            "tenants": tenants})
-        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
-                           "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
-        await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
-        for key, value in {"max_active_requests_per_tenant": 10_000, "max_requests_per_user_per_hour": 10_000,
-                           "cluster_dispatch_per_minute": 20_000, "tenant_dispatch_per_minute": 300}.items():
-            await set_setting(conn, key, value)
-        await conn.execute("ANALYZE")
+        await open_limits_for_probe(conn, probe["tenants"][0]["tenant_id"])
     finally:
         await conn.close()
     return World(fleet=clients, probe=probe["tenants"][0])
