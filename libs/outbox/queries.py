@@ -53,7 +53,7 @@ RETURNING o.id, o.event_id, o.exchange, o.routing_key, o.message_type, o.payload
 # and while it is unfinished no later row of its key is claimable, so two claimers can at worst race for
 # the same head row, which FOR UPDATE SKIP LOCKED (re-checking the row's status) gives to one of them. The
 # lock is for batches of consecutive normal rows of one key, which must all go to the same claimer.
-CLAIM = """
+CLAIM = f"""
 WITH candidates AS (
     SELECT o.id, o.status AS previous_status
     FROM outbox o
@@ -70,7 +70,7 @@ WITH candidates AS (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-""" + _TAKE_CANDIDATES
+{_TAKE_CANDIDATES}"""
 
 # A writer claims its own rows (`event_ids`, written earlier in the same transaction; see relay.claim_own) to
 # publish them itself after its commit. Same per-key rule as CLAIM, with the writer's batch as the batch: a
@@ -78,7 +78,7 @@ WITH candidates AS (
 # rows of the key are claimed with it and published before it). The writer holds its keys' advisory locks
 # (enqueue_many), so every earlier row of those keys is committed and visible here. No claim lock: the rows
 # are invisible to every pump until this transaction commits, and then they are running.
-CLAIM_OWN = """
+CLAIM_OWN = f"""
 WITH own AS (SELECT unnest(%(event_ids)s::uuid[]) AS event_id),
 candidates AS (
     SELECT o.id, o.status AS previous_status
@@ -92,7 +92,7 @@ candidates AS (
               AND p.event_id <> ALL(%(event_ids)s::uuid[])))
     FOR UPDATE
 )
-""" + _TAKE_CANDIDATES
+{_TAKE_CANDIDATES}"""
 
 # After CLAIM_OWN: the rows it left queued need a pump, woken at commit.
 NOTIFY_IF_UNCLAIMED = """

@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 from libs.db.pool import Conn, json_records
+from libs.tasks.fragments import CLIENT_GENERATION_SQL
 from libs.tasks.result_claims import claim_result, release_result_claim
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, CLEAR_LEGACY_LEASE_SQL
 
@@ -124,7 +125,7 @@ SELECT t.id FROM monitoring_collect_tasks t
 WHERE t.id = (SELECT l.monitor_task_id FROM legacy_leases l WHERE l.id = %(task_id)s AND l.tenant_id = %(tenant_id)s)
 FOR UPDATE OF t
 """
-LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE OF l"
+LEASE_STATE_FOR_UPDATE = f"{LEASE_STATE} FOR UPDATE OF l"
 
 # Extend: the fence (the business row's holder and token) and the extension in one statement.
 EXTEND = """
@@ -258,3 +259,58 @@ SELECT (SELECT count(*) FROM desktop_tasks WHERE kind = 'monitor' AND status IN 
        (SELECT count(*) FROM legacy_leases WHERE status IN {ACTIVE_LEASE_SQL}) AS legacy
 """
 
+
+# The same two steps on the legacy path (Phase 1, docs/legacy-path.md). The client's offers of scheduled work it
+# has not pulled yet are withdrawn (the twin of CANCEL_QUEUED_SCHEDULED: the offer ends aborted at epoch 0, so its
+# budget is given back; the business row is pending again with its dispatch attempt back) ...
+WITHDRAW_SCHEDULED_OFFERS = f"""
+WITH g AS (SELECT {CLIENT_GENERATION_SQL} AS gen),
+withdrawn AS (
+    UPDATE legacy_leases
+    SET status = 'aborted', finished_at = now(), updated_at = now(), interrupt_reason = 'collect_now_preempt',
+        interrupt_generation = g.gen,
+        control_flags = control_flags || jsonb_build_object('cancelled', true, 'interrupt_generation', g.gen,
+                                                            'collect_request_id', %(request_id)s::text)
+    FROM g
+    WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'queued'
+      AND lane IN ('normal', 'normal_boosted')
+    RETURNING id, monitor_task_id, ai_platform_id, lane
+), released AS (
+    UPDATE monitoring_collect_tasks t
+    SET status = 'pending', {CLEAR_LEGACY_LEASE_SQL},
+        dispatch_attempts = greatest(t.dispatch_attempts - 1, 0), updated_at = now()
+    FROM withdrawn w
+    WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
+)
+SELECT * FROM withdrawn
+"""
+
+
+# ... and its pulled leases of scheduled work are told to yield, without clearing them here: the client cancels only
+# while PREPARING or NAVIGATING, and otherwise finishes the task (the lease then ends as any other).
+INTERRUPT_SCHEDULED_LEASES = f"""
+WITH g AS (SELECT {CLIENT_GENERATION_SQL} AS gen)
+UPDATE legacy_leases
+SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
+                                                        'interrupt_generation', g.gen,
+                                                        'collect_request_id', %(request_id)s::text),
+    interrupt_generation = g.gen, interrupt_reason = 'collect_now_preempt', updated_at = now()
+FROM g
+WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'in_progress'
+  AND lane IN ('normal', 'normal_boosted') AND result_received_at IS NULL AND interrupt_generation < g.gen
+RETURNING id, monitor_task_id, ai_platform_id, lane
+"""
+
+
+# The reconciler's consistency check: legacy lease columns no live legacy lease backs (or on a desktop_tasks-owned
+# row) are cleared; a leased / received row goes back to pending.
+CLEAR_ZOMBIE_LEASES = f"""
+UPDATE monitoring_collect_tasks t
+SET status = CASE WHEN t.status IN ('leased', 'received') THEN 'pending' ELSE t.status END,
+    {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
+WHERE (t.leased_to_executor IS NOT NULL OR t.legacy_lease_id IS NOT NULL OR t.status IN ('leased', 'received'))
+  AND (t.execution_owner = 'desktop_tasks'
+       OR NOT EXISTS (SELECT 1 FROM legacy_leases l
+                      WHERE l.id = t.legacy_lease_id AND l.status IN ('queued', 'in_progress')))
+RETURNING t.id, t.tenant_id, t.execution_owner, t.leased_to_executor
+"""

@@ -7,8 +7,9 @@ transition another service makes on them, with its SQL (docs/architecture.md §7
     accepted | dispatching | running --(collect-now: a newer click on the same client)--> superseded
     accepted | dispatching | running --(reconciler: past its TTL, nothing running)--> timed_out
 
-collect-now-api creates the row (its accept transaction, services/collect_now_api/queries.py INSERT_REQUEST); the
-reconciler's TTL job times it out (services/reconciler/jobs/request_ttl.py); every other change is here.
+Every statement that writes the table is here, whoever runs it: collect-now-api creates the row (CREATE, in its accept
+transaction) and supersedes older ones, the coordinator marks dispatches, the hub marks leases and preemptions, ingest
+records results and finishes requests, the reconciler recounts, times out and warns.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from libs.db.pool import Conn
-from libs.tasks.statuses import sql_list
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, sql_list
 
 log = logging.getLogger("collect_requests")
 
@@ -78,6 +79,18 @@ def request_status_after(status: str, *, requested: int, completed: int, failed:
 
 
 # ---- transitions -------------------------------------------------------------------------------------------------
+
+# Collect-now accepted a click: the request row, in the click's transaction (docs/architecture.md §13.5).
+CREATE = """
+INSERT INTO monitoring_collect_requests
+    (id, tenant_id, workspace_id, brand_id, keyword_id, requested_by_user_id, target_client_id, scope_hash,
+     request_scope, status, preempt, interrupt_generation, requested_task_count, aborted_queued_count,
+     interrupt_requested_count, ttl_expires_at, traceparent)
+VALUES (%(id)s, %(tenant_id)s, %(workspace_id)s, %(brand_id)s, %(keyword_id)s, %(user_id)s, %(client_id)s,
+        %(scope_hash)s, %(scope)s, 'accepted', %(preempt)s, %(generation)s, %(requested)s, %(aborted_queued)s,
+        %(interrupt_requested)s, now() + make_interval(secs => %(ttl_s)s), %(traceparent)s)
+RETURNING *
+"""
 
 # The coordinator dispatched tasks of these requests (ids[i]: counts[i] tasks): counted, first dispatch stamped,
 # accepted -> dispatching. Returns each request's id, whether this was its first dispatch, and its age.
@@ -162,6 +175,45 @@ SET completed_task_count = greatest(completed_task_count, %(completed)s),
     finished_at = CASE WHEN %(final)s::text IS NULL THEN finished_at ELSE now() END,
     updated_at = now()
 WHERE id = %(id)s AND status IN {OPEN_REQUEST_SQL}
+"""
+
+
+# Ingest: a request whose every task is terminal gets its final status (request_status_after).
+FINISH = f"""
+UPDATE monitoring_collect_requests
+SET status = %(status)s, finished_at = coalesce(finished_at, now()), updated_at = now()
+WHERE id = %(id)s AND status IN {OPEN_REQUEST_SQL}
+"""
+
+
+# A task of the request still running, on either path: an active execution, or a live legacy lease.
+ACTIVE_WORK_OF_REQUEST_SQL = f"""
+(EXISTS (SELECT 1 FROM monitoring_collect_tasks t JOIN desktop_tasks d ON d.monitor_task_id = t.id
+         WHERE t.collect_request_id = r.id AND t.tenant_id = r.tenant_id
+           AND d.status IN {ACTIVE_EXECUTION_SQL})
+ OR EXISTS (SELECT 1 FROM monitoring_collect_tasks t JOIN legacy_leases l ON l.monitor_task_id = t.id
+            WHERE t.collect_request_id = r.id AND t.tenant_id = r.tenant_id AND l.status IN {ACTIVE_LEASE_SQL}))
+"""
+
+
+# The reconciler: past its TTL with nothing running -> timed_out.
+TIME_OUT = f"""
+UPDATE monitoring_collect_requests r
+SET status = 'timed_out', finished_at = now(), updated_at = now()
+WHERE r.id = %(id)s AND r.status IN ('accepted', 'dispatching', 'running') AND r.ttl_expires_at < now()
+  AND (r.status <> 'running' OR NOT {ACTIVE_WORK_OF_REQUEST_SQL})
+RETURNING r.id, r.tenant_id, r.status, r.target_client_id, r.requested_task_count, r.dispatched_task_count
+"""
+
+
+# The reconciler: accepted long ago and nothing dispatched: warned once.
+WARN_NO_DISPATCH = """
+UPDATE monitoring_collect_requests
+SET no_dispatch_warned_at = now(), updated_at = now()
+WHERE status = 'accepted' AND dispatched_task_count = 0 AND first_dispatched_at IS NULL
+  AND no_dispatch_warned_at IS NULL
+  AND created_at < now() - make_interval(secs => %(warn_s)s)
+RETURNING id, tenant_id, target_client_id, created_at
 """
 
 

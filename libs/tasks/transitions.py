@@ -94,6 +94,14 @@ SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
 WHERE id = %(id)s AND status = 'pending'
 """
 
+# yield_business_task set-based, for the business tasks of executions ended together (a forced rollback): the
+# dispatch attempt given back (lane, priority and enqueued_at kept).
+YIELD_BUSINESS_MANY = """
+UPDATE monitoring_collect_tasks
+SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
+WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending'
+"""
+
 _RETRY_BUSINESS = """
 UPDATE monitoring_collect_tasks
 SET status = CASE WHEN dispatch_attempts >= %(max_attempts)s THEN 'failed' ELSE 'pending' END,

@@ -3,8 +3,9 @@
 import uuid
 from datetime import date
 
+from libs.tasks import business, executions, legacy
 from libs.tasks import requests as collect_requests
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 ACTIVE_REQUEST_STATUSES = ("accepted", "dispatching", "running")
@@ -38,7 +39,7 @@ ORDER BY created_at DESC
 
 # Eligible clients of the caller's tenant and workspace with what §10.6 ranks them by. Preemption
 # yields are not held against a client's abort rate: they are not its failures.
-CLIENT_CANDIDATES = """
+CLIENT_CANDIDATES = f"""
 SELECT c.id, c.max_concurrent_monitor, c.platform_health,
        extract(epoch FROM now() - c.last_heartbeat_at)::float8 AS heartbeat_age_s,
        (SELECT count(*) FROM desktop_tasks d
@@ -52,7 +53,7 @@ CROSS JOIN LATERAL (
     FROM desktop_task_attempts x
     WHERE x.client_id = c.id AND x.finished_at > now() - interval '1 minute'
 ) a
-WHERE c.tenant_id = %(tenant_id)s AND c.workspace_id = %(workspace_id)s AND """ + ELIGIBLE_CLIENT_SQL
+WHERE c.tenant_id = %(tenant_id)s AND c.workspace_id = %(workspace_id)s AND {ELIGIBLE_CLIENT_SQL}"""
 
 # The tenant's active requests (a handful at most: the active-request limit keeps it small). Used for the
 # limit (those not past their TTL) and for the supersede chain (those of the chosen client).
@@ -113,185 +114,10 @@ FROM ({USER_RATE}) u LEFT JOIN ({BRAND}) b ON true
 # The recent requests alone (RECENT_REQUESTS' JSON array): for a business date READS was not given the hash of.
 RECENT = f"SELECT {_json_array(RECENT_REQUESTS)} AS recent"
 
-# The write phase is pipelined: statements after the increment read the new generation with this
-# subquery (0 when the request is unbound). No other writer changes a client's generation.
-_GENERATION = (
-    "coalesce((SELECT interrupt_generation FROM desktop_clients "
-    "WHERE id = %(client_id)s::uuid AND tenant_id = %(tenant_id)s), 0)"
-)
-
-# The execution path of a task this click creates or re-collects (docs/legacy-path.md, rollout): the rollout as
-# stored now, not as cached (a rollback applies to the next click). libs.domain.schedule.execution_owner_for in SQL.
-_ROLLOUT_OWNER = (
-    "CASE WHEN %(tenant_id)s::bigint %% 100 < coalesce((SELECT (v.value #>> '{}')::int FROM dispatch_settings v "
-    "WHERE v.key = 'rollout_percentage'), 100) THEN 'desktop_tasks' ELSE 'legacy' END"
-)
-
 INCREMENT_GENERATION = """
 UPDATE desktop_clients SET interrupt_generation = interrupt_generation + 1, updated_at = now()
 WHERE id = %(client_id)s AND tenant_id = %(tenant_id)s
 RETURNING interrupt_generation
-"""
-
-# Contract 4: the client's queued scheduled executions are cancelled at once. The set-based twin of
-# transitions.end_execution(outcome='aborted') for executions that were never leased (no attempt to
-# close), in one statement to keep the request's transaction short.
-# Then (the set-based twin of transitions.yield_business_task) each one's business task gets its
-# dispatch attempt back; lane and enqueued_at are kept.
-CANCEL_QUEUED_SCHEDULED = """
-WITH g AS (SELECT """ + _GENERATION + """ AS gen),
-cancelled AS (
-    UPDATE desktop_tasks
-    SET status = 'aborted', finished_at = now(), updated_at = now(), lease_token_hash = NULL,
-        interrupt_reason = 'collect_now_preempt', interrupted_at = now(), interrupt_generation = g.gen,
-        control_flags = control_flags || jsonb_build_object('cancelled', true, 'interrupt_generation', g.gen,
-                                                            'collect_request_id', %(request_id)s::text)
-    FROM g
-    WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
-      AND source = 'daily_schedule' AND status = 'queued'
-    RETURNING id, monitor_task_id, ai_platform_id, lane
-), yielded AS (
-    UPDATE monitoring_collect_tasks
-    SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
-    -- = ANY(ARRAY(...)): primary-key probes whatever the planner thinks of the tenant's backlog.
-    WHERE id = ANY(ARRAY(SELECT monitor_task_id FROM cancelled)) AND tenant_id = %(tenant_id)s AND status = 'pending'
-)
-SELECT * FROM cancelled
-"""
-
-# Contract 4: the client's running scheduled executions are asked to yield at their next safe point.
-MARK_INTERRUPT_REQUESTED = """
-WITH g AS (SELECT """ + _GENERATION + """ AS gen)
-UPDATE desktop_tasks
-SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
-                                                        'interrupt_generation', g.gen,
-                                                        'collect_request_id', %(request_id)s::text),
-    interrupt_generation = g.gen, interrupted_at = coalesce(interrupted_at, now()),
-    interrupt_reason = 'collect_now_preempt', updated_at = now()
-FROM g
-WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND kind = 'monitor'
-  AND source = 'daily_schedule' AND status = 'in_progress' AND interrupt_generation < g.gen
-RETURNING id, monitor_task_id, ai_platform_id, lane
-"""
-
-# The same two steps on the legacy path (Phase 1, docs/legacy-path.md). The client's offers of scheduled work it
-# has not pulled yet are withdrawn (the twin of CANCEL_QUEUED_SCHEDULED: the offer ends aborted at epoch 0, so its
-# budget is given back; the business row is pending again with its dispatch attempt back) ...
-WITHDRAW_LEGACY_OFFERS = """
-WITH g AS (SELECT """ + _GENERATION + """ AS gen),
-withdrawn AS (
-    UPDATE legacy_leases
-    SET status = 'aborted', finished_at = now(), updated_at = now(), interrupt_reason = 'collect_now_preempt',
-        interrupt_generation = g.gen,
-        control_flags = control_flags || jsonb_build_object('cancelled', true, 'interrupt_generation', g.gen,
-                                                            'collect_request_id', %(request_id)s::text)
-    FROM g
-    WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'queued'
-      AND lane IN ('normal', 'normal_boosted')
-    RETURNING id, monitor_task_id, ai_platform_id, lane
-), released AS (
-    UPDATE monitoring_collect_tasks t
-    SET status = 'pending', """ + CLEAR_LEGACY_LEASE_SQL + """,
-        dispatch_attempts = greatest(t.dispatch_attempts - 1, 0), updated_at = now()
-    FROM withdrawn w
-    WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
-)
-SELECT * FROM withdrawn
-"""
-
-# ... and its pulled leases of scheduled work are told to yield, without clearing them here: the client cancels only
-# while PREPARING or NAVIGATING, and otherwise finishes the task (the lease then ends as any other).
-INTERRUPT_LEGACY_LEASES = """
-WITH g AS (SELECT """ + _GENERATION + """ AS gen)
-UPDATE legacy_leases
-SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
-                                                        'interrupt_generation', g.gen,
-                                                        'collect_request_id', %(request_id)s::text),
-    interrupt_generation = g.gen, interrupt_reason = 'collect_now_preempt', updated_at = now()
-FROM g
-WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'in_progress'
-  AND lane IN ('normal', 'normal_boosted') AND result_received_at IS NULL AND interrupt_generation < g.gen
-RETURNING id, monitor_task_id, ai_platform_id, lane
-"""
-
-# The interrupted executions' replacement (task_control.replacement_task_id): the id the coordinator gives the
-# high execution of the first promoted task, decided here so the interrupt can name it; kept in the interrupted
-# executions' control flags for the hub's replay.
-NAME_REPLACEMENT = """
-WITH named AS (
-    UPDATE monitoring_collect_tasks SET next_execution_id = %(replacement_id)s
-    WHERE id = %(replacement_task)s AND tenant_id = %(tenant_id)s
-    RETURNING id
-)
-UPDATE desktop_tasks
-SET control_flags = control_flags || jsonb_build_object('replacement_task_id', %(replacement_id)s::text)
-WHERE id = ANY(%(interrupted_ids)s::uuid[]) AND tenant_id = %(tenant_id)s AND EXISTS (SELECT 1 FROM named)
-"""
-
-# Tasks the scanner has not created yet: one row per business key, never a second one.
-CREATE_MISSING_TASKS = """
-INSERT INTO monitoring_collect_tasks
-    (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date, plan_id, trigger_source,
-     dispatch_priority, dispatch_lane, target_client_id, dispatch_after, interrupt_generation,
-     collect_request_id, ingest_shard_key, execution_owner)
-SELECT %(tenant_id)s, %(workspace_id)s, %(brand_id)s, s.question_id, s.ai_platform_id, %(business_date)s,
-       s.plan_id, 'manual', %(priority)s, 'high', %(client_id)s, now(), """ + _GENERATION + """, %(request_id)s,
-       %(shard_key)s, """ + _ROLLOUT_OWNER + """
-FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(plan_ids)s::bigint[])
-     AS s(question_id, ai_platform_id, plan_id)
-ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date)
-DO NOTHING
-RETURNING id
-"""
-
-# Promotion (contract 4): pending tasks, and finished ones reset for a fresh collection, move to the
-# high lane bound to the client and the request, in place: a pending task keeps its execution path (a task never
-# changes owner mid-flight); a finished one starts a new run on the path the rollout gives it now. Legacy rows a
-# client holds (leased / received) are in the scope but left alone: that lease finishes or yields (Phase 1).
-# Returns every scope task with whether it was promoted.
-PROMOTE_SCOPE = """
-WITH scope AS (
-    SELECT * FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[]) AS s(question_id, ai_platform_id)
-), scope_tasks AS (
-    SELECT t.id, t.status
-    FROM monitoring_collect_tasks t JOIN scope s
-      ON t.question_id = s.question_id AND t.ai_platform_id = s.ai_platform_id
-    WHERE t.tenant_id = %(tenant_id)s AND t.brand_id = %(brand_id)s AND t.business_date = %(business_date)s
-      AND t.collector_type = 'desktop' AND t.run_mode = 'daily'
-    FOR UPDATE OF t
-), promoted AS (
-    UPDATE monitoring_collect_tasks t
-    SET status = 'pending', dispatch_lane = 'high', dispatch_priority = %(priority)s,
-        target_client_id = %(client_id)s, interrupt_generation = """ + _GENERATION + """,
-        collect_request_id = %(request_id)s, superseded_by_request_id = NULL, dispatch_after = now(),
-        execution_owner = CASE WHEN t.status = 'pending' THEN t.execution_owner ELSE """ + _ROLLOUT_OWNER + """ END,
-        dispatch_attempts = CASE WHEN t.status = 'pending' THEN t.dispatch_attempts ELSE 0 END,
-        completed_at = CASE WHEN t.status = 'pending' THEN t.completed_at END,
-        last_error = CASE WHEN t.status = 'pending' THEN t.last_error END,
-        updated_at = now()
-    FROM scope_tasks s
-    WHERE t.id = s.id AND s.status IN ('pending', 'completed', 'failed', 'expired', 'skipped')
-    RETURNING t.id
-)
-SELECT id, true AS promoted FROM promoted
-UNION ALL
-SELECT id, false FROM scope_tasks WHERE status NOT IN ('pending', 'completed', 'failed', 'expired', 'skipped')
-"""
-
-MARK_TASKS_SUPERSEDED = """
-UPDATE monitoring_collect_tasks SET superseded_by_request_id = %(request_id)s, updated_at = now()
-WHERE tenant_id = %(tenant_id)s AND collect_request_id = ANY(%(old_ids)s::uuid[])
-"""
-
-INSERT_REQUEST = """
-INSERT INTO monitoring_collect_requests
-    (id, tenant_id, workspace_id, brand_id, keyword_id, requested_by_user_id, target_client_id, scope_hash,
-     request_scope, status, preempt, interrupt_generation, requested_task_count, aborted_queued_count,
-     interrupt_requested_count, ttl_expires_at, traceparent)
-VALUES (%(id)s, %(tenant_id)s, %(workspace_id)s, %(brand_id)s, %(keyword_id)s, %(user_id)s, %(client_id)s,
-        %(scope_hash)s, %(scope)s, 'accepted', %(preempt)s, %(generation)s, %(requested)s, %(aborted_queued)s,
-        %(interrupt_requested)s, now() + make_interval(secs => %(ttl_s)s), %(traceparent)s)
-RETURNING *
 """
 
 # Wakes the coordinator (dispatch the high work now) at commit, and the outbox pumps when control events (cancel,
@@ -356,6 +182,6 @@ WARM_UP_PARAMS: dict[str, object] = {
     "traceparent": None,
 }
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
-    READS, INCREMENT_GENERATION, CANCEL_QUEUED_SCHEDULED, MARK_INTERRUPT_REQUESTED, WITHDRAW_LEGACY_OFFERS,
-    INTERRUPT_LEGACY_LEASES, CREATE_MISSING_TASKS,
-    PROMOTE_SCOPE, MARK_TASKS_SUPERSEDED, collect_requests.SUPERSEDE, INSERT_REQUEST)]
+    READS, INCREMENT_GENERATION, executions.CANCEL_QUEUED_SCHEDULED, executions.MARK_INTERRUPT_REQUESTED,
+    legacy.WITHDRAW_SCHEDULED_OFFERS, legacy.INTERRUPT_SCHEDULED_LEASES, business.CREATE_MISSING_TASKS,
+    business.PROMOTE_SCOPE, business.MARK_SUPERSEDED, collect_requests.SUPERSEDE, collect_requests.CREATE)]

@@ -28,6 +28,7 @@ from libs.domain.shard import ingest_shard_key
 from libs.http import ApiError
 from libs.outbox import NOTIFY_CHANNEL, enqueue_many
 from libs.outbox.writer import PRIORITY_WAKE
+from libs.tasks import business, executions, legacy
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import control_event
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
@@ -308,14 +309,14 @@ async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -
     if client_id is not None:
         generation_cur = await conn.execute(q.INCREMENT_GENERATION, params)
         if click.body.preempt:
-            for cancel_sql, interrupt_sql in ((q.CANCEL_QUEUED_SCHEDULED, q.MARK_INTERRUPT_REQUESTED),
-                                              (q.WITHDRAW_LEGACY_OFFERS, q.INTERRUPT_LEGACY_LEASES)):
+            for cancel_sql, interrupt_sql in ((executions.CANCEL_QUEUED_SCHEDULED, executions.MARK_INTERRUPT_REQUESTED),
+                                              (legacy.WITHDRAW_SCHEDULED_OFFERS, legacy.INTERRUPT_SCHEDULED_LEASES)):
                 preempt_curs.append((await conn.execute(cancel_sql, params),
                                      await conn.execute(interrupt_sql, params)))
-    created_cur = await conn.execute(q.CREATE_MISSING_TASKS, params)
-    scope_tasks_cur = await conn.execute(q.PROMOTE_SCOPE, params)
+    created_cur = await conn.execute(business.CREATE_MISSING_TASKS, params)
+    scope_tasks_cur = await conn.execute(business.PROMOTE_SCOPE, params)
     if click.superseded_ids:
-        await conn.execute(q.MARK_TASKS_SUPERSEDED, {"request_id": click.request_id, "tenant_id": tenant_id,
+        await conn.execute(business.MARK_SUPERSEDED, {"request_id": click.request_id, "tenant_id": tenant_id,
                                                      "old_ids": click.superseded_ids})
     await pipe.sync()
     generation = 0
@@ -347,7 +348,7 @@ async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
         "affected_task_count": promotion.scope_tasks, "created_task_count": promotion.created,
         "monitor_task_ids": promotion.promoted_ids, "client_choice": click.choice.reason,
     }
-    request_cur = await conn.execute(q.INSERT_REQUEST, {
+    request_cur = await conn.execute(collect_requests.CREATE, {
         "id": click.request_id, "tenant_id": tenant_id, "workspace_id": click.principal.workspace_id,
         "brand_id": click.brand_id, "keyword_id": body.keyword_id, "user_id": click.principal.user_id,
         "client_id": client_id, "scope_hash": click.scope_hash, "scope": msgspec.json.encode(request_scope).decode(),
@@ -360,7 +361,7 @@ async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
             "request_id": click.request_id, "tenant_id": tenant_id, "old_ids": click.superseded_ids})
     replacement = uuid.uuid4() if promotion.interrupted and promotion.promoted_ids else None
     if replacement is not None:
-        await conn.execute(q.NAME_REPLACEMENT, {
+        await conn.execute(executions.NAME_REPLACEMENT, {
             "replacement_id": replacement, "replacement_task": min(promotion.promoted_ids), "tenant_id": tenant_id,
             "interrupted_ids": [e.task_id for e in promotion.interrupted]})
     await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=click.request_id,
@@ -410,7 +411,7 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
                           interrupt_generation=generation, tenant_id=tenant_id, collect_request_id=request_id,
                           replacement_task_id=replacement if control == "interrupt_requested" else None,
                           urgent=True, now=now)  # claimed before older normal outbox events
-            for executions, control in batches for execution in executions])
+            for ended, control in batches for execution in ended])
     await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id, lane="high",
                          collect_request_id=request_id,
                          reason=PREEMPT_REASON if cancelled or interrupted else None)

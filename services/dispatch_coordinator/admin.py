@@ -28,8 +28,9 @@ from libs.domain.platform_health import OverrideMode
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
+from libs.tasks import business, fragments, transitions
 from libs.tasks.controls import control_event
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ELIGIBLE_CLIENT_SQL, ExecutionEnd, end_executions
 from services.dispatch_coordinator import queries as q
 
@@ -107,12 +108,6 @@ SELECT count(*) AS tenants,
 FROM tenants
 """
 
-# Active monitor executions (uq_desktop_tasks_monitor_active's statuses), hashed once: READY_BACKLOG's form.
-_ACTIVE_TASK_IDS = (
-    "SELECT d.monitor_task_id FROM desktop_tasks d WHERE d.kind = 'monitor' "
-    f"AND d.status IN {ACTIVE_EXECUTION_SQL} AND d.monitor_task_id IS NOT NULL"
-)
-
 # What a rollback would change, in one snapshot: active executions (aborted with --force, else left to finish) and
 # the pending desktop_tasks-owned tasks (all of them with --force, whose executions are all aborted first; else only
 # those without an active execution).
@@ -120,7 +115,7 @@ _ROLLBACK_PREVIEW = f"""
 SELECT (SELECT count(*) FROM desktop_tasks d
         WHERE d.kind = 'monitor' AND d.status IN {ACTIVE_EXECUTION_SQL}) AS in_flight,
        count(*) AS pending_desktop_tasks,
-       count(*) FILTER (WHERE t.id NOT IN ({_ACTIVE_TASK_IDS})) AS pending_without_execution
+       count(*) FILTER (WHERE t.id NOT IN ({fragments.ACTIVE_TASK_IDS_SQL})) AS pending_without_execution
 FROM monitoring_collect_tasks t
 WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
 """
@@ -132,28 +127,13 @@ WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL}
 ORDER BY id
 """
 
-# transitions.yield_business_task for the business tasks of the executions a forced rollback aborted, in one
-# statement: the dispatch attempt given back (lane, priority and enqueued_at kept).
-_YIELD_ABORTED = """
-UPDATE monitoring_collect_tasks
-SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
-WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending'
-"""
-
-# Pending desktop_tasks-owned tasks without an active execution go to the legacy path (a row with one is left alone:
-# without --force its execution finishes on desktop_tasks). Any zombie legacy lease columns are cleared on the way.
-_ROLLBACK_BUSINESS = f"""
-UPDATE monitoring_collect_tasks t
-SET execution_owner = 'legacy', {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
-WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.id NOT IN ({_ACTIVE_TASK_IDS})
-"""
-
 # `rollout status`: business tasks per path. Pending (desktop_tasks: without an active execution, whose tasks are in
 # flight) over the pending index, legacy leases over ix_collect_tasks_legacy_holder, completed since today's start
 # (UTC).
 _PENDING_BY_OWNER = f"""
 SELECT t.execution_owner AS path, count(*) AS pending_rows,
-       count(*) FILTER (WHERE t.execution_owner = 'desktop_tasks' AND t.id IN ({_ACTIVE_TASK_IDS})) AS with_execution
+       count(*) FILTER (WHERE t.execution_owner = 'desktop_tasks'
+                        AND t.id IN ({fragments.ACTIVE_TASK_IDS_SQL})) AS with_execution
 FROM monitoring_collect_tasks t WHERE t.status = 'pending' GROUP BY 1
 """
 _LEASED_BY_OWNER = """
@@ -372,7 +352,7 @@ async def emergency_rollback(conn: Conn, *, force_in_flight: bool, dry_run: bool
             await set_setting(conn, "rollout_percentage", 0)
         movement = await _tenant_movement(conn, before, 0)
         aborted = await _abort_in_flight(conn) if force_in_flight else 0
-        cur = await conn.execute(_ROLLBACK_BUSINESS)
+        cur = await conn.execute(business.ROLLBACK_TO_LEGACY)
         moved = cur.rowcount
         cur = await conn.execute(_IN_FLIGHT)
         left_row = await cur.fetchone()
@@ -400,7 +380,7 @@ async def _abort_in_flight(conn: Conn) -> int:
             if e.task_id in active]
     if not rows:
         return 0
-    await conn.execute(_YIELD_ABORTED, {"ids": sorted({r["monitor_task_id"] for r in rows})})
+    await conn.execute(transitions.YIELD_BUSINESS_MANY, {"ids": sorted({r["monitor_task_id"] for r in rows})})
     now = datetime.now(UTC)
     events: list[OutboxEvent] = []
     for row in rows:

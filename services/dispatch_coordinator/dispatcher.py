@@ -27,7 +27,7 @@ from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.wire import TaskAvailable
-from libs.db.pool import Conn, json_records
+from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.dispatch import (
@@ -50,7 +50,7 @@ from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
-from libs.tasks import legacy
+from libs.tasks import business, executions, legacy
 from libs.tasks import requests as collect_requests
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
@@ -70,8 +70,8 @@ WARM_UP_PARAMS: dict[str, object] = {
     "rows": "[]", "ids": [uuid.UUID(int=0)], "counts": [0],
 }
 WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
-    q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, q.COUNT_ATTEMPTS, q.INSERT_EXECUTIONS,
-    collect_requests.MARK_DISPATCHED)]
+    q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, business.COUNT_DISPATCH_ATTEMPTS,
+    executions.INSERT_EXECUTIONS, collect_requests.MARK_DISPATCHED)]
 PER_PAIR_CAP = 50
 # A full pass reads its normal candidates in statements of about this many rows (see `_candidates`).
 CANDIDATE_CHUNK_ROWS = 100
@@ -639,13 +639,13 @@ class Dispatcher:
             if r["lane"] == "high" and r["collect_request_id"] is not None:
                 requests[r["collect_request_id"]] += 1
         refs = [r["row_ref"] for r in rows]
-        await conn.execute(q.COUNT_ATTEMPTS, {"row_refs": refs})
+        await business.count_dispatched(conn, refs)
         # Routed by owner (docs/legacy-path.md): an execution for desktop_tasks work, an offer on the business row
         # for legacy work; the same event tells the client either way.
-        executions = [r for r in rows if r["execution_owner"] != "legacy"]
-        if executions:
-            await conn.execute(q.INSERT_EXECUTIONS, {"ts": ts, "rows": json_records(executions, q.EXECUTION_KEYS)})
-        if len(executions) < len(rows):
+        desktop = [r for r in rows if r["execution_owner"] != "legacy"]
+        if desktop:
+            await executions.create(conn, desktop, ts=ts)
+        if len(desktop) < len(rows):
             await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
         high = any(r["lane"] == "high" for r in rows)
         relay = self.high_relay.ready() if high else None

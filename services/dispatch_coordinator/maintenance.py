@@ -18,6 +18,7 @@ from libs.db.write_health import FRESH_S, FRESH_TOTALS
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.aging import age_task, oldest_share
 from libs.domain.slowdown import Signals, Thresholds, WriteStats, slowdown_reasons
+from libs.tasks import business
 from libs.telemetry import metrics
 from services.dispatch_coordinator import queries as q
 
@@ -232,7 +233,7 @@ async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings)
                 priorities.append(aged.priority)
                 boosts.append(aged.aging_boost)
             if ids:
-                await conn.execute(q.AGING_APPLY, {"ids": ids, "lanes": lanes, "priorities": priorities,
+                await conn.execute(business.APPLY_AGING, {"ids": ids, "lanes": lanes, "priorities": priorities,
                                                    "boosts": boosts})
         boosted += len(ids)
         if len(rows) < batch:

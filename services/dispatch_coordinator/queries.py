@@ -16,10 +16,7 @@ NO_ACTIVE_EXECUTION = (
     "(SELECT true FROM desktop_tasks d WHERE d.monitor_task_id = t.id AND d.kind = 'monitor' "
     f"AND d.status IN {ACTIVE_EXECUTION_SQL} LIMIT 1) IS NULL"
 )
-READY = (
-    "t.status = 'pending' AND t.dispatch_after <= now() AND "
-    + NO_ACTIVE_EXECUTION
-)
+READY = f"t.status = 'pending' AND t.dispatch_after <= now() AND {NO_ACTIVE_EXECUTION}"
 # READY for aggregates over the whole backlog (the gauges, aging's count): the active executions are read once
 # into a hashed set (NOT IN over an uncorrelated subquery: a "hashed SubPlan" while the active executions fit in
 # work_mem, i.e. up to ~100,000 of them) instead of NO_ACTIVE_EXECUTION's probe per task, which cost 110-120 ms a
@@ -348,14 +345,15 @@ CROSS JOIN LATERAL (
 # The write of a pass, in set-based steps whose plans do not depend on statistics (the tables change by
 # tens of thousands of rows between two autovacuum analyses when a day's schedule comes due):
 #   LOCK_CLIENTS -> CLAIM (lock the decided business rows by primary key and re-read them) ->
-#   CLIENTS_WITH_HIGH (lane rule re-check) -> the dispatcher filters -> COUNT_ATTEMPTS + INSERT_EXECUTIONS.
+#   CLIENTS_WITH_HIGH (lane rule re-check) -> the dispatcher filters -> libs.tasks.business.COUNT_DISPATCH_ATTEMPTS +
+#   libs.tasks.executions.INSERT_EXECUTIONS.
 #
 # CLAIM re-checks READY at write time (a concurrent collect-now may have promoted or bound a task, an
 # execution may have been created meanwhile): the rows come back locked, in their latest committed
 # version, so what the dispatcher checks cannot change before the insert. One primary-key probe per
 # decided id (the OFFSET 0 keeps the LATERAL parameterised: as a plain join, or with `id = ANY(..)`, stale
 # statistics made the planner walk a whole partial index of pending tasks instead), ids in ascending
-# order so concurrent lockers of the same rows cannot deadlock. `ctid` lets COUNT_ATTEMPTS update the
+# order so concurrent lockers of the same rows cannot deadlock. `ctid` lets business.COUNT_DISPATCH_ATTEMPTS update the
 # very rows locked here with a TID scan (a locked row cannot move).
 CLAIM = f"""
 SELECT t.*
@@ -383,34 +381,6 @@ WHERE h.target_client_id = ANY(%(clients)s::uuid[]) AND h.status = 'pending' AND
   AND run.busy IS NULL
 """
 
-COUNT_ATTEMPTS = """
-UPDATE monitoring_collect_tasks t
-SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), next_execution_id = NULL,
-    updated_at = now()
-WHERE t.ctid = ANY(%(row_refs)s::tid[])
-"""
-
-# Execution rows (cross-service contract 2), every value computed by the dispatcher from the claimed rows; one JSON
-# parameter of named records (libs.db.pool.json_records: encoded by msgspec in C) instead of seventeen arrays psycopg
-# dumps in Python.
-INSERT_EXECUTIONS = """
-INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
-                           source, scheduler_group_key, monitor_task_id, interrupt_generation, enqueued_at,
-                           brand_id, question_id, ai_platform_id, business_date, collect_request_id,
-                           created_at, updated_at)
-SELECT r.id, 'monitor', r.tenant_id, r.workspace_id, r.target_client_id, 'queued', r.priority, r.lane, r.lane_weight,
-       r.source, r.scheduler_group_key, r.monitor_task_id, r.interrupt_generation, r.enqueued_at, r.brand_id,
-       r.question_id, r.ai_platform_id, r.business_date, r.collect_request_id, %(ts)s, %(ts)s
-FROM json_to_recordset(%(rows)s::json) AS r(
-    id uuid, tenant_id bigint, workspace_id bigint, target_client_id uuid, priority int, lane text, lane_weight int,
-    source text, scheduler_group_key text, monitor_task_id bigint, interrupt_generation bigint, enqueued_at timestamptz,
-    brand_id bigint, question_id bigint, ai_platform_id bigint, business_date date, collect_request_id uuid)
-"""
-# The keys of each row of INSERT_EXECUTIONS (libs.db.pool.json_records).
-EXECUTION_KEYS = ("id", "tenant_id", "workspace_id", "target_client_id", "priority", "lane", "lane_weight", "source",
-                  "scheduler_group_key", "monitor_task_id", "interrupt_generation", "enqueued_at", "brand_id",
-                  "question_id", "ai_platform_id", "business_date", "collect_request_id")
-
 # Collect-now starts by updating its client's row (interrupt_generation): holding these rows in share
 # mode orders a pass against a collect-now on the same client. Either the collect-now committed first
 # (the DISPATCH re-check then sees its high work and sends no normal) or it waits for this pass and then
@@ -418,53 +388,6 @@ EXECUTION_KEYS = ("id", "tenant_id", "workspace_id", "target_client_id", "priori
 LOCK_CLIENTS = "SELECT id FROM desktop_clients WHERE id = ANY(%(ids)s) ORDER BY id FOR SHARE"
 
 # ---- scanner -------------------------------------------------------------------------------------
-
-# One statement per batch: lock due plans (SKIP LOCKED), compute each plan's latest due slot and its
-# business date in the tenant's time zone (libs.domain.schedule.plan_occurrence, in SQL), create one task
-# per plan (idempotent on the business key), advance the plans past now. The shard key is
-# libs.domain.shard.ingest_shard_key's format ("{tenant}:{brand}:{YYYY-MM-DD}"; the scanner tests assert
-# the two agree). Zones Postgres does not know fall back to UTC like tenant_zone(); %(zones)s lists the
-# known ones. The plans are updated by `ctid` (rows locked by this very statement cannot move).
-SCAN = """
-WITH due AS MATERIALIZED (
-    SELECT p.ctid AS row_ref, p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id,
-           p.collector_type, p.run_mode, p.next_run_at, greatest(1, p.interval_seconds) AS step_s,
-           CASE WHEN tn.time_zone = ANY(%(zones)s::text[]) THEN tn.time_zone ELSE 'UTC' END AS zone
-    FROM monitoring_plans p JOIN tenants tn ON tn.id = p.tenant_id
-    WHERE p.enabled AND p.next_run_at <= now()
-    ORDER BY p.next_run_at
-    LIMIT %(limit)s
-    FOR UPDATE OF p SKIP LOCKED
-), occ AS MATERIALIZED (
-    SELECT s.*, (s.slot AT TIME ZONE s.zone)::date AS business_date
-    FROM (SELECT due.*, due.next_run_at + make_interval(secs => floor(
-                     extract(epoch FROM (now() - due.next_run_at)) / due.step_s)::float8 * due.step_s) AS slot
-          FROM due) s
-), created AS (
-    INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id,
-                                          collector_type, run_mode, business_date, plan_id, status, trigger_source,
-                                          dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner,
-                                          enqueued_at, dispatch_after)
-    SELECT o.tenant_id, o.workspace_id, o.brand_id, o.question_id, o.ai_platform_id, o.collector_type, o.run_mode,
-           o.business_date, o.id, 'pending', 'automatic', %(priority)s, 'normal',
-           o.tenant_id || ':' || o.brand_id || ':' || to_char(o.business_date, 'YYYY-MM-DD'),
-           CASE WHEN o.tenant_id %% 100 < %(rollout)s THEN 'desktop_tasks' ELSE 'legacy' END, now(), now()
-    FROM occ o
-    ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date)
-        DO NOTHING
-    RETURNING tenant_id, ai_platform_id, execution_owner
-), advanced AS (
-    UPDATE monitoring_plans p
-    SET next_run_at = o.slot + make_interval(secs => o.step_s), updated_at = now()
-    FROM occ o
-    WHERE p.ctid = o.row_ref
-    RETURNING p.id
-)
-SELECT (SELECT count(*) FROM advanced) AS plans,
-       (SELECT coalesce(json_agg(g), '[]'::json)
-        FROM (SELECT tenant_id, ai_platform_id, execution_owner, count(*) AS n FROM created GROUP BY 1, 2, 3) g)
-           AS created
-"""
 
 # Time zone names Postgres knows (read once per process: pg_timezone_names reads the zone files).
 TIME_ZONES = "SELECT array_agg(name) AS names FROM pg_timezone_names"
@@ -500,14 +423,6 @@ FROM (SELECT t.id FROM monitoring_collect_tasks t
       LIMIT %(batch)s) o
 CROSS JOIN LATERAL (SELECT * FROM monitoring_collect_tasks t WHERE t.id = o.id OFFSET 0) t
 ORDER BY t.enqueued_at, t.id
-"""
-
-AGING_APPLY = """
-UPDATE monitoring_collect_tasks t
-SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
-     AS v(id, lane, priority, boost)
-WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'normal_boosted')
 """
 
 # ---- observation ---------------------------------------------------------------------------------
@@ -572,13 +487,13 @@ SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks WHERE status
 # The queued executions counted once per client, looked up per online client in one JSON object: linear whatever the
 # statistics say. The join it replaces was planned as a nested loop over every queued execution per client once
 # `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500 queued executions).
-CLIENT_QUEUE_DEPTH = """
+CLIENT_QUEUE_DEPTH = f"""
 WITH q AS MATERIALIZED (
     -- Materialized: computed once. As a plain subquery, statistics taken while no client was online made the planner
     -- rescan the aggregate for every online client (1.5 s a tick at 1,000,000 ready tasks; docs/benchmarks.md
     -- "Backlog scale").
-    SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{}'::jsonb) AS depths
-    FROM (SELECT w.target_client_id, count(*) AS n FROM """ + ACTIVE_WORK + """ w
+    SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{{}}'::jsonb) AS depths
+    FROM (SELECT w.target_client_id, count(*) AS n FROM {ACTIVE_WORK} w
           WHERE w.status = 'queued' GROUP BY 1) d
 )
 SELECT c.id, coalesce((q.depths ->> c.id::text)::int, 0) AS queued

@@ -8,6 +8,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.domain.lanes import NORMAL_PRIORITY
+from libs.tasks import business
 from libs.telemetry import metrics
 from services.dispatch_coordinator import queries as q
 
@@ -39,8 +40,8 @@ async def scan_once(pool: AsyncConnectionPool[Conn], *, batch_size: int, rollout
     result = ScanResult()
     async with pool.connection() as conn:
         zones = await _known_zones(conn)
-        cur = await conn.execute(q.SCAN, {"limit": batch_size, "zones": zones, "priority": NORMAL_PRIORITY,
-                                          "rollout": rollout_percentage})
+        cur = await conn.execute(business.SCAN_DUE_PLANS, {"limit": batch_size, "zones": zones,
+                                                           "priority": NORMAL_PRIORITY, "rollout": rollout_percentage})
         row = await cur.fetchone()
     assert row is not None
     result.plans = int(row["plans"])

@@ -45,7 +45,7 @@ from libs.dispatch_settings import SettingsCache
 from libs.domain.safe_points import bucket_of
 from libs.domain.shard import shard_for
 from libs.http import ApiError
-from libs.tasks import legacy
+from libs.tasks import executions, legacy
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
@@ -199,7 +199,7 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             for row in _best_first(await pick_cur.fetchall(), await offers_cur.fetchall(), int(capacity["free"])):
                 epoch = int(row["lease_epoch"]) + 1
                 token = new_lease_token(epoch)
-                mark = legacy.MARK_LEASED if row["execution_owner"] == "legacy" else q.MARK_LEASED
+                mark = legacy.MARK_LEASED if row["execution_owner"] == "legacy" else executions.MARK_LEASED
                 leased_cur = await conn.execute(mark, {
                     "task_id": row["id"], "epoch": epoch, "token_hash": hash_token(token),
                     "ttl_s": dispatch.lease_ttl_seconds})
@@ -274,7 +274,7 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             params = {"task_id": task_id, "tenant_id": principal.tenant_id, "client_id": principal.client_id,
                       "epoch": epoch, "token_hash": hash_token(body.lease_token),
                       "ttl_s": dispatch.lease_ttl_seconds, "phase": body.execution_phase}
-            cur = await conn.execute(q.EXTEND_LEASE, params)
+            cur = await conn.execute(executions.EXTEND_LEASE, params)
             row = await cur.fetchone()
             if row is None:  # a lease of the legacy path?
                 cur = await conn.execute(legacy.EXTEND, params)
@@ -453,7 +453,7 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         epoch = int(row["lease_epoch"])
         claim_params = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch, "digest": digest}
         async with conn.transaction():
-            cur = await conn.execute(legacy.CLAIM_RESULT if on_legacy else q.CLAIM_RESULT, claim_params)
+            cur = await conn.execute(legacy.CLAIM_RESULT if on_legacy else executions.CLAIM_RESULT, claim_params)
             claim = await cur.fetchone()
         assert claim is not None  # the fence passed: the row is there at this epoch
         post = classify_result_post(claim["previous"], digest, received=claim["result_received_at"] is not None)
@@ -463,15 +463,16 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             return ResultResponse(accepted=True, result_id=result_id_for(task_id, epoch))
         cur = await conn.execute(q.RESULT_CONTEXT, {"monitor_task_id": row["monitor_task_id"],
                                                     "tenant_id": principal.tenant_id})
-        business = await cur.fetchone()
-    if business is None:
+        business_row = await cur.fetchone()
+    if business_row is None:
         raise ApiError(404, "not_found", "the business task of this execution no longer exists")
-    message = _result_message(ctx, principal, row, business, body)
+    message = _result_message(ctx, principal, row, business_row, body)
     try:
         await ctx.publisher.publish(message, routing_key=f"shard.{message.shard}")
     except BrokerUnavailable as exc:
         async with ctx.pool.connection() as conn:
-            await conn.execute(legacy.RELEASE_RESULT_CLAIM if on_legacy else q.RELEASE_RESULT_CLAIM, claim_params)
+            release = legacy.RELEASE_RESULT_CLAIM if on_legacy else executions.RELEASE_RESULT_CLAIM
+            await conn.execute(release, claim_params)
         raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
                        retry_after_s=2) from exc
     received = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch}
@@ -481,7 +482,7 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                 await conn.execute(legacy.MARK_BUSINESS_RECEIVED, received)
                 await conn.execute(legacy.MARK_RESULT_RECEIVED, received)
         else:
-            await conn.execute(q.MARK_RESULT_RECEIVED, received)
+            await conn.execute(executions.MARK_RESULT_RECEIVED, received)
     log.info("result accepted", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "result_id": str(message.result_id),
                                        "shard": message.shard, "status": body.status,
@@ -509,18 +510,18 @@ def _result_replay(row: dict[str, Any] | None, principal: ClientPrincipal, token
     return ResultResponse(accepted=True, result_id=result_id_for(row["id"], epoch))
 
 
-def _result_message(ctx: HubContext, principal: ClientPrincipal, row: dict[str, Any], business: dict[str, Any],
+def _result_message(ctx: HubContext, principal: ClientPrincipal, row: dict[str, Any], business_row: dict[str, Any],
                     body: ResultRequest) -> MonitorResult:
-    shard = shard_for(int(business["tenant_id"]), int(business["brand_id"]), business["business_date"],
+    shard = shard_for(int(business_row["tenant_id"]), int(business_row["brand_id"]), business_row["business_date"],
                       ctx.ingest_shards)
     epoch = int(row["lease_epoch"])
     return MonitorResult(
         result_id=result_id_for(row["id"], epoch), task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]),
-        lease_epoch=epoch, tenant_id=int(business["tenant_id"]),
-        workspace_id=int(business["workspace_id"]), brand_id=int(business["brand_id"]),
-        question_id=int(business["question_id"]), ai_platform_id=int(business["ai_platform_id"]),
-        collector_type=business["collector_type"], run_mode=business["run_mode"],
-        business_date=business["business_date"], client_id=principal.client_id, status=body.status,
+        lease_epoch=epoch, tenant_id=int(business_row["tenant_id"]),
+        workspace_id=int(business_row["workspace_id"]), brand_id=int(business_row["brand_id"]),
+        question_id=int(business_row["question_id"]), ai_platform_id=int(business_row["ai_platform_id"]),
+        collector_type=business_row["collector_type"], run_mode=business_row["run_mode"],
+        business_date=business_row["business_date"], client_id=principal.client_id, status=body.status,
         answer_text=body.answer_text, citations=body.citations, brand_mentioned=body.brand_mentioned,
         error=body.error, started_at=body.started_at, finished_at=body.finished_at, received_at=datetime.now(UTC),
         collect_request_id=row["collect_request_id"], shard=shard)

@@ -2,7 +2,6 @@
 statements (the same calls on a lease of the business row) are in libs/tasks/legacy.py."""
 
 from libs.tasks import legacy
-from libs.tasks.result_claims import claim_result, release_result_claim
 
 # The tokens of every handshake and call that missed the hub's cache while the previous lookup ran.
 AUTHENTICATE_CLIENTS = """
@@ -25,19 +24,19 @@ LOCK_CLIENT_LEASES = "SELECT pg_advisory_xact_lock(hashtextextended('hub.lease:'
 
 # The client's free monitor slots for this lease: its concurrency minus what it runs, at most `max_tasks`.
 # No row: not a client of this tenant.
-CLIENT_CAPACITY = """
+CLIENT_CAPACITY = f"""
 SELECT greatest(0, least(%(max_tasks)s, c.max_concurrent_monitor - (
            SELECT count(*) FROM desktop_tasks d
            WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
              -- a posted result waits for ingest, not for the client: the client is free again
-             AND d.result_received_at IS NULL) - """ + legacy.IN_PROGRESS_OF_CLIENT + """)) AS free
+             AND d.result_received_at IS NULL) - {legacy.IN_PROGRESS_OF_CLIENT})) AS free
 FROM desktop_clients c
 WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
 """
 
 # Contract 5: the best queued executions of this client in dispatch order, as many as it has free slots (the
 # capacity is computed in the statement, so that the lease reads and locks in one round trip).
-PICK_QUEUED = """
+PICK_QUEUED = f"""
 SELECT d.id, d.monitor_task_id, d.lane, d.lane_weight, d.priority, d.lease_epoch, d.interrupt_generation,
        d.business_date, d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags, d.enqueued_at,
        b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
@@ -49,41 +48,8 @@ JOIN ai_platforms p ON p.id = d.ai_platform_id
 WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s
   AND d.status = 'queued' AND d.kind = 'monitor'
 ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
-LIMIT coalesce((""" + CLIENT_CAPACITY + """), 0)
+LIMIT coalesce(({CLIENT_CAPACITY}), 0)
 FOR UPDATE OF d SKIP LOCKED
-"""
-
-# Lease one picked execution and record its attempt (the attempt only if the lease took: under PICK_QUEUED's row
-# lock it always does).
-MARK_LEASED = """
-WITH leased AS (
-    UPDATE desktop_tasks
-    SET status = 'in_progress', lease_epoch = %(epoch)s, lease_token_hash = %(token_hash)s, leased_at = now(),
-        lease_expires_at = now() + make_interval(secs => %(ttl_s)s), execution_phase = 'PREPARING',
-        result_received_at = NULL, updated_at = now()
-    WHERE id = %(task_id)s AND status = 'queued'
-    RETURNING id, monitor_task_id, tenant_id, target_client_id, lease_epoch, interrupt_generation, lease_expires_at
-), attempt AS (
-    INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status,
-                                       execution_phase, interrupt_generation)
-    SELECT id, monitor_task_id, tenant_id, target_client_id, lease_epoch, 'in_progress', 'PREPARING',
-           interrupt_generation
-    FROM leased
-)
-SELECT lease_expires_at FROM leased
-"""
-
-# Extend on the hot path: one statement that both checks the fence and extends.
-EXTEND_LEASE = """
-UPDATE desktop_tasks
-SET lease_expires_at = now() + make_interval(secs => %(ttl_s)s),
-    execution_phase = coalesce(%(phase)s::text, execution_phase),
-    started_at = CASE WHEN started_at IS NULL AND %(phase)s::text NOT IN ('PREPARING', 'NAVIGATING')
-                      THEN now() ELSE started_at END,
-    updated_at = now()
-WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND target_client_id = %(client_id)s
-  AND status = 'in_progress' AND lease_epoch = %(epoch)s AND lease_token_hash = %(token_hash)s
-RETURNING lease_expires_at, interrupt_generation, control_flags, ai_platform_id
 """
 
 LEASE_STATE = """
@@ -95,7 +61,7 @@ FROM desktop_tasks d
 WHERE d.id = %(task_id)s AND d.tenant_id = %(tenant_id)s
 """
 
-LEASE_STATE_FOR_UPDATE = LEASE_STATE + " FOR UPDATE OF d"
+LEASE_STATE_FOR_UPDATE = f"{LEASE_STATE} FOR UPDATE OF d"
 
 # What a result message needs from the business task.
 RESULT_CONTEXT = """
@@ -103,18 +69,6 @@ SELECT t.collector_type, t.run_mode, t.tenant_id, t.workspace_id, t.brand_id, t.
        t.business_date
 FROM monitoring_collect_tasks t
 WHERE t.id = %(monitor_task_id)s AND t.tenant_id = %(tenant_id)s
-"""
-
-# The first result body posted on a lease claims it; `previous` is the digest an earlier post stored (NULL: this
-# post is the first).
-CLAIM_RESULT = claim_result("desktop_tasks")
-
-# A publish that failed gives the claim back, so the client's retry can post again.
-RELEASE_RESULT_CLAIM = release_result_claim("desktop_tasks")
-
-MARK_RESULT_RECEIVED = """
-UPDATE desktop_tasks SET result_received_at = now(), execution_phase = 'POSTING', updated_at = now()
-WHERE id = %(task_id)s AND tenant_id = %(tenant_id)s AND lease_epoch = %(epoch)s
 """
 
 PLATFORM_CODES = "SELECT id, code FROM ai_platforms"

@@ -337,7 +337,7 @@ async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[
         status = request_status_after(str(row["status"]), requested=int(row["requested_task_count"]),
                                       completed=int(row["completed_task_count"]), failed=int(row["failed_task_count"]))
         if status != row["status"]:
-            await conn.execute(q.FINISH_REQUEST, {"id": request_id, "status": status})
+            await conn.execute(collect_requests.FINISH, {"id": request_id, "status": status})
             log.info("collect request finished", extra={"collect_request_id": str(request_id),
                                                         "tenant_id": tenant_id, "status": status})
         outcome.rows_written += 1

@@ -65,12 +65,12 @@ _CITES = """
 WITH n AS MATERIALIZED (
     SELECT r.run_id, r.fingerprint AS fp FROM json_to_recordset(%(cites)s::json) AS r(run_id bigint, fingerprint text)
 )"""
-DELETE_STALE_PARSE_RESULTS = _CITES + """
+DELETE_STALE_PARSE_RESULTS = f"""{_CITES}
 DELETE FROM question_monitor_parse_results p
 WHERE p.run_id = ANY(%(run_ids)s::bigint[])
   AND NOT EXISTS (SELECT 1 FROM n WHERE n.run_id = p.run_id AND n.fp = p.citation_fingerprint)
 """
-DELETE_STALE_CITATION_FACTS = _CITES + """
+DELETE_STALE_CITATION_FACTS = f"""{_CITES}
 DELETE FROM monitoring_citation_facts f
 WHERE f.run_id = ANY(%(run_ids)s::bigint[])
   AND NOT EXISTS (SELECT 1 FROM n WHERE n.run_id = f.run_id AND n.fp = f.citation_fingerprint)
@@ -119,12 +119,6 @@ FROM legacy_leases
 WHERE monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
   AND status IN ('queued', 'in_progress') AND NOT (id = ANY(%(task_ids)s::uuid[]))
 ORDER BY id
-"""
-
-FINISH_REQUEST = """
-UPDATE monitoring_collect_requests
-SET status = %(status)s, finished_at = coalesce(finished_at, now()), updated_at = now()
-WHERE id = %(id)s AND status IN ('accepted', 'dispatching', 'running')
 """
 
 # Coalesced projection rebuild request per (tenant_id, brand_id, business_date); `inserted` tells

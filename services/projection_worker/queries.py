@@ -12,13 +12,13 @@ RETURNING q.tenant_id, q.brand_id, q.business_date, q.request_count, q.last_requ
 
 # Claim one key (event path). A row locked by a writer right now is skipped: it is being
 # re-requested, and the sweep (or its own event) picks it up.
-CLAIM_KEY = """
+CLAIM_KEY = f"""
 WITH c AS (
     SELECT tenant_id, brand_id, business_date FROM projection_rebuild_queue
     WHERE tenant_id = %(tenant_id)s AND brand_id = %(brand_id)s AND business_date = %(business_date)s
       AND (claimed_by IS NULL OR claim_expires_at < now()) AND attempts < %(max_attempts)s
     FOR UPDATE SKIP LOCKED
-)""" + _CLAIM_KEYS_OF_C
+){_CLAIM_KEYS_OF_C}"""
 
 # Claim up to `limit` unclaimed (or abandoned) keys, tenant-fair (the sweep and merge-mode batches: requests
 # whose event was lost, re-requested keys, a backlog). The tenants with claimable keys take turns: turn 1 is
@@ -35,7 +35,7 @@ WITH c AS (
 # Reads: one probe per queued tenant, plus each selected tenant's keys up to its bound (never a whole
 # tenant's backlog, never the whole queue); index ix_projection_queue_tenant_age. The claimed rows come back
 # in turn order (a sweep rebuilds them in that order).
-CLAIM_FAIR = """
+CLAIM_FAIR = f"""
 WITH RECURSIVE tenants AS (
     (SELECT tenant_id FROM projection_rebuild_queue ORDER BY tenant_id LIMIT 1)
     UNION ALL
@@ -75,7 +75,7 @@ WITH RECURSIVE tenants AS (
     ORDER BY t.turn, t.head, t.tenant_id
     LIMIT %(limit)s
     FOR UPDATE OF k SKIP LOCKED
-), claimed AS (""" + _CLAIM_KEYS_OF_C + """)
+), claimed AS ({_CLAIM_KEYS_OF_C})
 SELECT claimed.* FROM claimed JOIN c USING (tenant_id, brand_id, business_date)
 ORDER BY c.turn, c.head, c.tenant_id
 """
@@ -97,7 +97,7 @@ def _mention_rate(alias: str) -> str:
 
 # Recompute both projections of one key from the raw facts in one statement (one snapshot) and
 # overwrite them in place. Column definitions: libs/ingest/aggregates.py.
-REBUILD_KEY = """
+REBUILD_KEY = f"""
 WITH runs AS (
     SELECT id, ai_platform_id, status, brand_mentioned
     FROM question_monitor_runs
@@ -140,12 +140,12 @@ WITH runs AS (
         mention_rate, citations, distinct_cited_domains, rebuilt_at)
     SELECT %(tenant_id)s, %(brand_id)s, %(business_date)s, p.ai_platform_id, p.runs, p.succeeded_runs, p.failed_runs,
            p.brand_mentioned_runs,
-           """ + _mention_rate("p") + """,
+           {_mention_rate("p")},
            p.citations, p.domains, now()
     FROM platform p
     ORDER BY p.ai_platform_id
     ON CONFLICT (tenant_id, brand_id, business_date, ai_platform_id) DO UPDATE
-""" + _OVERWRITE_COUNTS + """), drop_brand AS (
+{_OVERWRITE_COUNTS}), drop_brand AS (
     DELETE FROM monitoring_brand_daily d
     WHERE d.tenant_id = %(tenant_id)s AND d.brand_id = %(brand_id)s AND d.business_date = %(business_date)s
       AND (SELECT runs FROM brand) = 0
@@ -155,11 +155,11 @@ WITH runs AS (
         citations, distinct_cited_domains, rebuilt_at)
     SELECT %(tenant_id)s, %(brand_id)s, %(business_date)s, b.runs, b.succeeded_runs, b.failed_runs,
            b.brand_mentioned_runs,
-           """ + _mention_rate("b") + """,
+           {_mention_rate("b")},
            b.citations, b.domains, now()
     FROM brand b WHERE b.runs > 0
     ON CONFLICT (tenant_id, brand_id, business_date) DO UPDATE
-""" + _OVERWRITE_COUNTS + """)
+{_OVERWRITE_COUNTS})
 SELECT (SELECT runs FROM brand) AS runs, (SELECT count(*) FROM platform) AS platforms
 """
 
@@ -196,7 +196,7 @@ FROM projection_rebuild_queue
 
 # REBUILD_KEY for an array of keys: every key's projections from one snapshot, in one statement. A key
 # without runs loses its rows, exactly as when rebuilt alone.
-REBUILD_KEYS = """
+REBUILD_KEYS = f"""
 WITH keys AS (
     SELECT DISTINCT k.tenant_id, k.brand_id, k.business_date
     FROM unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[])
@@ -260,12 +260,12 @@ WITH keys AS (
         mention_rate, citations, distinct_cited_domains, rebuilt_at)
     SELECT p.tenant_id, p.brand_id, p.business_date, p.ai_platform_id, p.runs, p.succeeded_runs, p.failed_runs,
            p.brand_mentioned_runs,
-           """ + _mention_rate("p") + """,
+           {_mention_rate("p")},
            p.citations, p.domains, now()
     FROM platform p
     ORDER BY p.tenant_id, p.brand_id, p.business_date, p.ai_platform_id
     ON CONFLICT (tenant_id, brand_id, business_date, ai_platform_id) DO UPDATE
-""" + _OVERWRITE_COUNTS + """), drop_brand AS (
+{_OVERWRITE_COUNTS}), drop_brand AS (
     DELETE FROM monitoring_brand_daily d
     USING brand b
     WHERE d.tenant_id = b.tenant_id AND d.brand_id = b.brand_id AND d.business_date = b.business_date AND b.runs = 0
@@ -274,12 +274,12 @@ WITH keys AS (
         tenant_id, brand_id, business_date, runs, succeeded_runs, failed_runs, brand_mentioned_runs, mention_rate,
         citations, distinct_cited_domains, rebuilt_at)
     SELECT b.tenant_id, b.brand_id, b.business_date, b.runs, b.succeeded_runs, b.failed_runs, b.brand_mentioned_runs,
-           """ + _mention_rate("b") + """,
+           {_mention_rate("b")},
            b.citations, b.domains, now()
     FROM brand b WHERE b.runs > 0
     ORDER BY b.tenant_id, b.brand_id, b.business_date
     ON CONFLICT (tenant_id, brand_id, business_date) DO UPDATE
-""" + _OVERWRITE_COUNTS + """)
+{_OVERWRITE_COUNTS})
 SELECT (SELECT count(*) FROM keys) AS keys, (SELECT coalesce(sum(runs), 0) FROM brand) AS runs,
        (SELECT count(*) FROM platform) AS platforms
 """

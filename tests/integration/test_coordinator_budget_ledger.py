@@ -18,6 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
+from libs.tasks import executions
 from libs.tasks.transitions import end_execution
 from services.collect_now_api import queries as collect_now_queries
 from services.dispatch_coordinator import queries as q
@@ -155,7 +156,7 @@ async def _step(pool: AsyncConnectionPool[Conn], rng: random.Random, seeded: See
             async with conn.transaction():
                 params = {"client_id": client, "tenant_id": tenant.tenant_id, "request_id": str(uuid.uuid4())}
                 await conn.execute(collect_now_queries.INCREMENT_GENERATION, params)
-                await conn.execute(collect_now_queries.CANCEL_QUEUED_SCHEDULED, params)
+                await conn.execute(executions.CANCEL_QUEUED_SCHEDULED, params)
         elif op == "lease":
             await conn.execute(_LEASE_SOME, {"n": rng.randint(1, 4)})
         elif op == "end_leased":  # after a lease nothing is given back, whatever the outcome and reason
@@ -221,7 +222,7 @@ async def test_a_window_change_restarts_the_ledger_and_refunds_land_in_it(pool: 
         async with conn.transaction():
             params = {"client_id": tenant.clients[0], "tenant_id": tenant.tenant_id, "request_id": str(uuid.uuid4())}
             await conn.execute(collect_now_queries.INCREMENT_GENERATION, params)
-            await conn.execute(collect_now_queries.CANCEL_QUEUED_SCHEDULED, params)
+            await conn.execute(executions.CANCEL_QUEUED_SCHEDULED, params)
         cur = await conn.execute(q.BUDGET_USE, {"window_start": dispatcher._ledger_window[1], "window": 60})
         assert sum(r["n"] for r in await cur.fetchall()) == before - queued and queued > 0
     await assert_ledger_equals_count(pool)

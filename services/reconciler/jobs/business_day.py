@@ -4,8 +4,9 @@ with TaskControl(cancelled)), and their collect-now requests count them as not c
 
 from __future__ import annotations
 
+from libs.tasks import business
 from libs.tasks.requests import refresh_progress
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import emit_lifecycle, end_execution
 from services.reconciler.jobs.base import (
     RETRYABLE_ERRORS,
@@ -50,13 +51,6 @@ WHERE monitor_task_id = %(id)s AND status IN ('queued', 'in_progress')
 FOR UPDATE
 """
 
-_EXPIRE = f"""
-UPDATE monitoring_collect_tasks
-SET status = 'expired', completed_at = now(), last_error = 'business date is over', updated_at = now(),
-    {CLEAR_LEGACY_LEASE_SQL}
-WHERE id = %(id)s AND status = 'pending'
-"""
-
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
@@ -87,7 +81,7 @@ async def run(ctx: JobContext) -> JobResult:
                                          monitor_task_id=task["id"], ai_platform_id=d["ai_platform_id"],
                                          lane=d["lane"], reason="business_day_expired",
                                          collect_request_id=d["collect_request_id"])
-                await conn.execute(_EXPIRE, {"id": task["id"]})
+                await conn.execute(business.EXPIRE, {"id": task["id"]})
                 await refresh_progress(conn, task["collect_request_id"])
         except RETRYABLE_ERRORS as exc:
             result.add("skipped_conflict")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import uuid
 
+from libs.tasks import business
 from libs.tasks.transitions import (
     ELIGIBLE_CLIENT_SQL,
     emit_lifecycle,
@@ -83,15 +84,6 @@ WHERE target_client_id = %(client_id)s AND kind = 'monitor' AND status = 'queued
 FOR UPDATE SKIP LOCKED
 """
 
-_REBIND_HIGH = """
-UPDATE monitoring_collect_tasks t
-SET target_client_id = %(new_client_id)s, updated_at = now()
-WHERE t.tenant_id = %(tenant_id)s AND t.target_client_id = %(client_id)s AND t.status = 'pending'
-  AND t.dispatch_lane = 'high'
-  AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
-                  AND d.status IN ('in_progress', 'unknown'))
-"""
-
 
 async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> None:
     conn = ctx.conn
@@ -134,7 +126,7 @@ async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResul
                                  task_id=q["id"], monitor_task_id=q["monitor_task_id"],
                                  ai_platform_id=q["ai_platform_id"], lane=q["lane"], reason="interrupt_hard_timeout",
                                  collect_request_id=q["collect_request_id"])
-        cur = await conn.execute(_REBIND_HIGH, {"tenant_id": row["tenant_id"], "client_id": client_id,
+        cur = await conn.execute(business.REBIND_HIGH, {"tenant_id": row["tenant_id"], "client_id": client_id,
                                                 "new_client_id": new_client})
         moved = cur.rowcount
     metrics.monitor_preempt_timeout_count.inc(client_id=str(client_id))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from libs.dispatch_settings import DispatchSettings
 from libs.tasks import legacy
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.reconciler.config import ReconcilerConfig
@@ -28,17 +28,6 @@ from services.reconciler.jobs.base import Job, JobContext, JobResult, expire_and
 NAME = "migration_reconcile"
 ORPHAN_LOOKBACK_DAYS = 7
 ORPHANS_LOGGED = 100
-
-_CLEAR_LEGACY_ZOMBIES = f"""
-UPDATE monitoring_collect_tasks t
-SET status = CASE WHEN t.status IN ('leased', 'received') THEN 'pending' ELSE t.status END,
-    {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
-WHERE (t.leased_to_executor IS NOT NULL OR t.legacy_lease_id IS NOT NULL OR t.status IN ('leased', 'received'))
-  AND (t.execution_owner = 'desktop_tasks'
-       OR NOT EXISTS (SELECT 1 FROM legacy_leases l
-                      WHERE l.id = t.legacy_lease_id AND l.status IN ('queued', 'in_progress')))
-RETURNING t.id, t.tenant_id, t.execution_owner, t.leased_to_executor
-"""
 
 # Legacy leases whose accepted result never reached the raw facts (dead-lettered): ended, business task retried.
 _LEGACY_RESULTS_LOST = """
@@ -60,7 +49,7 @@ WHERE t.status = 'pending' AND t.dispatch_after <= now()
                   AND d.status IN {ACTIVE_EXECUTION_SQL})
 """
 
-_ORPHANS = """
+_ORPHANS = f"""
 SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
        'executed without an execution record' AS problem
 FROM monitoring_collect_tasks t
@@ -70,7 +59,7 @@ WHERE t.execution_owner = 'desktop_tasks'
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id)
   AND NOT EXISTS (SELECT 1 FROM legacy_leases l WHERE l.monitor_task_id = t.id)
 UNION ALL
-""" + legacy.PATH_MISMATCHES + """
+{legacy.PATH_MISMATCHES}
 ORDER BY 1
 """
 
@@ -97,7 +86,7 @@ async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
     conn = ctx.conn
     async with conn.transaction():
-        cur = await conn.execute(_CLEAR_LEGACY_ZOMBIES)
+        cur = await conn.execute(legacy.CLEAR_ZOMBIE_LEASES)
         cleared = await cur.fetchall()
     for row in cleared:
         log.warning("zombie lease cleared", extra={"monitor_task_id": row["id"], "tenant_id": row["tenant_id"],

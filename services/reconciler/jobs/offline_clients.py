@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import uuid
 
+from libs.tasks import business, fragments
 from libs.tasks.transitions import emit_lifecycle, end_execution, yield_business_task
 from services.reconciler.jobs.base import (
     Job,
@@ -29,30 +30,18 @@ from services.reconciler.jobs.base import (
 
 NAME = "offline_clients"
 
-_STALE = "(c.last_heartbeat_at IS NULL OR c.last_heartbeat_at < now() - make_interval(secs => %(timeout_s)s))"
-
 _MARK_OFFLINE = f"""
 UPDATE desktop_clients c
 SET online = false, offline_since = coalesce(c.offline_since, now()), updated_at = now()
-WHERE c.id IN (SELECT c.id FROM desktop_clients c WHERE c.online AND {_STALE}
+WHERE c.id IN (SELECT c.id FROM desktop_clients c WHERE c.online AND {fragments.STALE_CLIENT_SQL}
                ORDER BY c.last_heartbeat_at NULLS FIRST LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
-  AND c.online AND {_STALE}
+  AND c.online AND {fragments.STALE_CLIENT_SQL}
 RETURNING c.id, c.tenant_id, c.last_heartbeat_at, c.connected_hub
-"""
-
-_UNBIND_HIGH = f"""
-UPDATE monitoring_collect_tasks t
-SET target_client_id = NULL, updated_at = now()
-FROM desktop_clients c
-WHERE t.target_client_id = c.id AND t.status = 'pending' AND t.dispatch_lane = 'high'
-  AND t.tenant_id = c.tenant_id
-  AND ({_STALE} OR c.disabled_at IS NOT NULL)
-RETURNING t.id, t.tenant_id, c.id AS client_id, t.collect_request_id
 """
 
 _QUEUED_CANDIDATES = f"""
 SELECT d.id FROM desktop_tasks d JOIN desktop_clients c ON c.id = d.target_client_id
-WHERE d.kind = 'monitor' AND d.status = 'queued' AND ({_STALE} OR c.disabled_at IS NOT NULL)
+WHERE d.kind = 'monitor' AND d.status = 'queued' AND ({fragments.STALE_CLIENT_SQL} OR c.disabled_at IS NOT NULL)
 ORDER BY d.created_at
 LIMIT %(limit)s
 """
@@ -60,7 +49,7 @@ LIMIT %(limit)s
 # Legacy offers (not pulled) to such a client, likewise.
 _LEGACY_QUEUED_CANDIDATES = f"""
 SELECT l.id FROM legacy_leases l JOIN desktop_clients c ON c.id = l.target_client_id
-WHERE l.status = 'queued' AND ({_STALE} OR c.disabled_at IS NOT NULL)
+WHERE l.status = 'queued' AND ({fragments.STALE_CLIENT_SQL} OR c.disabled_at IS NOT NULL)
 ORDER BY l.created_at
 LIMIT %(limit)s
 """
@@ -68,14 +57,14 @@ LIMIT %(limit)s
 _LOCK_LEGACY_QUEUED = f"""
 SELECT l.id, l.tenant_id, l.monitor_task_id, l.target_client_id, l.lane, l.ai_platform_id, l.collect_request_id
 FROM legacy_leases l JOIN desktop_clients c ON c.id = l.target_client_id
-WHERE l.id = %(id)s AND l.status = 'queued' AND ({_STALE} OR c.disabled_at IS NOT NULL)
+WHERE l.id = %(id)s AND l.status = 'queued' AND ({fragments.STALE_CLIENT_SQL} OR c.disabled_at IS NOT NULL)
 FOR UPDATE OF l SKIP LOCKED
 """
 
 _LOCK_QUEUED = f"""
 SELECT d.id, d.tenant_id, d.monitor_task_id, d.target_client_id, d.lane, d.ai_platform_id, d.collect_request_id
 FROM desktop_tasks d JOIN desktop_clients c ON c.id = d.target_client_id
-WHERE d.id = %(id)s AND d.status = 'queued' AND ({_STALE} OR c.disabled_at IS NOT NULL)
+WHERE d.id = %(id)s AND d.status = 'queued' AND ({fragments.STALE_CLIENT_SQL} OR c.disabled_at IS NOT NULL)
 FOR UPDATE OF d SKIP LOCKED
 """
 
@@ -122,7 +111,7 @@ async def run(ctx: JobContext) -> JobResult:
             "last_heartbeat_at": row["last_heartbeat_at"].isoformat() if row["last_heartbeat_at"] else None})
     result.add("clients_offline", len(offline))
     async with conn.transaction():
-        cur = await conn.execute(_UNBIND_HIGH, params)
+        cur = await conn.execute(business.UNBIND_HIGH_OF_STALE_CLIENTS, params)
         unbound = await cur.fetchall()
     for row in unbound:
         log.info("high task unbound from an offline client", extra={

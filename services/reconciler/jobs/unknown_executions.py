@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import uuid
 
+from libs.tasks import executions
 from libs.tasks.requests import refresh_progress
 from libs.tasks.transitions import (
     emit_lifecycle,
@@ -34,16 +35,6 @@ from services.reconciler.jobs.base import (
 from services.reconciler.rules import UnknownEvidence, converge_unknown
 
 NAME = "unknown_executions"
-
-_MARK_UNKNOWN = """
-UPDATE desktop_tasks
-SET status = 'unknown', updated_at = now()
-WHERE id IN (SELECT id FROM desktop_tasks
-             WHERE kind = 'monitor' AND status = 'in_progress' AND result_received_at IS NOT NULL
-               AND result_received_at < now() - make_interval(secs => %(grace_s)s)
-             LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
-RETURNING id, tenant_id, monitor_task_id, target_client_id
-"""
 
 _CANDIDATES = """
 SELECT id FROM desktop_tasks WHERE kind = 'monitor' AND status = 'unknown' ORDER BY updated_at LIMIT %(limit)s
@@ -69,19 +60,6 @@ WHERE t.id = %(monitor_task_id)s
   AND (r.desktop_task_id = %(task_id)s OR (%(leased_at)s::timestamptz IS NOT NULL AND r.updated_at >= %(leased_at)s))
 """
 
-_REQUEUE = """
-UPDATE desktop_tasks
-SET status = 'queued', lease_token_hash = NULL, leased_at = NULL, lease_expires_at = NULL,
-    result_received_at = NULL, execution_phase = NULL, updated_at = now()
-WHERE id = %(id)s AND status = 'unknown'
-"""
-
-_CLOSE_ATTEMPT = """
-UPDATE desktop_task_attempts
-SET status = 'aborted', finished_at = now(), abort_reason = 'unknown_requeued'
-WHERE task_id = %(id)s AND lease_epoch = %(lease_epoch)s AND status = 'in_progress'
-"""
-
 
 async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> None:
     conn = ctx.conn
@@ -98,8 +76,8 @@ async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -
         monitor_task_id = row["monitor_task_id"]
         business: str | None = None
         if verdict == "queued":
-            await conn.execute(_REQUEUE, {"id": task_id})
-            await conn.execute(_CLOSE_ATTEMPT, {"id": task_id, "lease_epoch": row["lease_epoch"]})
+            await conn.execute(executions.REQUEUE_UNKNOWN, {"id": task_id})
+            await conn.execute(executions.CLOSE_REQUEUED_ATTEMPT, {"id": task_id, "lease_epoch": row["lease_epoch"]})
         elif verdict == "succeeded":
             await end_execution(conn, task_id=task_id, outcome="succeeded", reason="reconciled_from_unknown",
                                 phase=row["execution_phase"])
@@ -134,7 +112,7 @@ async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
     async with ctx.conn.transaction():
-        cur = await ctx.conn.execute(_MARK_UNKNOWN, {"grace_s": ctx.settings.unknown_grace_seconds,
+        cur = await ctx.conn.execute(executions.MARK_UNKNOWN, {"grace_s": ctx.settings.unknown_grace_seconds,
                                                      "limit": ctx.config.batch_size})
         marked = await cur.fetchall()
     for row in marked:

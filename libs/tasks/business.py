@@ -1,0 +1,215 @@
+"""Business tasks (`monitoring_collect_tasks`): every statement that creates a row or moves it through dispatch,
+whoever runs it (docs/architecture.md "State machines", "Write matrix").
+
+    (scanner | collect-now) create -> pending --(dispatch: counted, an execution or a legacy offer)--> ...
+    pending: normal --(aging)--> normal_boosted; any --(collect-now)--> high, bound to the click's client
+    high --(request timed out)--> normal, unbound; bound --(client offline)--> unbound; --(hard timeout)--> rebound
+    pending --(business day over)--> expired; desktop_tasks --(rollback)--> legacy
+
+Ending work (an execution or a legacy lease) and what it does to the business task (yield, retry, finish) is
+libs/tasks/transitions.py; the legacy lease columns on the row are libs/tasks/legacy.py's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libs.db.pool import Conn
+from libs.tasks.fragments import (
+    ACTIVE_TASK_IDS_SQL,
+    CLIENT_GENERATION_SQL,
+    ROLLOUT_OWNER_SQL,
+    STALE_CLIENT_SQL,
+)
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
+
+# ---- creation ----------------------------------------------------------------------------------------------------
+
+
+# Tasks the scanner has not created yet: one row per business key, never a second one.
+CREATE_MISSING_TASKS = f"""
+INSERT INTO monitoring_collect_tasks
+    (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date, plan_id, trigger_source,
+     dispatch_priority, dispatch_lane, target_client_id, dispatch_after, interrupt_generation,
+     collect_request_id, ingest_shard_key, execution_owner)
+SELECT %(tenant_id)s, %(workspace_id)s, %(brand_id)s, s.question_id, s.ai_platform_id, %(business_date)s,
+       s.plan_id, 'manual', %(priority)s, 'high', %(client_id)s, now(), {CLIENT_GENERATION_SQL}, %(request_id)s,
+       %(shard_key)s, {ROLLOUT_OWNER_SQL}
+FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(plan_ids)s::bigint[])
+     AS s(question_id, ai_platform_id, plan_id)
+ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date)
+DO NOTHING
+RETURNING id
+"""
+
+
+# Promotion (contract 4): pending tasks, and finished ones reset for a fresh collection, move to the
+# high lane bound to the client and the request, in place: a pending task keeps its execution path (a task never
+# changes owner mid-flight); a finished one starts a new run on the path the rollout gives it now. Legacy rows a
+# client holds (leased / received) are in the scope but left alone: that lease finishes or yields (Phase 1).
+# Returns every scope task with whether it was promoted.
+PROMOTE_SCOPE = f"""
+WITH scope AS (
+    SELECT * FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[]) AS s(question_id, ai_platform_id)
+), scope_tasks AS (
+    SELECT t.id, t.status
+    FROM monitoring_collect_tasks t JOIN scope s
+      ON t.question_id = s.question_id AND t.ai_platform_id = s.ai_platform_id
+    WHERE t.tenant_id = %(tenant_id)s AND t.brand_id = %(brand_id)s AND t.business_date = %(business_date)s
+      AND t.collector_type = 'desktop' AND t.run_mode = 'daily'
+    FOR UPDATE OF t
+), promoted AS (
+    UPDATE monitoring_collect_tasks t
+    SET status = 'pending', dispatch_lane = 'high', dispatch_priority = %(priority)s,
+        target_client_id = %(client_id)s, interrupt_generation = {CLIENT_GENERATION_SQL},
+        collect_request_id = %(request_id)s, superseded_by_request_id = NULL, dispatch_after = now(),
+        execution_owner = CASE WHEN t.status = 'pending' THEN t.execution_owner ELSE {ROLLOUT_OWNER_SQL} END,
+        dispatch_attempts = CASE WHEN t.status = 'pending' THEN t.dispatch_attempts ELSE 0 END,
+        completed_at = CASE WHEN t.status = 'pending' THEN t.completed_at END,
+        last_error = CASE WHEN t.status = 'pending' THEN t.last_error END,
+        updated_at = now()
+    FROM scope_tasks s
+    WHERE t.id = s.id AND s.status IN ('pending', 'completed', 'failed', 'expired', 'skipped')
+    RETURNING t.id
+)
+SELECT id, true AS promoted FROM promoted
+UNION ALL
+SELECT id, false FROM scope_tasks WHERE status NOT IN ('pending', 'completed', 'failed', 'expired', 'skipped')
+"""
+
+
+# A newer click replaced these requests: their tasks say so.
+MARK_SUPERSEDED = """
+UPDATE monitoring_collect_tasks SET superseded_by_request_id = %(request_id)s, updated_at = now()
+WHERE tenant_id = %(tenant_id)s AND collect_request_id = ANY(%(old_ids)s::uuid[])
+"""
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------------------
+
+# The coordinator dispatched these rows (by ctid, locked by its claim): one attempt more, the replacement id used.
+COUNT_DISPATCH_ATTEMPTS = """
+UPDATE monitoring_collect_tasks t
+SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), next_execution_id = NULL,
+    updated_at = now()
+WHERE t.ctid = ANY(%(row_refs)s::tid[])
+"""
+
+
+# One statement per batch: lock due plans (SKIP LOCKED), compute each plan's latest due slot and its
+# business date in the tenant's time zone (libs.domain.schedule.plan_occurrence, in SQL), create one task
+# per plan (idempotent on the business key), advance the plans past now. The shard key is
+# libs.domain.shard.ingest_shard_key's format ("{tenant}:{brand}:{YYYY-MM-DD}"; the scanner tests assert
+# the two agree). Zones Postgres does not know fall back to UTC like tenant_zone(); %(zones)s lists the
+# known ones. The plans are updated by `ctid` (rows locked by this very statement cannot move).
+SCAN_DUE_PLANS = """
+WITH due AS MATERIALIZED (
+    SELECT p.ctid AS row_ref, p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id,
+           p.collector_type, p.run_mode, p.next_run_at, greatest(1, p.interval_seconds) AS step_s,
+           CASE WHEN tn.time_zone = ANY(%(zones)s::text[]) THEN tn.time_zone ELSE 'UTC' END AS zone
+    FROM monitoring_plans p JOIN tenants tn ON tn.id = p.tenant_id
+    WHERE p.enabled AND p.next_run_at <= now()
+    ORDER BY p.next_run_at
+    LIMIT %(limit)s
+    FOR UPDATE OF p SKIP LOCKED
+), occ AS MATERIALIZED (
+    SELECT s.*, (s.slot AT TIME ZONE s.zone)::date AS business_date
+    FROM (SELECT due.*, due.next_run_at + make_interval(secs => floor(
+                     extract(epoch FROM (now() - due.next_run_at)) / due.step_s)::float8 * due.step_s) AS slot
+          FROM due) s
+), created AS (
+    INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id,
+                                          collector_type, run_mode, business_date, plan_id, status, trigger_source,
+                                          dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner,
+                                          enqueued_at, dispatch_after)
+    SELECT o.tenant_id, o.workspace_id, o.brand_id, o.question_id, o.ai_platform_id, o.collector_type, o.run_mode,
+           o.business_date, o.id, 'pending', 'automatic', %(priority)s, 'normal',
+           o.tenant_id || ':' || o.brand_id || ':' || to_char(o.business_date, 'YYYY-MM-DD'),
+           CASE WHEN o.tenant_id %% 100 < %(rollout)s THEN 'desktop_tasks' ELSE 'legacy' END, now(), now()
+    FROM occ o
+    ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date)
+        DO NOTHING
+    RETURNING tenant_id, ai_platform_id, execution_owner
+), advanced AS (
+    UPDATE monitoring_plans p
+    SET next_run_at = o.slot + make_interval(secs => o.step_s), updated_at = now()
+    FROM occ o
+    WHERE p.ctid = o.row_ref
+    RETURNING p.id
+)
+SELECT (SELECT count(*) FROM advanced) AS plans,
+       (SELECT coalesce(json_agg(g), '[]'::json)
+        FROM (SELECT tenant_id, ai_platform_id, execution_owner, count(*) AS n FROM created GROUP BY 1, 2, 3) g)
+           AS created
+"""
+
+
+
+async def count_dispatched(conn: Conn, row_refs: list[Any]) -> None:
+    """The rows a pass dispatched (their ctids, locked by its claim) count one dispatch attempt more."""
+    await conn.execute(COUNT_DISPATCH_ATTEMPTS, {"row_refs": row_refs})
+
+# ---- lanes and bindings ------------------------------------------------------------------------------------------
+
+# Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost.
+APPLY_AGING = """
+UPDATE monitoring_collect_tasks t
+SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
+     AS v(id, lane, priority, boost)
+WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'normal_boosted')
+"""
+
+
+# The reconciler: pending high work bound to a client without a fresh heartbeat (or disabled) is unbound, lane kept.
+UNBIND_HIGH_OF_STALE_CLIENTS = f"""
+UPDATE monitoring_collect_tasks t
+SET target_client_id = NULL, updated_at = now()
+FROM desktop_clients c
+WHERE t.target_client_id = c.id AND t.status = 'pending' AND t.dispatch_lane = 'high'
+  AND t.tenant_id = c.tenant_id
+  AND ({STALE_CLIENT_SQL} OR c.disabled_at IS NOT NULL)
+RETURNING t.id, t.tenant_id, c.id AS client_id, t.collect_request_id
+"""
+
+
+# The reconciler: a timed-out request's pending tasks that are not executing leave the high lane, unbound.
+DEMOTE_TIMED_OUT = f"""
+UPDATE monitoring_collect_tasks t
+SET dispatch_lane = 'normal', dispatch_priority = %(normal_priority)s, target_client_id = NULL, updated_at = now()
+WHERE t.collect_request_id = %(id)s AND t.tenant_id = %(tenant_id)s AND t.status = 'pending'
+  AND t.dispatch_lane = 'high'
+  AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
+                  AND d.status IN {ACTIVE_EXECUTION_SQL})
+"""
+
+
+# The reconciler: a client that did not yield before the hard timeout loses its pending high work to another.
+REBIND_HIGH = """
+UPDATE monitoring_collect_tasks t
+SET target_client_id = %(new_client_id)s, updated_at = now()
+WHERE t.tenant_id = %(tenant_id)s AND t.target_client_id = %(client_id)s AND t.status = 'pending'
+  AND t.dispatch_lane = 'high'
+  AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
+                  AND d.status IN ('in_progress', 'unknown'))
+"""
+
+
+# ---- the end of a row's day and path ------------------------------------------------------------------------------
+
+# The reconciler: a pending task whose business day is over (nothing live on it) expires.
+EXPIRE = f"""
+UPDATE monitoring_collect_tasks
+SET status = 'expired', completed_at = now(), last_error = 'business date is over', updated_at = now(),
+    {CLEAR_LEGACY_LEASE_SQL}
+WHERE id = %(id)s AND status = 'pending'
+"""
+
+
+# Pending desktop_tasks-owned tasks without an active execution go to the legacy path (a row with one is left alone:
+# without --force its execution finishes on desktop_tasks). Any zombie legacy lease columns are cleared on the way.
+ROLLBACK_TO_LEGACY = f"""
+UPDATE monitoring_collect_tasks t
+SET execution_owner = 'legacy', {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
+WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.id NOT IN ({ACTIVE_TASK_IDS_SQL})
+"""
