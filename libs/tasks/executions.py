@@ -98,12 +98,16 @@ RETURNING id, monitor_task_id, ai_platform_id, lane
 
 # The interrupted executions' replacement (task_control.replacement_task_id): the id the coordinator gives the
 # high execution of the first promoted task, decided here so the interrupt can name it; kept in the interrupted
-# executions' control flags for the hub's replay.
+# executions' (and legacy leases') control flags for the hub's replay.
 NAME_REPLACEMENT = """
 WITH named AS (
     UPDATE monitoring_collect_tasks SET next_execution_id = %(replacement_id)s
     WHERE id = %(replacement_task)s AND tenant_id = %(tenant_id)s
     RETURNING id
+), legacy_named AS (
+    UPDATE legacy_leases
+    SET control_flags = control_flags || jsonb_build_object('replacement_task_id', %(replacement_id)s::text)
+    WHERE id = ANY(%(interrupted_ids)s::uuid[]) AND tenant_id = %(tenant_id)s AND EXISTS (SELECT 1 FROM named)
 )
 UPDATE desktop_tasks
 SET control_flags = control_flags || jsonb_build_object('replacement_task_id', %(replacement_id)s::text)
