@@ -1,4 +1,5 @@
-"""Running a service: uvloop, SIGTERM -> graceful drain, background loops that stop the service if they die."""
+"""Running a service: uvloop, SIGTERM -> graceful drain, background loops that stop the service if they die, and
+what a service opens for its lifetime (`Service`, `Lifetime`): opened in order, closed in reverse."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import uvloop
-from aio_pika.abc import AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import ConfigError, Settings
 from libs.db.migrate import load_migrations
-from libs.db.pool import Conn
-from libs.http import add_readiness_check
+from libs.db.pool import DEFAULT_PREPARE_THRESHOLD, Conn, WarmUp, make_pool
+from libs.db.write_health import WriterHealth, publishing
+from libs.http import add_readiness_check, make_app
+from libs.mq.connection import connect as mq_connect
 from libs.telemetry import metrics
 from libs.telemetry.logging import configure_logging
 from libs.telemetry.tracing import configure_tracing
@@ -123,6 +129,17 @@ def add_consumer_check(app: web.Application, connection: AbstractRobustConnectio
     add_readiness_check(app, "rabbitmq", check)
 
 
+def add_broker_check(app: web.Application, ready: Callable[[], bool],
+                     failure: str = "broker connection not ready") -> None:
+    """Readiness: the broker side of the service (a connection, a publisher) says it is ready."""
+
+    async def check() -> None:
+        if not ready():
+            raise ConnectionError(failure)
+
+    add_readiness_check(app, "rabbitmq", check)
+
+
 def freeze_after_startup(app: web.Application) -> None:
     """Once the app has started (call it after every other startup hook is registered), move everything
     allocated so far, the imported modules, the app, its pools and clients, out of the garbage collector's
@@ -167,3 +184,127 @@ def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
         handle_signals=True,
         backlog=LISTEN_BACKLOG,
     )
+
+
+T = TypeVar("T")
+
+
+class Startable(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=Startable)
+
+
+class Consumer(Protocol):
+    """A queue consumer: `subscribed` is set once it consumes all its queues; `run` consumes until `stop`."""
+
+    subscribed: asyncio.Event
+
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+class Lifetime:
+    """What one service opens while its app starts; each is closed, in the reverse order, when the app stops (and
+    what was opened is closed when a later start-up step fails). The pool and the broker connection carry the
+    service's name, as Postgres `application_name` and the RabbitMQ connection name."""
+
+    def __init__(self, app: web.Application, service: str, stack: AsyncExitStack) -> None:
+        self.app = app
+        self.service = service
+        self._stack = stack
+
+    @property
+    def settings(self) -> Settings:
+        return self.app[SETTINGS]
+
+    @property
+    def instance_name(self) -> str:
+        """`<service>-<instance_id>`: how this replica names itself to the broker."""
+        return f"{self.service}-{self.settings.instance_id}"
+
+    async def pool(self, *, min_size: int, max_size: int, prepare_threshold: int | None = DEFAULT_PREPARE_THRESHOLD,
+                   warm_up: WarmUp = ()) -> AsyncConnectionPool[Conn]:
+        """The service's Postgres pool, open, with its readiness checks (`add_pool_check`)."""
+        pool = make_pool(self.settings, name=self.service, min_size=min_size, max_size=max_size,
+                         prepare_threshold=prepare_threshold, warm_up=warm_up)
+        await pool.open(wait=True, timeout=30)
+        self._stack.push_async_callback(pool.close)
+        add_pool_check(self.app, pool)
+        return pool
+
+    async def broker(self, declare: Callable[[AbstractChannel], Awaitable[object]] | None = None) -> (
+        AbstractRobustConnection
+    ):
+        """A robust RabbitMQ connection named `<service>-<instance_id>`; `declare` declares what it consumes
+        (on a channel closed right after)."""
+        connection = await mq_connect(self.settings.amqp_url, name=self.instance_name)
+        self._stack.push_async_callback(connection.close)
+        if declare is not None:
+            async with connection.channel() as channel:
+                await declare(channel)
+        return connection
+
+    async def start(self, resource: S) -> S:
+        """`resource.start()` now, `resource.close()` when the service stops."""
+        await resource.start()
+        self._stack.push_async_callback(resource.close)
+        return resource
+
+    async def enter(self, context: AbstractAsyncContextManager[T]) -> T:
+        """An async context entered now and left when the service stops."""
+        return await self._stack.enter_async_context(context)
+
+    def on_stop(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """`callback()` when the service stops, before what was opened until now closes."""
+        self._stack.push_async_callback(callback)
+
+    async def consume(self, connection: AbstractRobustConnection, consumer: Consumer, queues: str,
+                      health: WriterHealth, pool: AsyncConnectionPool[Conn]) -> Worker:
+        """A consumer that writes to Postgres as the service's loop (what `start` returns to `worker_app`): ready
+        once `connection` is open and it has subscribed to `queues` (`add_consumer_check`), its writer health
+        published (`publishing`) for as long as the service runs."""
+        add_consumer_check(self.app, connection, consumer.subscribed, queues)
+        await self.enter(publishing(health, pool, self.settings.write_health_publish_s))
+        return consumer.run
+
+
+StartUp = Callable[[Lifetime], Awaitable[None]]
+MAIN_LOOP: web.AppKey[Worker] = web.AppKey("main_loop")
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """One service: its name (the settings' port variable, the logs' and metrics' service label, the pool's and
+    broker connection's names) and how its app is put together."""
+
+    name: str
+
+    def app(self, settings: Settings, start: StartUp, *, http: web.Application | None = None) -> web.Application:
+        """The service's app (`http`, else a plain `make_app()`): `start` opens what it needs while the app starts
+        (before any background loop), all of it closed in reverse order when it stops (after the loops drained)."""
+        app = base_app(settings, make_app() if http is None else http)
+
+        async def lifetime(app: web.Application) -> AsyncIterator[None]:
+            async with AsyncExitStack() as stack:
+                await start(Lifetime(app, self.name, stack))
+                yield
+
+        app.cleanup_ctx.append(lifetime)
+        return app
+
+    def worker_app(self, settings: Settings, start: Callable[[Lifetime], Awaitable[Worker]]) -> web.Application:
+        """The app of a service whose work is one loop: the one `start` returns, run in the background (named after
+        the service) once `start` has opened everything, stopped and drained before any of it closes."""
+
+        async def open_and_keep_loop(life: Lifetime) -> None:
+            life.app[MAIN_LOOP] = await start(life)
+
+        app = self.app(settings, open_and_keep_loop)
+        background(app, self.name, lambda stop: app[MAIN_LOOP](stop))
+        return app
+
+    def serve(self, build: Callable[[Settings], web.Application]) -> None:
+        serve(self.name, build)

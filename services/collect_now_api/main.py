@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from aiohttp import web
 
 from libs.config import Settings
-from libs.db.pool import PREPARE_ON_FIRST_USE, make_pool
+from libs.db.pool import PREPARE_ON_FIRST_USE
 from libs.dispatch_settings import SettingsCache
 from libs.http import json_response, make_app
-from libs.runtime import SETTINGS, add_pool_check, base_app, serve
+from libs.runtime import Lifetime, Service
 from services.collect_now_api import queries as q
 from services.collect_now_api.handlers import (
     POOL,
@@ -20,6 +18,8 @@ from services.collect_now_api.handlers import (
 )
 from services.collect_now_api.openapi import COLLECT_NOW_PATH, REQUEST_STATUS_PATH, openapi_document
 
+SERVICE = Service("collect-now-api")
+
 
 async def get_openapi(_: web.Request) -> web.Response:
     return json_response(openapi_document())
@@ -27,27 +27,22 @@ async def get_openapi(_: web.Request) -> web.Response:
 
 def build(settings: Settings) -> web.Application:
     settings.jwt_key()  # fail closed: no real gateway key (outside DEV_MODE), no service
-    app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
-
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        settings = app[SETTINGS]
-        # Sized so requests never queue for a connection: one per in-flight click plus status polls.
-        pool = make_pool(settings, name="collect-now-api", min_size=2, max_size=max(4, min(settings.db_pool_max, 6)),
-                         prepare_threshold=PREPARE_ON_FIRST_USE,  # clicks are rare: prepare on first use
-                         warm_up=q.WARM_UP)
-        await pool.open(wait=True, timeout=30)
-        app[POOL] = pool
-        app[SETTINGS_CACHE] = SettingsCache(pool)
-        add_pool_check(app, pool)
-        yield
-        await pool.close()
-
-    app.cleanup_ctx.append(resources)
+    app = SERVICE.app(settings, start, http=make_app(max_body_bytes=settings.max_body_bytes))
     app.router.add_post(COLLECT_NOW_PATH, post_collect_now)
     app.router.add_get(REQUEST_STATUS_PATH, get_collect_request)
     app.router.add_get("/openapi.json", get_openapi)
     return app
 
 
+async def start(life: Lifetime) -> None:
+    settings = life.settings
+    # Sized so requests never queue for a connection: one per in-flight click plus status polls.
+    pool = await life.pool(min_size=2, max_size=max(4, min(settings.db_pool_max, 6)),
+                           prepare_threshold=PREPARE_ON_FIRST_USE,  # clicks are rare: prepare on first use
+                           warm_up=q.WARM_UP)
+    life.app[POOL] = pool
+    life.app[SETTINGS_CACHE] = SettingsCache(pool)
+
+
 def main() -> None:
-    serve("collect-now-api", build)
+    SERVICE.serve(build)

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
-from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 
 from libs.config import Settings
-from libs.db.pool import PREPARE_ON_FIRST_USE, make_pool
-from libs.http import ApiError, add_readiness_check, json_response, make_app
+from libs.db.pool import PREPARE_ON_FIRST_USE
+from libs.http import ApiError, json_response
 from libs.leader import LeaderLock
-from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import Topology
 from libs.outbox.relay import AmqpPublisher, OutboxRelay
-from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
+from libs.runtime import SETTINGS, Lifetime, Service, add_broker_check, background
 from services.dispatch_coordinator import admin, dispatcher
 from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
 from services.dispatch_coordinator.explain import explain_task
 
 ROLE = "dispatch-coordinator"
+SERVICE = Service(ROLE)
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 LEADER = web.AppKey("leader", LeaderLock)
 OPS_PREFIX = "/api/ops/"
@@ -70,53 +69,38 @@ async def status_handler(request: web.Request) -> web.Response:
 
 
 def build(settings: Settings) -> web.Application:
-    app = base_app(settings, make_app())
+    app = SERVICE.app(settings, start)
     app.middlewares.append(ops_auth)  # inside json_errors: refusals are JSON
     app.router.add_get("/api/ops/tasks/{task_id}/explain", explain_handler)
     app.router.add_get("/api/ops/dispatch/status", status_handler)
-
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        settings = app[SETTINGS]
-        # dispatch pass, scanner, maintenance, ops endpoints; plus the leader lock and LISTEN connections.
-        pool = make_pool(settings, name="dispatch-coordinator", min_size=1, max_size=max(4, settings.db_pool_max),
-                         prepare_threshold=PREPARE_ON_FIRST_USE,  # the high pass runs once per click
-                         warm_up=dispatcher.WARM_UP)
-        await pool.open(wait=True, timeout=30)
-        amqp: AbstractRobustConnection = await mq_connect(settings.amqp_url,
-                                                          name=f"dispatch-coordinator-{settings.instance_id}")
-        topology = Topology(settings.mq_prefix, settings.ingest_shards)
-        publisher: AmqpPublisher | None = None
-        relay = None
-        if settings.coordinator_relay:
-            # Publishes this process's own high TaskAvailable events right after the pass commits.
-            publisher = AmqpPublisher(settings.amqp_url, topology, timeout=settings.coordinator_relay_lease_seconds / 2,
-                                      name=f"dispatch-coordinator-relay-{settings.instance_id}")
-            await publisher.start()
-            relay = OutboxRelay(pool, publisher, claimed_by=f"dispatch-coordinator:{settings.instance_id}",
-                                backoff_base_ms=settings.outbox_backoff_base_ms,
-                                backoff_max_ms=settings.outbox_backoff_max_ms)
-        app[COORDINATOR] = Coordinator(
-            pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
-                                    instance_id=settings.instance_id,
-                                    relay_lease_seconds=settings.coordinator_relay_lease_seconds), amqp, relay)
-        app[LEADER] = LeaderLock(settings.database_url, ROLE)
-        add_pool_check(app, pool)
-
-        async def broker() -> None:
-            if not amqp.connected.is_set():
-                raise ConnectionError("broker connection not ready")
-
-        add_readiness_check(app, "rabbitmq", broker)
-        yield
-        if publisher is not None:
-            await publisher.close()
-        await amqp.close()
-        await pool.close()
-
-    app.cleanup_ctx.append(resources)
     background(app, "dispatch-leader", lambda stop: app[LEADER].run(stop, app[COORDINATOR].lead))
     return app
 
 
+async def start(life: Lifetime) -> None:
+    settings = life.settings
+    # dispatch pass, scanner, maintenance, ops endpoints; plus the leader lock and LISTEN connections.
+    pool = await life.pool(min_size=1, max_size=max(4, settings.db_pool_max),
+                           prepare_threshold=PREPARE_ON_FIRST_USE,  # the high pass runs once per click
+                           warm_up=dispatcher.WARM_UP)
+    amqp = await life.broker()
+    topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    relay = None
+    if settings.coordinator_relay:
+        # Publishes this process's own high TaskAvailable events right after the pass commits.
+        publisher = await life.start(AmqpPublisher(
+            settings.amqp_url, topology, timeout=settings.coordinator_relay_lease_seconds / 2,
+            name=f"{ROLE}-relay-{settings.instance_id}"))
+        relay = OutboxRelay(pool, publisher, claimed_by=f"{ROLE}:{settings.instance_id}",
+                            backoff_base_ms=settings.outbox_backoff_base_ms,
+                            backoff_max_ms=settings.outbox_backoff_max_ms)
+    life.app[COORDINATOR] = Coordinator(
+        pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
+                                instance_id=settings.instance_id,
+                                relay_lease_seconds=settings.coordinator_relay_lease_seconds), amqp, relay)
+    life.app[LEADER] = LeaderLock(settings.database_url, ROLE)
+    add_broker_check(life.app, amqp.connected.is_set)
+
+
 def main() -> None:
-    serve(ROLE, build)
+    SERVICE.serve(build)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
 
 from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
-from libs.db.pool import Conn, make_pool
+from libs.db.pool import Conn
 from libs.db.write_health import WriterHealth, publishing, writer_health
 from libs.dispatch_settings import SettingsCache
-from libs.http import add_readiness_check, make_app
-from libs.mq.connection import connect as mq_connect
+from libs.http import make_app
 from libs.mq.topology import Topology
-from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
+from libs.runtime import SETTINGS, Lifetime, Service, add_broker_check, background
 from services.dispatch_hub.auth import ClientAuthenticator
 from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.http_api import (
@@ -32,15 +30,15 @@ from services.dispatch_hub.leases import HubContext, PlatformCodes, SafePointSta
 from services.dispatch_hub.logic import TokenBuckets
 from services.dispatch_hub.results import AmqpResultPublisher
 
+SERVICE = Service("dispatch-hub")
 POOL_MAX = 6
 
 
 def build(settings: Settings) -> web.Application:
-    app = base_app(settings, make_app(max_body_bytes=settings.max_body_bytes))
+    app = SERVICE.app(settings, _start, http=make_app(max_body_bytes=settings.max_body_bytes))
     app[MAX_BODY] = settings.max_body_bytes
     app[UPGRADE_LIMITS] = _upgrade_limits(settings)
     add_routes(app)
-    app.cleanup_ctx.append(_resources)
     app.on_shutdown.append(_close_sockets)
     _run_loops(app)
     return app
@@ -53,23 +51,20 @@ def _upgrade_limits(settings: Settings) -> UpgradeLimits:
         by_client=TokenBuckets(settings.hub_upgrades_per_client_per_s, settings.hub_upgrade_burst_per_client))
 
 
-async def _resources(app: web.Application) -> AsyncIterator[None]:
+async def _start(life: Lifetime) -> None:
     """Postgres pool, broker connection, result publisher and gateway for the app's lifetime; on the way out the
     gateway drains first and everything closes in reverse order."""
-    settings = app[SETTINGS]
+    app, settings = life.app, life.settings
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
-    pool = make_pool(settings, name="dispatch-hub", min_size=2, max_size=POOL_MAX)
-    await pool.open(wait=True, timeout=30)
-    amqp = await mq_connect(settings.amqp_url, name=f"dispatch-hub-{settings.instance_id}")
-    publisher = AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s)
-    await publisher.start()
+    pool = await life.pool(min_size=2, max_size=POOL_MAX)
+    amqp = await life.broker()
+    publisher = await life.start(AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s))
     health = writer_health(settings, "hub")
     gateway = _gateway(app, settings, pool, amqp, topology, health)
     await gateway.start()
     _install(app, settings, pool, gateway, publisher, health)
-    async with publishing(health, pool, settings.write_health_publish_s):
-        yield
-    await _drain_and_close(app, pool, amqp, gateway, publisher)
+    life.on_stop(lambda: _drain_gateway(app, pool, gateway))
+    await life.enter(publishing(health, pool, settings.write_health_publish_s))
 
 
 def _gateway(app: web.Application, settings: Settings, pool: AsyncConnectionPool[Conn],
@@ -94,26 +89,17 @@ def _install(app: web.Application, settings: Settings, pool: AsyncConnectionPool
     app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool, max_age_s=5.0), platforms=PlatformCodes(),
                               safe_points=SafePointStats(), publisher=publisher,
                               ingest_shards=settings.ingest_shards, write_health=health)
-    add_pool_check(app, pool)
-
-    async def broker() -> None:
-        if not (gateway.ready() and publisher.ready()):
-            raise ConnectionError("broker connection not ready")
-
-    add_readiness_check(app, "rabbitmq", broker)
+    add_broker_check(app, lambda: gateway.ready() and publisher.ready())
 
 
-async def _drain_and_close(app: web.Application, pool: AsyncConnectionPool[Conn], amqp: AbstractRobustConnection,
-                           gateway: Gateway, publisher: AmqpResultPublisher) -> None:
-    """Drain the gateway, write what is buffered (heartbeats, safe points: best effort), then close."""
+async def _drain_gateway(app: web.Application, pool: AsyncConnectionPool[Conn], gateway: Gateway) -> None:
+    """Drain the gateway, write what is buffered (heartbeats, safe points: best effort), then close it (before the
+    result publisher, the broker connection and the pool)."""
     await gateway.drain()
     await gateway.heartbeats.flush()
     with contextlib.suppress(Exception):
         await app[CONTEXT].safe_points.flush(pool)
     await gateway.close()
-    await publisher.close()
-    await amqp.close()
-    await pool.close()
 
 
 async def _close_sockets(app: web.Application) -> None:
@@ -130,4 +116,4 @@ def _run_loops(app: web.Application) -> None:
 
 
 def main() -> None:
-    serve("dispatch-hub", build)
+    SERVICE.serve(build)

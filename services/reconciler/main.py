@@ -3,67 +3,42 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
-from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
-from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
-from libs.db.pool import Conn, make_pool
-from libs.http import add_readiness_check, make_app
 from libs.leader import LeaderLock
-from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import Topology
-from libs.runtime import SETTINGS, add_pool_check, background, base_app, serve
+from libs.runtime import Lifetime, Service, Worker, add_broker_check
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.jobs import JOBS
 from services.reconciler.lifecycle import consume_lifecycle
 from services.reconciler.runner import JobScheduler
 
-POOL = web.AppKey("pool", AsyncConnectionPool[Conn])
-BROKER = web.AppKey("broker", AbstractRobustConnection)
-CONFIG = web.AppKey("reconciler_config", ReconcilerConfig)
+SERVICE = Service("reconciler")
 
 
 def build(settings: Settings, config: ReconcilerConfig | None = None) -> web.Application:
-    app = base_app(settings, make_app())
-    app[CONFIG] = config or ReconcilerConfig.from_env()
+    jobs_config = config or ReconcilerConfig.from_env()
 
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        settings = app[SETTINGS]
+    async def start(life: Lifetime) -> Worker:
+        settings = life.settings
         # One connection per concurrently running job at most; jobs are short, so 4 is plenty.
-        pool = make_pool(settings, name="reconciler", min_size=1, max_size=4)
-        await pool.open(wait=True, timeout=30)
-        broker = await mq_connect(settings.amqp_url, name=f"reconciler-{settings.instance_id}")
-        app[POOL] = pool
-        app[BROKER] = broker
-        add_pool_check(app, pool)
+        pool = await life.pool(min_size=1, max_size=4)
+        broker = await life.broker()
+        add_broker_check(life.app, lambda: not broker.is_closed, "broker connection closed")
 
-        async def broker_ready() -> None:
-            if broker.is_closed:
-                raise ConnectionError("broker connection closed")
+        async def lead(stop: asyncio.Event) -> None:
+            scheduler = JobScheduler(pool, jobs_config, JOBS.values())
+            topology = Topology(settings.mq_prefix, settings.ingest_shards)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(scheduler.run(stop), name="reconcile-jobs")
+                group.create_task(consume_lifecycle(broker, topology, scheduler, stop), name="reconcile-lifecycle")
 
-        add_readiness_check(app, "rabbitmq", broker_ready)
-        yield
-        await broker.close()
-        await pool.close()
+        return lambda stop: LeaderLock(settings.database_url, "reconciler").run(stop, lead)
 
-    async def lead(stop: asyncio.Event) -> None:
-        settings = app[SETTINGS]
-        scheduler = JobScheduler(app[POOL], app[CONFIG], JOBS.values())
-        topology = Topology(settings.mq_prefix, settings.ingest_shards)
-        async with asyncio.TaskGroup() as group:
-            group.create_task(scheduler.run(stop), name="reconcile-jobs")
-            group.create_task(consume_lifecycle(app[BROKER], topology, scheduler, stop), name="reconcile-lifecycle")
-
-    async def leader(stop: asyncio.Event) -> None:
-        await LeaderLock(app[SETTINGS].database_url, "reconciler").run(stop, lead)
-
-    app.cleanup_ctx.append(resources)
-    background(app, "reconciler", leader)
-    return app
+    return SERVICE.worker_app(settings, start)
 
 
 def main() -> None:
-    serve("reconciler", build)
+    SERVICE.serve(build)
