@@ -59,26 +59,27 @@ class Job:
     phase2_consistency: bool = False
 
 
-def configured_interval(name: str) -> IntervalOf:
+def configured_job(name: str, description: str, run: JobRun) -> Job:
+    """A job run every `config.intervals[name]` (its entry in RECONCILER_INTERVALS, or its default)."""
+
     def interval(config: ReconcilerConfig, _: DispatchSettings) -> float:
         return config.intervals[name]
 
-    return interval
-
-
-async def candidates(ctx: JobContext, query: str, params: dict[str, object]) -> list[uuid.UUID]:
-    """Ids to look at, read without locks; each is re-checked under a row lock before it changes."""
-    cur = await ctx.conn.execute(query, {**params, "limit": ctx.config.batch_size})
-    return [row["id"] for row in await cur.fetchall()]
+    return Job(name, description, run, interval)
 
 
 FixOne = Callable[[JobContext, uuid.UUID, JobResult], Awaitable[None]]
 
 
-async def fix_each(ctx: JobContext, ids: list[uuid.UUID], fix_one: FixOne, result: JobResult, *, what: str,
-                   id_field: str = "task_id") -> None:
-    """Fix candidates one by one, each in its own transaction; one that lost a race with another writer
-    (lock or serialisation conflict) is counted, logged and left for the next run."""
+async def fix_candidates(ctx: JobContext, result: JobResult, fix_one: FixOne, *queries: str, what: str,
+                         params: dict[str, object] | None = None, id_field: str = "task_id") -> None:
+    """The ids each of `queries` selects (read without locks, at most `batch_size` a query), then fixed one by one,
+    each in its own transaction, `fix_one` re-checking its row under a row lock before it changes it. One that lost
+    a race with another writer (lock or serialisation conflict) is counted, logged and left for the next run."""
+    ids: list[uuid.UUID] = []
+    for query in queries:
+        cur = await ctx.conn.execute(query, {**(params or {}), "limit": ctx.config.batch_size})
+        ids += [row["id"] for row in await cur.fetchall()]
     for item in ids:
         try:
             await fix_one(ctx, item, result)

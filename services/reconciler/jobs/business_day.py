@@ -8,15 +8,7 @@ from libs.tasks import business
 from libs.tasks.requests import refresh_progress
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import emit_lifecycle, end_execution
-from services.reconciler.jobs.base import (
-    RETRYABLE_ERRORS,
-    Job,
-    JobContext,
-    JobResult,
-    configured_interval,
-    log,
-    send_control,
-)
+from services.reconciler.jobs.base import RETRYABLE_ERRORS, JobContext, JobResult, configured_job, log, send_control
 
 NAME = "business_day_expiry"
 
@@ -96,5 +88,5 @@ async def run(ctx: JobContext) -> JobResult:
     return result
 
 
-JOB = Job(NAME, "pending tasks of a past business date (tenant time zone) -> expired, executions aborted",
-          run, configured_interval(NAME))
+JOB = configured_job(
+    NAME, "pending tasks of a past business date (tenant time zone) -> expired, executions aborted", run)

@@ -8,13 +8,11 @@ import uuid
 
 from libs.telemetry import metrics
 from services.reconciler.jobs.base import (
-    Job,
     JobContext,
     JobResult,
-    candidates,
-    configured_interval,
+    configured_job,
     expire_and_retry,
-    fix_each,
+    fix_candidates,
     log,
     send_control,
 )
@@ -100,10 +98,9 @@ async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> 
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    ids = await candidates(ctx, _CANDIDATES, {}) + await candidates(ctx, _LEGACY_CANDIDATES, {})
-    await fix_each(ctx, ids, expire_one, result, what="lease expiry")
+    await fix_candidates(ctx, result, expire_one, _CANDIDATES, _LEGACY_CANDIDATES, what="lease expiry")
     return result
 
 
-JOB = Job(NAME, "in_progress executions and legacy leases past lease_expires_at -> expired, business retry/failed",
-          run, configured_interval(NAME))
+JOB = configured_job(
+    NAME, "in_progress executions and legacy leases past lease_expires_at -> expired, business retry/failed", run)

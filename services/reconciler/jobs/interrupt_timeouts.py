@@ -28,16 +28,7 @@ from libs.tasks.transitions import (
     yield_business_task,
 )
 from libs.telemetry import metrics
-from services.reconciler.jobs.base import (
-    Job,
-    JobContext,
-    JobResult,
-    candidates,
-    configured_interval,
-    fix_each,
-    log,
-    send_control,
-)
+from services.reconciler.jobs.base import JobContext, JobResult, configured_job, fix_candidates, log, send_control
 
 NAME = "interrupt_timeouts"
 DEFAULT_HARD_TIMEOUT_MS = 45_000
@@ -144,10 +135,10 @@ async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResul
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    ids = await candidates(ctx, _CANDIDATES, {"default_hard_ms": DEFAULT_HARD_TIMEOUT_MS})
-    await fix_each(ctx, ids, force_cancel_one, result, what="interrupt timeout")
+    await fix_candidates(ctx, result, force_cancel_one, _CANDIDATES, what="interrupt timeout",
+                         params={"default_hard_ms": DEFAULT_HARD_TIMEOUT_MS})
     return result
 
 
-JOB = Job(NAME, "interrupts past the platform's hard timeout -> lease revoked, high work moved to another client",
-          run, configured_interval(NAME))
+JOB = configured_job(
+    NAME, "interrupts past the platform's hard timeout -> lease revoked, high work moved to another client", run)

@@ -18,15 +18,7 @@ import uuid
 
 from libs.tasks import business, fragments
 from libs.tasks.transitions import emit_lifecycle, end_execution, yield_business_task
-from services.reconciler.jobs.base import (
-    Job,
-    JobContext,
-    JobResult,
-    candidates,
-    configured_interval,
-    fix_each,
-    log,
-)
+from services.reconciler.jobs.base import JobContext, JobResult, configured_job, fix_candidates, log
 
 NAME = "offline_clients"
 
@@ -119,11 +111,10 @@ async def run(ctx: JobContext) -> JobResult:
             "collect_request_id": str(row["collect_request_id"]) if row["collect_request_id"] else None})
     result.add("high_unbound", len(unbound))
     result.fixed += len(offline) + len(unbound)
-    stale: dict[str, object] = {"timeout_s": ctx.settings.heartbeat_timeout_seconds}
-    ids = await candidates(ctx, _QUEUED_CANDIDATES, stale) + await candidates(ctx, _LEGACY_QUEUED_CANDIDATES, stale)
-    await fix_each(ctx, ids, release_queued, result, what="queued release")
+    await fix_candidates(ctx, result, release_queued, _QUEUED_CANDIDATES, _LEGACY_QUEUED_CANDIDATES,
+                         what="queued release", params={"timeout_s": ctx.settings.heartbeat_timeout_seconds})
     return result
 
 
-JOB = Job(NAME, "stale heartbeats -> client.offline; their high tasks unbound, their queued executions released",
-          run, configured_interval(NAME))
+JOB = configured_job(
+    NAME, "stale heartbeats -> client.offline; their high tasks unbound, their queued executions released", run)

@@ -16,15 +16,7 @@ from libs.domain.lanes import NORMAL_PRIORITY
 from libs.tasks import business
 from libs.tasks import requests as collect_requests
 from libs.telemetry import metrics
-from services.reconciler.jobs.base import (
-    Job,
-    JobContext,
-    JobResult,
-    candidates,
-    configured_interval,
-    fix_each,
-    log,
-)
+from services.reconciler.jobs.base import JobContext, JobResult, configured_job, fix_candidates, log
 
 NAME = "request_ttl"
 
@@ -58,8 +50,7 @@ async def time_out_one(ctx: JobContext, request_id: uuid.UUID, result: JobResult
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    await fix_each(ctx, await candidates(ctx, _CANDIDATES, {}), time_out_one, result, what="request timeout",
-                   id_field="collect_request_id")
+    await fix_candidates(ctx, result, time_out_one, _CANDIDATES, what="request timeout", id_field="collect_request_id")
     async with ctx.conn.transaction():
         cur = await ctx.conn.execute(collect_requests.WARN_NO_DISPATCH,
                                      {"warn_s": ctx.settings.request_no_dispatch_warn_seconds})
@@ -74,5 +65,4 @@ async def run(ctx: JobContext) -> JobResult:
     return result
 
 
-JOB = Job(NAME, "requests past ttl_expires_at -> timed_out; accepted without dispatch -> warning once",
-          run, configured_interval(NAME))
+JOB = configured_job(NAME, "requests past ttl_expires_at -> timed_out; accepted without dispatch -> warning once", run)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from libs.domain.safe_points import p95_from_histogram, tuned_timeouts
 from libs.telemetry import metrics
-from services.reconciler.jobs.base import Job, JobContext, JobResult, configured_interval, log
+from services.reconciler.jobs.base import JobContext, JobResult, configured_job, log
 
 NAME = "safe_point_tuning"
 
@@ -83,5 +83,5 @@ async def run(ctx: JobContext) -> JobResult:
     return result
 
 
-JOB = Job(NAME, "measure each platform's safe-point P95; tune the interrupt timeouts of dynamic platforms",
-          run, configured_interval(NAME))
+JOB = configured_job(
+    NAME, "measure each platform's safe-point P95; tune the interrupt timeouts of dynamic platforms", run)

@@ -23,15 +23,7 @@ from libs.tasks.transitions import (
     finish_business_task,
     retry_business_task,
 )
-from services.reconciler.jobs.base import (
-    Job,
-    JobContext,
-    JobResult,
-    candidates,
-    configured_interval,
-    fix_each,
-    log,
-)
+from services.reconciler.jobs.base import JobContext, JobResult, configured_job, fix_candidates, log
 from services.reconciler.rules import UnknownEvidence, converge_unknown
 
 NAME = "unknown_executions"
@@ -120,9 +112,8 @@ async def run(ctx: JobContext) -> JobResult:
             "task_id": str(row["id"]), "monitor_task_id": row["monitor_task_id"], "tenant_id": row["tenant_id"],
             "client_id": str(row["target_client_id"])})
     result.add("marked_unknown", len(marked))
-    await fix_each(ctx, await candidates(ctx, _CANDIDATES, {}), converge_one, result, what="unknown convergence")
+    await fix_candidates(ctx, result, converge_one, _CANDIDATES, what="unknown convergence")
     return result
 
 
-JOB = Job(NAME, "results accepted but not ingested -> unknown; unknown converged from the evidence",
-          run, configured_interval(NAME))
+JOB = configured_job(NAME, "results accepted but not ingested -> unknown; unknown converged from the evidence", run)
