@@ -5,7 +5,7 @@ Every statement that asks "is this work still live?" uses these, in Python and, 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NewType
 
 # monitoring_collect_tasks.status
 BusinessStatus = Literal["pending", "leased", "received", "completed", "failed", "skipped", "expired"]
@@ -13,6 +13,22 @@ BusinessStatus = Literal["pending", "leased", "received", "completed", "failed",
 ExecutionStatus = Literal["queued", "in_progress", "succeeded", "failed", "aborted", "unknown"]
 # legacy_leases.status
 LegacyLeaseStatus = Literal["queued", "in_progress", "succeeded", "failed", "aborted", "expired"]
+
+# Why the system ended (or asked to end) work: desktop_tasks / legacy_leases `interrupt_reason`, the attempt's
+# `abort_reason`, the lifecycle event's `reason`. A client's own cancel keeps the reason the client gave instead.
+EndReason = Literal[
+    "collect_now_preempt",  # a click preempted scheduled work (docs/architecture.md §10)
+    "interrupt_hard_timeout",  # the client did not yield before the hard timeout
+    "lease_expired",  # the lease ran out without a result
+    "result_not_applied",  # a legacy result accepted but never applied (dead-lettered)
+    "reconciled_from_unknown",  # an unknown execution converged from the evidence
+    "client_offline",  # queued work of a client without a fresh heartbeat
+    "business_day_expired",  # the business day is over
+    "superseded_by_result",  # another execution's result completed the business task
+    "phase2_emergency_rollback",  # monitorctl rollback --force
+    "platform_unhealthy",  # queued work of a platform the client reports a broken login on
+]
+ClientCancelReason = NewType("ClientCancelReason", str)
 
 # An execution is active (blocks a second one of its business task: uq_desktop_tasks_monitor_active) while it is
 # one of these.

@@ -22,7 +22,7 @@ from libs.domain.lanes import RETRY_PRIORITY
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
 from libs.tasks import legacy
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL, ClientCancelReason, EndReason
 
 # Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
 DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
@@ -69,7 +69,7 @@ WHERE task_id = %(task_id)s AND lease_epoch = %(lease_epoch)s AND status = 'in_p
 
 async def end_execution(
     conn: Conn, *, task_id: uuid.UUID, outcome: ExecutionOutcome, lease_epoch: int | None = None,
-    reason: str | None = None, error: str | None = None, phase: str | None = None,
+    reason: EndReason | ClientCancelReason | None = None, error: str | None = None, phase: str | None = None,
 ) -> EndedExecution | None:
     """Move an active execution to its terminal state and close its attempt; None if it was not active
     (or the lease epoch does not match: a fenced-off holder can never end the new holder's work)."""
@@ -154,7 +154,7 @@ class ExecutionEnd:
     task_id: uuid.UUID
     outcome: ExecutionOutcome
     lease_epoch: int | None = None
-    reason: str | None = None
+    reason: EndReason | ClientCancelReason | None = None
     error: str | None = None
 
 

@@ -31,6 +31,7 @@ from libs.outbox.writer import PRIORITY_WAKE
 from libs.tasks import business, executions, legacy
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import control_event
+from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
 from libs.telemetry import metrics, tracing
 from services.collect_now_api import queries as q
@@ -45,7 +46,7 @@ from services.collect_now_api.logic import (
 
 log = logging.getLogger("collect_now")
 
-PREEMPT_REASON = "collect_now_preempt"
+PREEMPT_REASON: EndReason = "collect_now_preempt"
 DEADLOCK_RETRIES = 3
 # One tenant's clicks on a database connection in this process at most; more wait here (holding no connection)
 # for up to TENANT_WAIT_S and are then answered 429, so a burst from one tenant cannot take the pool from the

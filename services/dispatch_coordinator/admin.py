@@ -30,11 +30,11 @@ from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
 from libs.tasks import business, fragments, transitions
 from libs.tasks.controls import control_event
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, EndReason
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ELIGIBLE_CLIENT_SQL, ExecutionEnd, end_executions
 from services.dispatch_coordinator import queries as q
 
-ROLLBACK_REASON = "phase2_emergency_rollback"
+ROLLBACK_REASON: EndReason = "phase2_emergency_rollback"
 
 _PLATFORMS = """
 SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,

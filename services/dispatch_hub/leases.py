@@ -48,6 +48,7 @@ from libs.http import ApiError
 from libs.tasks import executions, legacy
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
+from libs.tasks.statuses import ClientCancelReason
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
 from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
@@ -411,7 +412,7 @@ async def _client_cancel(conn: Conn, principal: ClientPrincipal, task_id: uuid.U
                          row: dict[str, Any], *, max_attempts: int) -> None:
     """The client's own cancel: the execution is aborted and its business task retried (an attempt counted)."""
     ended = await end_execution(conn, task_id=task_id, outcome="aborted", lease_epoch=int(row["lease_epoch"]),
-                                reason=body.reason[:64], phase=body.execution_phase)
+                                reason=ClientCancelReason(body.reason[:64]), phase=body.execution_phase)
     if ended is None:
         return
     await retry_business_task(conn, ended.monitor_task_id, max_attempts=max_attempts,

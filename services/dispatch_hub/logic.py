@@ -13,9 +13,10 @@ from enum import Enum
 
 from libs.auth import hash_token
 from libs.contracts.common import NOT_STARTED_PHASES
+from libs.tasks.statuses import EndReason
 
 LEASE_TOKEN_PREFIX = "lt1"
-PREEMPT_REASON = "collect_now_preempt"
+PREEMPT_REASON: EndReason = "collect_now_preempt"
 
 
 def new_lease_token(epoch: int) -> str:

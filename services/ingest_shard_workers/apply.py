@@ -28,6 +28,7 @@ from libs.outbox import OutboxEvent, enqueue_many
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
 from libs.tasks.requests import CountDelta, request_count_delta, request_status_after
+from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import (
     EndedExecution,
     ExecutionEnd,
@@ -42,7 +43,7 @@ from services.ingest_shard_workers import queries as q
 log = logging.getLogger("ingest.apply")
 
 RunKey = tuple[int, int, int, int, str, str, date]
-SUPERSEDED_BY_RESULT = "superseded_by_result"
+SUPERSEDED_BY_RESULT: EndReason = "superseded_by_result"
 
 
 

@@ -15,6 +15,7 @@ from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings
 from libs.tasks import controls
 from libs.tasks.requests import refresh_progress
+from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
 from services.reconciler.config import ReconcilerConfig
 
@@ -106,7 +107,7 @@ class Expired:
     business_status: str | None = None
 
 
-async def expire_and_retry(ctx: JobContext, row: dict[str, Any], *, reason: str, error: str,
+async def expire_and_retry(ctx: JobContext, row: dict[str, Any], *, reason: EndReason, error: str,
                            retry_error: str | None = None, phase: str | None = None) -> Expired:
     """A lease (an execution's, or a legacy lease) that will not bring its result: it ends `expired`, its business
     task is retried (or failed), `task.aborted` is emitted, and a request whose last task failed is finished. `row`
