@@ -14,25 +14,27 @@ import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from psycopg_pool import AsyncConnectionPool
 
+from libs.clock import SYSTEM_CLOCK, Clock
 from libs.contracts.amqp import lifecycle_decoder
 from libs.db.listen import listen_forever
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, SettingsCache
+from libs.domain.slowdown import WriteStats
 from libs.mq.dead_letter import DeadLetterPublisher, dead_letter_or_give_back
 from libs.mq.topology import Topology, declare_lifecycle
 from libs.outbox.relay import OutboxRelay
 from libs.tasks import legacy
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
-from services.dispatch_coordinator.dispatcher import Dispatcher, is_transient
+from services.dispatch_coordinator.dispatcher import Dispatcher, PassOutcome, is_transient
 from services.dispatch_coordinator.maintenance import (
     SlowdownState,
     measure_signals,
@@ -78,24 +80,68 @@ class CoordinatorConfig:
 LIFECYCLE_KEYS = ("task.#", "client.#", "collect_now.#")
 
 
+class Dispatching(Protocol):
+    """What the coordinator drives and reads of its dispatcher (services/dispatch_coordinator/dispatcher.py)."""
+
+    # Set by the coordinator: is high work waiting for a high-only pass?
+    high_waiting: Callable[[], bool] | None
+    # Set by the maintenance loop.
+    slowdown: bool
+    cluster_high_backlog: int
+    tenant_normal_backlog: dict[int, int]
+
+    @property
+    def write_stats(self) -> WriteStats: ...
+
+    @property
+    def passes(self) -> int: ...
+
+    @property
+    def pairs_read_at(self) -> float: ...
+
+    def has_pending(self, tenant_id: int) -> bool: ...
+
+    def add_pairs(self, pairs: Sequence[tuple[int, int]]) -> None: ...
+
+    def run_high_pass(self, settings: DispatchSettings) -> Awaitable[PassOutcome]: ...
+
+    def run_pass(self, settings: DispatchSettings) -> Awaitable[PassOutcome]: ...
+
+    async def drain_relays(self, timeout: float) -> None: ...
+
+
+class SettingsSource(Protocol):
+    """Where the coordinator gets the current `dispatch_settings` (libs/dispatch_settings.py: SettingsCache)."""
+
+    async def get(self) -> DispatchSettings: ...
+
+
 class Coordinator:
     def __init__(self, pool: AsyncConnectionPool[Conn], config: CoordinatorConfig,
-                 amqp: AbstractRobustConnection | None = None, relay: OutboxRelay | None = None) -> None:
+                 amqp: AbstractRobustConnection | None = None, relay: OutboxRelay | None = None, *,
+                 dispatcher: Dispatching | None = None, settings: SettingsSource | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        """`dispatcher` runs the passes (default: a Dispatcher on `pool`, publishing its own high events through
+        `relay` when one is given); `settings` serves the hot-reloaded dispatch settings (default: a SettingsCache
+        on `pool`); `clock` times the loops' waits, the spacing of full passes and the aging interval."""
         self._pool = pool
         self.pool = pool
         self._config = config
         self._amqp = amqp
+        self._clock = clock
         # Confirmed before the original is acked (libs/mq/dead_letter.py), on a channel of its own.
         self._dead_letters = DeadLetterPublisher(amqp, config.topology) if amqp is not None else None
-        self.dispatcher = Dispatcher(pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds)
+        self.dispatcher: Dispatching = dispatcher if dispatcher is not None else Dispatcher(
+            pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds, clock=clock)
         # A collect-now asked for dispatch: the next pass starts with a high-only pass.
         self._high_wake = asyncio.Event()
         self.dispatcher.high_waiting = self._high_wake.is_set
         self.slowdown = SlowdownState()
         self._wake = asyncio.Event()
         self._full_requested = True
-        self._settings = SettingsCache(pool, max_age_s=SETTINGS_MAX_AGE_S)
-        self._last_aging = time.monotonic()
+        self._settings: SettingsSource = (settings if settings is not None
+                                          else SettingsCache(pool, max_age_s=SETTINGS_MAX_AGE_S))
+        self._last_aging = clock.monotonic()
         self._high_woken_at = 0.0  # monotonic: the last collect-now wake-up
         self.listening = asyncio.Event()
         self.consuming = asyncio.Event()
@@ -110,10 +156,11 @@ class Coordinator:
         """Collect-now work is ready: run a high-only pass now (and a full pass if it leaves work behind)."""
         self._high_wake.set()
         self._wake.set()
-        self._high_woken_at = time.monotonic()
+        self._high_woken_at = self._clock.monotonic()
 
     async def settings(self) -> DispatchSettings:
-        """Hot-reloaded `dispatch_settings`, re-read in the background at most every `SETTINGS_MAX_AGE_S`."""
+        """Hot-reloaded `dispatch_settings` (by default re-read in the background at most every
+        `SETTINGS_MAX_AGE_S`)."""
         return await self._settings.get()
 
     # ---- leading ----------------------------------------------------------------------------------
@@ -122,7 +169,7 @@ class Coordinator:
         log.info("coordinator leading", extra={"instance_id": self._config.instance_id})
         await self._check_execution_paths()
         loops: list[tuple[str, Callable[[asyncio.Event], Coroutine[Any, Any, None]]]] = [
-            ("dispatch", self._dispatch_loop), ("scanner", self._scan_loop), ("maintenance", self._maintenance_loop),
+            ("dispatch", self.run_dispatch_loop), ("scanner", self._scan_loop), ("maintenance", self._maintenance_loop),
         ]
         if self._config.listen:
             loops.append(("listen", self._listen_loop))
@@ -146,16 +193,13 @@ class Coordinator:
             self.consuming.clear()
 
     async def _wait(self, stop: asyncio.Event, event: asyncio.Event | None, timeout: float) -> None:
-        waiters = [asyncio.ensure_future(stop.wait())]
-        if event is not None:
-            waiters.append(asyncio.ensure_future(event.wait()))
-        try:
-            await asyncio.wait(waiters, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
+        await self._clock.wait((stop,) if event is None else (stop, event), timeout)
 
-    async def _dispatch_loop(self, stop: asyncio.Event) -> None:
+    async def run_dispatch_loop(self, stop: asyncio.Event) -> None:
+        """The dispatch loop (one of `lead`'s loops), until `stop`: a high-only pass when `wake_high` asked for
+        one, a full pass when `wake` did, on the tick or at a budget window's start, full passes spaced by
+        `dispatch_min_interval_ms` unless one asks for another at once."""
+        clock = self._clock
         full_due_at = 0.0  # monotonic: the next full pass without a wake-up (tick, budget window rollover)
         last_pass_at = -1e9  # monotonic start of the last full pass, or end of the last high pass
         redo = False  # the last full pass asked for another at once (a conflict, a full batch, a yield)
@@ -165,7 +209,7 @@ class Coordinator:
             if settings is None:
                 continue
             started = time.perf_counter()
-            full = self._full_requested or time.monotonic() >= full_due_at
+            full = self._full_requested or clock.monotonic() >= full_due_at
             try:
                 high_left_work = False
                 if self._high_wake.is_set():
@@ -180,17 +224,17 @@ class Coordinator:
                     if high.dispatched:
                         # Its publish, the broker and the hub are on their way to the desktop: a full pass due
                         # now waits the spacing too, instead of competing with them for the same cores.
-                        last_pass_at = time.monotonic()
+                        last_pass_at = clock.monotonic()
                 if not full and not high_left_work:
-                    await self._wait(stop, self._wake, full_due_at - time.monotonic())
+                    await self._wait(stop, self._wake, full_due_at - clock.monotonic())
                     continue
-                spacing = last_pass_at + settings.dispatch_min_interval_ms / 1000 - time.monotonic()
+                spacing = last_pass_at + settings.dispatch_min_interval_ms / 1000 - clock.monotonic()
                 if not high_left_work and not redo and spacing > 0:
                     # Too soon after the last pass: gather further wake-ups meanwhile (a click ends it).
                     await self._wait(stop, self._high_wake, spacing)
                     continue
                 self._full_requested = redo = False
-                last_pass_at = time.monotonic()
+                last_pass_at = clock.monotonic()
                 outcome = await self.dispatcher.run_pass(settings)
             except Exception as exc:
                 if not is_transient(exc):
@@ -204,7 +248,7 @@ class Coordinator:
                 full_due_at, redo = 0.0, True
                 continue
             timeout = min(max(0.05, settings.dispatch_tick_ms / 1000), outcome.seconds_to_next_window + 0.005)
-            full_due_at = time.monotonic() + timeout
+            full_due_at = clock.monotonic() + timeout
             await self._wait(stop, self._wake, timeout)
 
     async def _guarded_settings(self, stop: asyncio.Event) -> DispatchSettings | None:
@@ -253,15 +297,15 @@ class Coordinator:
         settings = await self.settings()
         async with self._pool.connection() as conn:
             backlog = await observe_backlog(conn)
-            signals = await measure_signals(conn, self.dispatcher.write_stats)
+            signals = await measure_signals(conn, self.dispatcher.write_stats, now=self._clock.monotonic())
         self.dispatcher.cluster_high_backlog = backlog.high
         self.dispatcher.tenant_normal_backlog = backlog.tenant_normal
         was_paused = self.dispatcher.slowdown
         self.dispatcher.slowdown = update_slowdown(self.slowdown, signals, settings)
         if was_paused and not self.dispatcher.slowdown:
             self.wake()
-        if time.monotonic() - self._last_aging >= max(1, settings.aging_interval_seconds):
-            self._last_aging = time.monotonic()
+        if self._clock.monotonic() - self._last_aging >= max(1, settings.aging_interval_seconds):
+            self._last_aging = self._clock.monotonic()
             if await run_aging(self._pool, settings):
                 self.wake()
         async with self._pool.connection() as conn:
@@ -311,7 +355,7 @@ class Coordinator:
                 self.consuming.set()
                 async with queue.iterator() as messages:
                     async for message in messages:
-                        await self._on_lifecycle(dlq, message)
+                        await self.handle_lifecycle(dlq, message)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -325,7 +369,9 @@ class Coordinator:
                     with contextlib.suppress(Exception):
                         await asyncio.wait_for(channel.close(), 5)
 
-    async def _on_lifecycle(self, dlq: str, message: AbstractIncomingMessage) -> None:
+    async def handle_lifecycle(self, dlq: str, message: AbstractIncomingMessage) -> None:
+        """One `monitor.lifecycle` event: wake the pass it may make room for, then ack it (an undecodable one goes
+        to `dlq`)."""
         try:
             event = lifecycle_decoder.decode(message.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

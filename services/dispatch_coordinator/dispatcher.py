@@ -26,6 +26,7 @@ from psycopg import AsyncCursor
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
+from libs.clock import SYSTEM_CLOCK, Clock
 from libs.contracts.wire import TaskAvailable
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
@@ -73,7 +74,7 @@ WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
     q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, business.COUNT_DISPATCH_ATTEMPTS,
     executions.INSERT_EXECUTIONS, collect_requests.MARK_DISPATCHED)]
 PER_PAIR_CAP = 50
-# A full pass reads its normal candidates in statements of about this many rows (see `_candidates`).
+# A full pass reads its normal candidates in statements of about this many rows (see `read_candidates`).
 CANDIDATE_CHUNK_ROWS = 100
 
 
@@ -234,14 +235,20 @@ def _candidate(r: dict[str, Any]) -> Candidate:
 class Dispatcher:
     """One dispatch pass at a time, high-only or full. Stateful across passes only for fairness rotation
     (`last_served`), the pending-pair cache (`pending`), the relay of its high events (`high_relay`) and write
-    statistics."""
+    statistics.
+
+    `clock` dates the pending pairs' reads and the write statistics; `candidate_chunk_rows` is how many rows one
+    statement of a full pass's candidate read asks for (between two, the pass may yield to a click)."""
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, relay: OutboxRelay | None = None,
-                 relay_lease_seconds: float = 5.0) -> None:
+                 relay_lease_seconds: float = 5.0, clock: Clock = SYSTEM_CLOCK,
+                 candidate_chunk_rows: int = CANDIDATE_CHUNK_ROWS) -> None:
         self._pool = pool
+        self._clock = clock
+        self._chunk_rows = candidate_chunk_rows
         self.high_relay = HighRelay(relay, lease_seconds=relay_lease_seconds)
         self.last_served: dict[str, int] = {}
-        self.pending = PendingPairs(pool)
+        self.pending = PendingPairs(pool, clock=clock)
         self.write_stats = WriteStats()
         self.slowdown = False
         # Refreshed by the maintenance loop: ready backlog, for the retry low-water rule.
@@ -269,6 +276,12 @@ class Dispatcher:
     def pairs_read_at(self) -> float:
         """Monotonic time of the last read of the pending pairs (0 before the first)."""
         return self.pending.read_at
+
+    @property
+    def ledger_window(self) -> tuple[int, float]:
+        """(window length, window start) the budget ledger was last checked for; (0, 0.0) before the first full
+        pass."""
+        return self._ledger_window
 
     def has_pending(self, tenant_id: int) -> bool:
         """Does `pairs` list the tenant?"""
@@ -301,10 +314,12 @@ class Dispatcher:
             await conn.execute(q.LEDGER_PRUNE, params)
         self._ledger_window = (window, start)
 
-    async def _candidates(self, conn: Conn, snap: Snapshot, limits: PassLimits, settings: DispatchSettings,
-                          blocked: Counter[str] | None = None) -> dict[str, list[Candidate]]:
-        """Ready candidates per lane. Pairs whose tenant has no client able to take non-high work are not
-        read at all (their rejection is counted once per pair in `blocked`)."""
+    async def read_candidates(self, conn: Conn, snap: Snapshot, limits: PassLimits, settings: DispatchSettings,
+                              blocked: Counter[str] | None = None) -> dict[str, list[Candidate]]:
+        """Ready candidates per lane (a full pass's read, on `conn`, for the pending pairs). Pairs whose tenant has
+        no client able to take non-high work are not read at all (their rejection is counted once per pair in
+        `blocked`). Read in chunks of about `candidate_chunk_rows` rows; before each chunk after the first it
+        raises Preempted when the pass should yield to waiting high work (see `_yield_to_high`)."""
         batch = max(1, settings.dispatch_batch_size)
         found: dict[str, list[Candidate]] = defaultdict(list)
         if "high" not in limits.paused_lanes:
@@ -346,10 +361,10 @@ class Dispatcher:
                     ks.append(k)
         start = 0
         while start < len(tenants):
-            # In chunks of about CANDIDATE_CHUNK_ROWS rows, yielding to a click between them: under the
+            # In chunks of about `candidate_chunk_rows` rows, yielding to a click between them: under the
             # benchmark's load one read of every pair took ~20 ms (up to 50), all of it a click's wait.
             end, wanted = start, 0
-            while end < len(tenants) and (end == start or wanted + ks[end] <= CANDIDATE_CHUNK_ROWS):
+            while end < len(tenants) and (end == start or wanted + ks[end] <= self._chunk_rows):
                 wanted += ks[end]
                 end += 1
             if start:
@@ -463,9 +478,10 @@ class Dispatcher:
         """The pass's write latency (and whether it conflicted) for the auto slow-down's statistics; nothing when it
         did not write (a conflict before writing counts as one, with no latency)."""
         if timing.started:
-            self.write_stats.record(time.monotonic(), (time.perf_counter() - timing.started) * 1000, conflicted)
+            self.write_stats.record(self._clock.monotonic(), (time.perf_counter() - timing.started) * 1000,
+                                    conflicted)
         elif conflicted:
-            self.write_stats.record(time.monotonic(), 0.0, True)
+            self.write_stats.record(self._clock.monotonic(), 0.0, True)
 
     @tracing.traced("dispatch.full_pass", root=True)
     async def run_pass(self, settings: DispatchSettings) -> PassOutcome:
@@ -534,7 +550,7 @@ class Dispatcher:
         self._report_pauses(snap)
         self._yield_to_high()
         blocked: Counter[str] = Counter()
-        candidates = await self._candidates(conn, snap, limits, settings, blocked)
+        candidates = await self.read_candidates(conn, snap, limits, settings, blocked)
         self._yield_to_high()
         outcome.considered = sum(len(v) for v in candidates.values())
         plan = plan_pass(candidates, snap.clients, snap.ledger, limits, last_served=self.last_served,

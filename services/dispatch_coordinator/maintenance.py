@@ -258,17 +258,18 @@ class SlowdownState:
     since: float | None = None
 
 
-async def measure_signals(conn: Conn, stats: WriteStats, *, min_writes: int = 20) -> Signals:
+async def measure_signals(conn: Conn, stats: WriteStats, *, min_writes: int = 20, now: float | None = None) -> Signals:
     """Lags from the tables; write latency and conflicts from every writer of the monitoring database (ingest,
     projection and hub replicas publish theirs: libs/db/write_health.py) and from this coordinator's own
-    dispatch transactions: the worst p95, and the conflict share of all their writes."""
+    dispatch transactions: the worst p95, and the conflict share of all their writes. `now`: the monotonic time
+    on the clock `stats` were recorded by (default: the system's)."""
     cur = await conn.execute(q.INGEST_LAG)
     ingest = await cur.fetchone()
     cur = await conn.execute(q.PROJECTION_LAG)
     projection = await cur.fetchone()
     cur = await conn.execute(FRESH_TOTALS, {"fresh_s": FRESH_S})
     writers = await cur.fetchone()
-    now = time.monotonic()
+    now = time.monotonic() if now is None else now
     own_writes, own_conflicts = stats.counts(now)
     writes = own_writes + (int(writers["writes"]) if writers else 0)
     conflicts = own_conflicts + (int(writers["conflicts"]) if writers else 0)

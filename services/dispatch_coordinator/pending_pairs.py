@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 
 from psycopg_pool import AsyncConnectionPool
 
+from libs.clock import SYSTEM_CLOCK, Clock
 from libs.db.pool import Conn
 from services.dispatch_coordinator import queries as q
 
@@ -21,13 +21,14 @@ PAIRS_MAX_AGE_S = 1.0
 
 class PendingPairs:
     """Every (tenant, platform) with a pending task, of any lane and either execution path, as of `read_at`, plus
-    what the scanner added since."""
+    what the scanner added since. `clock` dates the reads (`read_at`, `stale`)."""
 
-    def __init__(self, pool: AsyncConnectionPool[Conn]) -> None:
+    def __init__(self, pool: AsyncConnectionPool[Conn], *, clock: Clock = SYSTEM_CLOCK) -> None:
         self._pool = pool
+        self._clock = clock
         self._pairs: set[tuple[int, int]] = set()
         self._tenants: set[int] = set()  # the tenants of `pairs`, for a per-completion lookup
-        self.read_at = 0.0  # monotonic time of the last read (0 before the first)
+        self.read_at = 0.0  # the clock's monotonic time of the last read (0 before the first)
         # A re-read in flight (see `refresh_in_background`), and what `add` added meanwhile.
         self.refreshing: asyncio.Task[None] | None = None
         self._added: set[tuple[int, int]] = set()
@@ -52,13 +53,13 @@ class PendingPairs:
 
     @property
     def stale(self) -> bool:
-        return time.monotonic() - self.read_at > PAIRS_MAX_AGE_S
+        return self._clock.monotonic() - self.read_at > PAIRS_MAX_AGE_S
 
     async def refresh(self, conn: Conn) -> None:
         self._added = set()
         cur = await conn.execute(q.PENDING_PAIRS)
         self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()} | self._added
-        self.read_at = time.monotonic()
+        self.read_at = self._clock.monotonic()
 
     def refresh_in_background(self) -> None:
         """Re-read the pairs on a connection of their own while passes go on with the ones they have: the read is a

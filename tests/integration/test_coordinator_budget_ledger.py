@@ -217,13 +217,13 @@ async def test_a_window_change_restarts_the_ledger_and_refunds_land_in_it(pool: 
         cur = await conn.execute("SELECT count(*) AS n FROM desktop_tasks WHERE target_client_id = %s "
                                  "AND status = 'queued'", (tenant.clients[0],))
         queued = (await cur.fetchone() or {"n": 0})["n"]
-        cur = await conn.execute(q.BUDGET_USE, {"window_start": dispatcher._ledger_window[1], "window": 60})
+        cur = await conn.execute(q.BUDGET_USE, {"window_start": dispatcher.ledger_window[1], "window": 60})
         before = sum(r["n"] for r in await cur.fetchall())
         async with conn.transaction():
             params = {"client_id": tenant.clients[0], "tenant_id": tenant.tenant_id, "request_id": str(uuid.uuid4())}
             await conn.execute(collect_now_queries.INCREMENT_GENERATION, params)
             await conn.execute(executions.CANCEL_QUEUED_SCHEDULED, params)
-        cur = await conn.execute(q.BUDGET_USE, {"window_start": dispatcher._ledger_window[1], "window": 60})
+        cur = await conn.execute(q.BUDGET_USE, {"window_start": dispatcher.ledger_window[1], "window": 60})
         assert sum(r["n"] for r in await cur.fetchall()) == before - queued and queued > 0
     await assert_ledger_equals_count(pool)
     # budget_window_seconds changes mid-window: the next full pass starts the ledger for the new length.

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
-from services.dispatch_coordinator import dispatcher as dispatcher_module
-from services.dispatch_coordinator.dispatcher import MAX_PREEMPTIONS, Dispatcher, limits_from, read_snapshot
+from services.dispatch_coordinator import queries as q
+from services.dispatch_coordinator.dispatcher import (
+    CANDIDATE_CHUNK_ROWS,
+    MAX_PREEMPTIONS,
+    Dispatcher,
+    limits_from,
+    read_snapshot,
+)
 from services.dispatch_coordinator.scanner import scan_once
 from tests.integration.test_coordinator_load import collect_now
 from tests.support.dispatch_fleet import Seeded, seed_fleet
@@ -242,41 +249,71 @@ async def test_high_pass_publishes_its_own_task_available_and_leaves_it_to_the_p
         await listener.close()
 
 
+class _CountedPool:
+    """The pool, its connections counting the candidate rows the passes read (HIGH_CANDIDATES, PAIR_CANDIDATES)."""
+
+    def __init__(self, pool: AsyncConnectionPool[Conn]) -> None:
+        self.pool = pool
+        self.rows = 0
+
+    @asynccontextmanager
+    async def connection(self) -> AsyncIterator[Any]:
+        async with self.pool.connection() as conn:
+            yield _CountedConn(conn, self)
+
+
+class _CountedConn:
+    def __init__(self, conn: Conn, counter: _CountedPool) -> None:
+        self.conn = conn
+        self.counter = counter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+    async def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        cur = await self.conn.execute(query, params, **kwargs)
+        return _CountedCursor(cur, self.counter) if query in (q.HIGH_CANDIDATES, q.PAIR_CANDIDATES) else cur
+
+
+class _CountedCursor:
+    def __init__(self, cur: Any, counter: _CountedPool) -> None:
+        self.cur = cur
+        self.counter = counter
+
+    async def fetchall(self) -> list[Any]:
+        rows: list[Any] = await self.cur.fetchall()
+        self.counter.rows += len(rows)
+        return rows
+
+
 async def test_a_full_pass_reads_its_candidates_in_chunks_and_yields_between_them(
-        pool: AsyncConnectionPool[Conn], monkeypatch: pytest.MonkeyPatch) -> None:
+        pool: AsyncConnectionPool[Conn]) -> None:
     """Chunked, the candidate read finds exactly what one read finds; a click arriving during a chunk makes the
     pass yield before the next one (it waits for one chunk, not for every pair's read)."""
     await _prepare(pool, cluster_dispatch_per_minute=1000, tenant_dispatch_per_minute=1000)
     settings = await _settings(pool)
     limits = limits_from(settings, slowdown=False)
     found: list[set[int]] = []
-    for chunk_rows in (dispatcher_module.CANDIDATE_CHUNK_ROWS, 1):
-        monkeypatch.setattr(dispatcher_module, "CANDIDATE_CHUNK_ROWS", chunk_rows)
-        dispatcher = Dispatcher(pool)
+    for chunk_rows in (CANDIDATE_CHUNK_ROWS, 1):
+        dispatcher = Dispatcher(pool, candidate_chunk_rows=chunk_rows)
         async with pool.connection() as conn, conn.transaction():
             await dispatcher.pending.refresh(conn)
             snap = await read_snapshot(conn, settings)
-            candidates = await dispatcher._candidates(conn, snap, limits, settings)
+            candidates = await dispatcher.read_candidates(conn, snap, limits, settings)
         found.append({c.id for lane in candidates.values() for c in lane})
     assert len(found[0]) > 3 and found[0] == found[1]
 
-    dispatcher = Dispatcher(pool)  # chunks of one row: the second check is before the second chunk
+    # Chunks of one row: the second check is before the second chunk.
+    counted = _CountedPool(pool)
+    dispatcher = Dispatcher(counted, candidate_chunk_rows=1)  # type: ignore[arg-type]
     calls = {"n": 0}
 
     def high_waiting() -> bool:
         calls["n"] += 1
         return calls["n"] > 1  # the click arrives during the first chunk
 
-    read: list[int] = []
-    candidate = dispatcher_module._candidate
-
-    def counted(row: dict[str, Any]) -> Any:
-        read.append(row["id"])
-        return candidate(row)
-
-    monkeypatch.setattr(dispatcher_module, "_candidate", counted)
     dispatcher.high_waiting = high_waiting
     outcome = await dispatcher.run_pass(settings)
     assert outcome.preempted and outcome.dispatched == 0 and calls["n"] == 2
-    assert len(read) < len(found[0])  # the first chunk only (in one read, every candidate before the check)
+    assert counted.rows < len(found[0])  # the first chunk only (in one read, every candidate before the check)
     assert await _lanes(pool) == {}
