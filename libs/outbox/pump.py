@@ -62,11 +62,13 @@ class OutboxPump(OutboxRelay):
                          backoff_max_ms=config.backoff_max_ms)
         self._config = config
         self._listen_url = listen_url
-        # One wake-up event per claim loop (see wake(): a NOTIFY wakes one idle regular loop).
         self._regular = max(1, config.concurrency)
-        self._wakes = [asyncio.Event() for _ in range(self._regular + (1 if config.express else 0))]
-        # Which regular loops are between a claim and the end of its batch's publishing.
-        self._busy = [False] * self._regular
+        # One wake-up event per claim loop: the regular loops', then the priority loop's when `config.express`
+        # (see wake(): a NOTIFY wakes one idle regular loop). Read-only.
+        self.wakes: tuple[asyncio.Event, ...] = tuple(
+            asyncio.Event() for _ in range(self._regular + (1 if config.express else 0)))
+        # Which regular loops are between a claim and the end of its batch's publishing (run_once keeps it).
+        self.busy = [False] * self._regular
         self._stopping = False
         self.listening = asyncio.Event()
 
@@ -75,13 +77,13 @@ class OutboxPump(OutboxRelay):
         not wait for a busy loop to finish), and the priority loop when prioritised rows may be waiting.
         Further regular loops are woken in turn by a loop that claimed a full batch (a backlog), so a lone
         event does not make every loop queue up on the claim lock."""
-        idle = next((i for i, busy in enumerate(self._busy) if not busy), 0)
-        self._wakes[idle].set()
+        idle = next((i for i, busy in enumerate(self.busy) if not busy), 0)
+        self.wakes[idle].set()
         if self._config.express and prioritised:
-            self._wakes[-1].set()
+            self.wakes[-1].set()
 
     def _wake_all(self) -> None:
-        for event in self._wakes:
+        for event in self.wakes:
             event.set()
 
     # ---- claim / publish / mark --------------------------------------------------------------
@@ -132,7 +134,7 @@ class OutboxPump(OutboxRelay):
         loop running this (marked busy meanwhile).
         """
         if loop is not None:
-            self._busy[loop] = True
+            self.busy[loop] = True
         try:
             batch = await (self.claim(self._config.express_batch_size, min_priority=1) if express
                            else self.claim())
@@ -140,7 +142,7 @@ class OutboxPump(OutboxRelay):
                 await self.process(batch)
         finally:
             if loop is not None:
-                self._busy[loop] = False
+                self.busy[loop] = False
         return len(batch)
 
     # ---- loops --------------------------------------------------------------------------------
@@ -153,8 +155,8 @@ class OutboxPump(OutboxRelay):
             regular = self._regular  # the express loop, if any, is the last one
             await asyncio.gather(*(
                 self._claim_loop(stop, wake, express=index >= regular, loop=index if index < regular else None,
-                                 next_wake=self._wakes[index + 1] if index + 1 < regular else None)
-                for index, wake in enumerate(self._wakes)))
+                                 next_wake=self.wakes[index + 1] if index + 1 < regular else None)
+                for index, wake in enumerate(self.wakes)))
         finally:
             for task in tasks:
                 task.cancel()

@@ -130,12 +130,12 @@ async def test_notify_payload_says_whether_prioritised_rows_were_written(pool, d
 
 def test_a_notify_wakes_an_idle_regular_loop_and_the_priority_loop_only_when_asked() -> None:
     pump = OutboxPump(None, _NoBroker(), PumpConfig(claimed_by="wake-test", concurrency=2))  # type: ignore[arg-type]
-    wakes = pump._wakes  # regular loops 0, 1, then the priority loop
+    wakes = pump.wakes  # regular loops 0, 1, then the priority loop
     pump.wake(prioritised=False)
     assert [w.is_set() for w in wakes] == [True, False, False]
     for w in wakes:
         w.clear()
-    pump._busy[0] = True  # loop 0 is publishing a batch: the next idle loop takes the new event
+    pump.busy[0] = True  # loop 0 is publishing a batch: the next idle loop takes the new event
     pump.wake(prioritised=True)
     assert [w.is_set() for w in wakes] == [False, True, True]
 
