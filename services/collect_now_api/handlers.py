@@ -9,6 +9,7 @@ from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import AuthError, TenantPrincipal, verify_gateway_jwt
+from libs.clock import SYSTEM_CLOCK, Clock
 from libs.contracts.http import CollectNowRequest
 from libs.db.pool import Conn
 from libs.dispatch_settings import SettingsCache
@@ -30,6 +31,8 @@ _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}
 
 # Dispatch settings re-read at most once a second, in the background: hot reload, no query per click.
 SETTINGS_CACHE = web.AppKey("dispatch_settings_cache", SettingsCache)
+# The clock a click's business dates are reckoned by (libs/clock.py); the system clock when the app has none.
+CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 
 
 def authenticate(request: web.Request) -> TenantPrincipal:
@@ -92,7 +95,8 @@ async def post_collect_now(request: web.Request) -> web.Response:
     body = await read_body(request, CollectNowRequest, max_bytes=MAX_COLLECT_NOW_BODY_BYTES, allow_empty=True)
     pool = request.app[POOL]
     settings = await request.app[SETTINGS_CACHE].get()
-    accepted = await collect_now(pool, principal, brand_id, body, settings)
+    accepted = await collect_now(pool, principal, brand_id, body, settings,
+                                 clock=request.app.get(CLOCK, SYSTEM_CLOCK))
     return json_response(accepted.response, status=200 if accepted.replay else 202)
 
 

@@ -18,6 +18,7 @@ from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import TenantPrincipal
+from libs.clock import SYSTEM_CLOCK, Clock
 from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, CollectRequestTask
 from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
@@ -147,15 +148,17 @@ _scope = msgspec.json.Decoder(list[_ScopeRow])
 @tracing.traced("collect_now")
 async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
                       body: CollectNowRequest, settings: DispatchSettings, *,
-                      first_dispatch_wait_s: float = 5.0, gate: TenantGate | None = None) -> Accepted:
+                      first_dispatch_wait_s: float = 5.0, gate: TenantGate | None = None,
+                      clock: Clock = SYSTEM_CLOCK) -> Accepted:
     """Accept (or replay) a collect-now request; optionally wait for its first dispatch. Traced: the span's
-    context goes into the request row and the outbox events, and with them to the coordinator and the hub."""
+    context goes into the request row and the outbox events, and with them to the coordinator and the hub.
+    `clock`: its date (in UTC) decides which business dates the replay lookup expects (`_scope_hashes`)."""
     tracing.set_attributes(tenant_id=principal.tenant_id, brand_id=brand_id)
     async with (gate or TENANT_GATE).slot(principal.tenant_id):
         for attempt in range(DEADLOCK_RETRIES):
             try:
                 async with pool.connection() as conn:
-                    accepted = await _collect_now_tx(conn, principal, brand_id, body, settings)
+                    accepted = await _collect_now_tx(conn, principal, brand_id, body, settings, clock.now().date())
                 break
             except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure):
                 if attempt == DEADLOCK_RETRIES - 1:
@@ -179,6 +182,7 @@ class _Click:
     brand_id: int
     body: CollectNowRequest
     settings: DispatchSettings
+    today: date  # the UTC date by the API's clock
     reads: dict[str, Any] = field(default_factory=dict)
     scope_hash: str = ""
     choice: ClientChoice | None = None
@@ -208,11 +212,11 @@ class _Promotion:
 
 
 async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int, body: CollectNowRequest,
-                          settings: DispatchSettings) -> Accepted:
+                          settings: DispatchSettings, today: date) -> Accepted:
     """The steps of docs/architecture.md §17.1 in one short transaction, pipelined: three round trips (the tenant's
     lock and every read; preemption and promotion; the request row, events and COMMIT) instead of ~20 statements
     one by one, which keeps click -> commit at a few ms."""
-    click = _Click(principal, brand_id, body, settings)
+    click = _Click(principal, brand_id, body, settings, today)
     async with pipelined_transaction(conn) as pipe:
         replay = await _lock_and_read(conn, pipe, click)
         if replay is not None:
@@ -235,7 +239,7 @@ async def _lock_and_read(conn: Conn, pipe: AsyncPipeline, click: _Click) -> Acce
     body, tenant_id = click.body, click.tenant_id
     await conn.execute(q.LOCK_WAIT, {"lock_wait": f"{TENANT_LOCK_WAIT_MS}ms"})
     await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
-    hashes = _scope_hashes(click.brand_id, body)
+    hashes = _scope_hashes(click.brand_id, body, click.today)
     recent_params = {"brand_id": click.brand_id, "tenant_id": tenant_id, "user_id": click.principal.user_id,
                      "window_s": click.settings.idempotency_window_seconds, "scope_hashes": list(hashes.values())}
     reads_cur = await conn.execute(q.READS, {
@@ -423,11 +427,10 @@ def _scope_hash(brand_id: int, body: CollectNowRequest, business_date: date) -> 
                       ai_platform_ids=body.ai_platform_ids, business_date=business_date)
 
 
-def _scope_hashes(brand_id: int, body: CollectNowRequest) -> dict[date, str]:
-    """The request's scope hash for every business date a tenant can be on now: time zones span UTC-12 to
-    UTC+14, one more day each way for clock skew near midnight. READS then returns only the user's recent
-    requests of this scope (not every request of the idempotency window, decoded and compared here)."""
-    today = datetime.now(UTC).date()
+def _scope_hashes(brand_id: int, body: CollectNowRequest, today: date) -> dict[date, str]:
+    """The request's scope hash for every business date a tenant can be on when it is `today` in UTC: time zones
+    span UTC-12 to UTC+14, one more day each way for clock skew near midnight. READS then returns only the user's
+    recent requests of this scope (not every request of the idempotency window, decoded and compared here)."""
     return {day: _scope_hash(brand_id, body, day) for day in (today + timedelta(days=n) for n in range(-2, 3))}
 
 

@@ -255,22 +255,17 @@ async def test_the_same_click_within_the_window_is_an_idempotent_replay(settings
         assert (await replayed.json())["request_id"] == (await narrower.json())["request_id"]
 
 
-async def test_replay_when_the_database_is_on_another_day_than_the_api(settings: Settings, pool,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_replay_when_the_database_is_on_another_day_than_the_api(settings: Settings, pool) -> None:
     """READS is given the scope hashes of the dates the API expects; a business date outside them (clocks a day
     apart) is read again with its own hash, so the second click is still the first one's replay."""
-    from datetime import date, timedelta
+    from datetime import UTC, datetime
 
-    from services.collect_now_api import service
+    from tests.support.clock import FakeClock
 
-    def far_from_today(brand_id: int, body: Any) -> dict[date, str]:
-        return {day: service._scope_hash(brand_id, body, day)
-                for day in (date(2000, 1, 1) + timedelta(days=n) for n in range(5))}
-
-    monkeypatch.setattr(service, "_scope_hashes", far_from_today)
+    far_from_today = FakeClock(now=datetime(2000, 1, 3, 12, tzinfo=UTC))  # expects 2000-01-01 to 2000-01-05
     async with pool.connection() as conn:
         world = await make_world(conn, questions=2)
-    async with api_client(settings) as http:
+    async with api_client(settings, clock=far_from_today) as http:
         body = {"question_ids": world.brand["question_ids"][:1]}
         first = await http.post(collect_path(world.brand_id), json=body, headers=world.auth())
         second = await http.post(collect_path(world.brand_id), json=body, headers=world.auth())

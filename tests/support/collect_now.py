@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from libs.auth import TenantPrincipal, issue_gateway_jwt
+from libs.clock import Clock
 from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
@@ -148,11 +149,16 @@ async def fetch_one(conn: Conn, query: str, *params: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def api_client(settings: Settings) -> AsyncIterator[TestClient[Any, Any]]:
-    """The real collect-now-api app (its own pool, start-up and shutdown hooks) on a local port."""
+async def api_client(settings: Settings, *, clock: Clock | None = None) -> AsyncIterator[TestClient[Any, Any]]:
+    """The real collect-now-api app (its own pool, start-up and shutdown hooks) on a local port; `clock`: the one
+    its clicks reckon business dates by (default: the system's)."""
+    from services.collect_now_api.handlers import CLOCK
     from services.collect_now_api.main import build
 
-    client: TestClient[Any, Any] = TestClient(TestServer(build(with_jwt_secret(settings))))
+    app = build(with_jwt_secret(settings))
+    if clock is not None:
+        app[CLOCK] = clock
+    client: TestClient[Any, Any] = TestClient(TestServer(app))
     await client.start_server()
     try:
         yield client
