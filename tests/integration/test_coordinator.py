@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import msgspec
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.wire import TaskAvailable
@@ -298,7 +299,7 @@ async def test_auto_slowdown_pauses_normal_keeps_high_and_resumes(settings: Any,
                                    "5000 WHERE id = (SELECT min(id) FROM monitoring_collect_tasks) RETURNING id")
     await coordinator.maintain_once()
     assert coordinator.slowdown.active and coordinator.slowdown.reasons == ["projection_lag"]
-    assert metrics.dispatch_auto_slowdown_active._value.get() == 1
+    assert REGISTRY.get_sample_value("dispatch_auto_slowdown_active") == 1
     outcome = await coordinator.dispatcher.run_pass(await coordinator.settings())
     assert outcome.dispatched == 1 and outcome.rejections.get("auto_slowdown", 0) >= 1
     async with pool.connection() as conn:
@@ -307,7 +308,7 @@ async def test_auto_slowdown_pauses_normal_keeps_high_and_resumes(settings: Any,
         assert explained is not None and explained["blocked_by"] == "auto_slowdown"
         await conn.execute("DELETE FROM projection_rebuild_queue")
     await coordinator.maintain_once()
-    assert not coordinator.slowdown.active and metrics.dispatch_auto_slowdown_active._value.get() == 0
+    assert not coordinator.slowdown.active and REGISTRY.get_sample_value("dispatch_auto_slowdown_active") == 0
     outcome = await coordinator.dispatcher.run_pass(await coordinator.settings())
     assert outcome.dispatched == 8
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.dispatch_settings import load_settings
-from libs.telemetry import metrics
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from tests.support.collect_now import set_online
 from tests.support.desktop import insert_ready_task
@@ -50,8 +50,8 @@ async def test_a_broken_login_holds_that_platforms_scheduled_work_only(settings:
     dispatcher = Dispatcher(pool)
     await dispatcher.run_pass(dispatch_settings)
     assert await _dispatched(pool) == {"gemini": 3}
-    labels = (str(tenant["tenant_id"]), "openai", "health")
-    assert metrics.monitor_tenant_platform_paused.labels(*labels)._value.get() == 1
+    labels = {"tenant_id": str(tenant["tenant_id"]), "platform": "openai", "source": "health"}
+    assert REGISTRY.get_sample_value("monitor_tenant_platform_paused", labels) == 1
     status = await monitorctl_json(settings, "status")
     assert {"tenant_id": tenant["tenant_id"], "platform": "openai", "clients_blocking": 1, "clients_eligible": 1,
             "paused": "health", "override": None, "override_reason": None} in status["platform_health"]
@@ -98,5 +98,5 @@ async def test_recovery_resumes_and_a_manual_pause_holds(settings: Settings, poo
         await set_online(conn, client, platform_health=json.dumps({"openai": "healthy"}))
     await dispatcher.run_pass(dispatch_settings)
     assert await _dispatched(pool) == {"openai": 1}  # gemini stays paused by the operator
-    assert metrics.monitor_tenant_platform_paused.labels(str(tenant["tenant_id"]), "gemini", "operator") \
-        ._value.get() == 1
+    assert REGISTRY.get_sample_value("monitor_tenant_platform_paused", {
+        "tenant_id": str(tenant["tenant_id"]), "platform": "gemini", "source": "operator"}) == 1

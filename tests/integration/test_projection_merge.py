@@ -9,6 +9,7 @@ import random
 from datetime import date, timedelta
 
 from aio_pika.abc import AbstractRobustConnection
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import MonitorResult
@@ -171,7 +172,7 @@ async def test_slowdown_acks_events_without_rebuild_then_one_merge_pass(pool, se
     async with (running_ingest(pool, settings, topology),
                 running_projection(pool, settings, topology, sweep_interval_s=0.1, merge_window_s=3600) as worker):
         assert worker.mode.merge and worker.mode.reasons == ("projection_lag",)
-        assert m.projection_merge_mode_active._value.get() == 1
+        assert REGISTRY.get_sample_value("projection_merge_mode_active") == 1
         await ingest(pool, amqp, topology, early)
         async with running_pump(pool, settings, topology):
             await eventually(lambda: _deferred(deferred, len(keys)), timeout=15, message="every event acked")
@@ -232,7 +233,7 @@ async def test_worker_merges_on_its_window_and_returns_to_per_event_when_slowdow
             return not worker.mode.merge
 
         await eventually(per_event, message="per-event mode again")
-        assert m.projection_merge_mode_active._value.get() == 0
+        assert REGISTRY.get_sample_value("projection_merge_mode_active") == 0
         deferred_in_merge_mode = m.projection_rebuild_deferred_count.value()
         await ingest(pool, amqp, topology, second, applied_before=len(first))
         await eventually(lambda: _count(pool, "SELECT count(*) AS n FROM projection_rebuild_queue", 0),

@@ -6,10 +6,10 @@ import logging
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from libs.coordinator_state import SLOWDOWN_MAX_AGE_S, slowdown_from_state
 from libs.mq.topology import Topology
-from libs.telemetry import metrics as m
 from services.projection_worker.consumer import ProjectionWorker
 from services.projection_worker.mode import RebuildMode, rebuild_mode
 
@@ -49,10 +49,10 @@ def test_each_switch_is_logged_with_its_reasons_and_sets_the_gauge(caplog: pytes
     worker = ProjectionWorker(None, Topology("unit.", 4), None, merge_window_s=0.5, merge_batch=7)  # type: ignore[arg-type]
     caplog.set_level(logging.INFO, logger="projection.consumer")
     worker.set_mode(rebuild_mode(published(True, ["projection_lag"])))
-    assert worker.mode.merge and m.projection_merge_mode_active._value.get() == 1
+    assert worker.mode.merge and REGISTRY.get_sample_value("projection_merge_mode_active") == 1
     worker.set_mode(rebuild_mode(published(True, ["projection_lag"])))  # no switch, no log
     worker.set_mode(rebuild_mode(published(False, [])))
-    assert not worker.mode.merge and m.projection_merge_mode_active._value.get() == 0
+    assert not worker.mode.merge and REGISTRY.get_sample_value("projection_merge_mode_active") == 0
     records = [r for r in caplog.records if r.name == "projection.consumer"]
     assert [r.getMessage().split(":")[0] for r in records] == ["projection merge mode on",
                                                                "projection merge mode off"]
