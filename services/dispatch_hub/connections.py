@@ -48,6 +48,11 @@ class Connection:
     def client_id(self) -> str:
         return str(self.principal.client_id)
 
+    @property
+    def writing(self) -> bool:
+        """Is a writer task sending the queue (it starts with the first message to send, ends when it is empty)?"""
+        return self._writer is not None
+
     def start(self) -> None:
         """Sending may begin (the writer task itself starts with the first message to send)."""
         self._stopped = False

@@ -183,6 +183,16 @@ class Gateway:
         except Exception:
             log.exception("replay after broker reconnect failed", extra={"client_id": conn.client_id})
 
+    @property
+    def attaching(self) -> Batcher[ClientPrincipal, tuple[int, list[str]]]:
+        """The batcher of attaching sockets (online + replay); its `calls` and `largest` tell how they shared."""
+        return self._attaching
+
+    @property
+    def detaching(self) -> Batcher[ClientPrincipal, None]:
+        """The batcher of last sockets closing (offline); its `calls` and `largest` tell how they shared."""
+        return self._detaching
+
     # ---- sockets -----------------------------------------------------------------------------
     def is_connected(self, client_id: uuid.UUID) -> bool:
         return client_id in self._sockets

@@ -178,6 +178,11 @@ class TokenBuckets:
         self.max_keys = max_keys
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
 
+    @property
+    def tracked_keys(self) -> int:
+        """How many keys have a bucket now."""
+        return len(self._buckets)
+
     def take(self, key: str, now: float) -> float | None:
         """Take a token: None when allowed, else the seconds until one is available."""
         tokens, at = self._buckets.get(key, (self.burst, now))

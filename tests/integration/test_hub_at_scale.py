@@ -98,7 +98,7 @@ async def test_clients_connecting_together_each_get_their_own_hello_replay_event
             assert (hello["type"], hello["client_id"], hello["replayed_available"]) == ("hello", client, 1)
             replayed = await receive(ws)
             assert (replayed["type"], replayed["task_id"]) == ("task_available", str(queued[client]))
-        assert gateway._attaching.largest > 1, "the handshakes shared a batch"
+        assert gateway.attaching.largest > 1, "the handshakes shared a batch"
 
         # One event per client, each on its own socket only.
         events = {f"monitor.high.{client}": available(client) for _, client, _ in fleet}
@@ -120,7 +120,7 @@ async def test_clients_connecting_together_each_get_their_own_hello_replay_event
 
         assert await eventually(all_offline, message="every client marked offline") == {
             client: 1 for _, client, _ in fleet}
-        assert gateway._detaching.calls < len(fleet), "the disconnects shared a batch"
+        assert gateway.detaching.calls < len(fleet), "the disconnects shared a batch"
 
 
 async def test_every_hub_takes_every_event_and_forwards_only_its_own_sockets(

@@ -119,12 +119,12 @@ async def test_a_socket_sends_hello_and_replay_then_what_was_held_back_then_live
     ws = FakeSocket()
     conn = connection(ws)
     conn.deliver("early")
-    assert conn._writer is None and ws.sent == []
+    assert not conn.writing and ws.sent == []
     conn.go_live(["hello", "replayed"])
     conn.deliver("live")
     await eventually(lambda: len(ws.sent) == 4, message="everything sent")
     assert ws.sent == ["hello", "replayed", "early", "live"]
-    await eventually(lambda: conn._writer is None, message="the writer task gone once the queue is empty")
+    await eventually(lambda: not conn.writing, message="the writer task gone once the queue is empty")
     conn.deliver("later")
     await eventually(lambda: ws.sent[-1:] == ["later"], message="a new writer for a new event")
 
@@ -144,7 +144,7 @@ async def test_a_replay_larger_than_the_bound_goes_out_but_a_reader_that_far_beh
     await conn.stop()
     assert ws.sent == ["hello", *(f"replayed-{n}" for n in range(5))]  # live events beyond the bound dropped
     conn.deliver("after stop")
-    assert conn._writer is None
+    assert not conn.writing
 
 
 async def test_stop_lets_the_queue_drain_within_its_grace() -> None:

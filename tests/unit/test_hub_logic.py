@@ -105,7 +105,7 @@ def test_token_buckets_stay_bounded_under_a_flood_of_keys() -> None:
     buckets = TokenBuckets(rate=1.0, burst=2, max_keys=100)
     for i in range(10_000):
         buckets.take(f"k{i}", float(i) / 1000)
-    assert len(buckets._buckets) <= 100
+    assert buckets.tracked_keys <= 100
 
 
 def test_a_result_post_is_classified_by_the_digest_already_stored() -> None:
