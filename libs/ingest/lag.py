@@ -8,11 +8,16 @@ from __future__ import annotations
 
 from libs.db.pool import Conn
 
-# Results the hub accepted (published, then stamped result_received_at) that ingest has not applied yet.
+# Results the hub accepted (published, then stamped result_received_at) that ingest has not applied yet, on both
+# execution paths: an execution still in progress (or unknown) with its result received, and a legacy lease still in
+# progress with its result received (ingest ends the lease when it applies the result: docs/legacy-path.md). The
+# oldest of the two; least() skips a path with none.
 INGEST_LAG_SQL = """
-SELECT coalesce(extract(epoch FROM now() - min(result_received_at)) * 1000, 0)::float8 AS lag_ms
-FROM desktop_tasks
-WHERE status IN ('in_progress', 'unknown') AND result_received_at IS NOT NULL
+SELECT coalesce(extract(epoch FROM now() - least(
+           (SELECT min(result_received_at) FROM desktop_tasks
+            WHERE status IN ('in_progress', 'unknown') AND result_received_at IS NOT NULL),
+           (SELECT min(result_received_at) FROM legacy_leases
+            WHERE status = 'in_progress' AND result_received_at IS NOT NULL))) * 1000, 0)::float8 AS lag_ms
 """
 
 # Oldest projection rebuild request not yet served.

@@ -3,6 +3,7 @@ f-strings in this module only."""
 
 from __future__ import annotations
 
+from libs.ingest.lag import INGEST_LAG_SQL
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
@@ -501,10 +502,8 @@ FROM desktop_clients c CROSS JOIN q
 WHERE c.online
 """
 
-INGEST_LAG = """
-SELECT coalesce(extract(epoch FROM (now() - min(result_received_at))) * 1000, 0) AS lag_ms
-FROM desktop_tasks WHERE status IN ('in_progress', 'unknown') AND result_received_at IS NOT NULL
-"""
+# Both execution paths' oldest result not applied yet (one definition: libs/ingest/lag.py).
+INGEST_LAG = INGEST_LAG_SQL
 
 PROJECTION_LAG = """
 SELECT coalesce(extract(epoch FROM (now() - min(requested_at))) * 1000, 0) AS lag_ms FROM projection_rebuild_queue
