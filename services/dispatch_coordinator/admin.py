@@ -162,7 +162,37 @@ async def get_budgets(conn: Conn) -> dict[str, Any]:
     return as_dict(await load_settings(conn))
 
 
-CEILING_LOCK = "SELECT pg_advisory_xact_lock(7401552113)"  # a budget and its ceiling change one at a time
+# A budget or limit and its ceiling change one at a time: every command that sets either takes this lock first.
+CEILING_LOCK = "SELECT pg_advisory_xact_lock(7401552113)"
+
+# The per-client and per-platform limits a ceiling bounds: how many are set above a proposed ceiling (and the highest),
+# what they are, and the command that lowers one. Platforms without settings count at the coordinator's default (1).
+_LIMITS_ABOVE: dict[str, tuple[str, str, str]] = {
+    "client_max_concurrent_ceiling": (
+        "SELECT count(*) AS n, max(max_concurrent_monitor) AS top FROM desktop_clients "
+        "WHERE max_concurrent_monitor > %(value)s",
+        "client(s) have client.max_concurrent", "monitorctl client set CLIENT_ID --max-concurrent {value}"),
+    "client_max_queue_depth_ceiling": (
+        "SELECT count(*) AS n, max(max_queue_depth) AS top FROM desktop_clients WHERE max_queue_depth > %(value)s",
+        "client(s) have client.max_queue_depth", "monitorctl client set CLIENT_ID --max-queue-depth {value}"),
+    "platform_max_concurrent_ceiling": (
+        "SELECT count(*) AS n, max(coalesce(s.max_concurrent, 1)) AS top FROM ai_platforms p "
+        "LEFT JOIN platform_settings s ON s.ai_platform_id = p.id WHERE coalesce(s.max_concurrent, 1) > %(value)s",
+        "platform(s) have platform.max_concurrent", "monitorctl platform set CODE --max-concurrent {value}"),
+}
+
+
+async def _check_limits_below(conn: Conn, ceiling_key: str, value: int) -> None:
+    """A ceiling of per-client or per-platform limits may not go below a limit in use (lower those first)."""
+    bounded = _LIMITS_ABOVE.get(ceiling_key)
+    if bounded is None:
+        return
+    query, what, command = bounded
+    cur = await conn.execute(query, {"value": value})
+    row = await cur.fetchone()
+    if row is not None and int(row["n"]) > 0:
+        raise SettingError(f"{ceiling_key} = {value} is below what {row['n']} {what} set to (up to {row['top']}); "
+                           f"lower them first: `{command.format(value=value)}`")
 
 
 async def set_budget(conn: Conn, key: str, value: Any) -> Any:
@@ -176,10 +206,13 @@ async def set_budget(conn: Conn, key: str, value: Any) -> Any:
 
 
 async def set_ceiling(conn: Conn, key: str, value: Any) -> Any:
-    """`monitorctl budgets set-ceiling`: raise a ceiling (or lower it, not below its budget)."""
+    """`monitorctl budgets set-ceiling`: raise a ceiling (or lower it, not below its budget, nor below a client's or
+    platform's limit it bounds)."""
     async with conn.transaction():
         await conn.execute(CEILING_LOCK)
-        check_new_ceiling(await load_settings(conn), key, coerce(key, value))
+        ceiling = coerce(key, value)
+        check_new_ceiling(await load_settings(conn), key, ceiling)
+        await _check_limits_below(conn, key, ceiling)
         return await set_setting(conn, key, value)
 
 
@@ -188,6 +221,7 @@ async def set_client_limits(conn: Conn, client_id: uuid.UUID, *, max_concurrent:
     """A client's monitor concurrency and queue depth, bounded by their ceilings (the coordinator reads them
     on its next pass)."""
     async with conn.transaction():
+        await conn.execute(CEILING_LOCK)  # no ceiling lowered between the check and the write
         settings = await load_settings(conn)
         for what, value in (("client.max_concurrent", max_concurrent), ("client.max_queue_depth", max_queue_depth)):
             if value is not None:
@@ -224,15 +258,16 @@ async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = No
                        dynamic: bool | None = None) -> dict[str, Any]:
     if max_concurrent is not None and max_concurrent < 0:
         raise AdminError("--max-concurrent must be >= 0")
-    if max_concurrent is not None:
-        try:
-            check_ceiling(await load_settings(conn), "platform.max_concurrent", max_concurrent)
-        except SettingError as exc:
-            raise AdminError(str(exc)) from None
     for name, value in (("--soft-timeout-ms", soft_timeout_ms), ("--hard-timeout-ms", hard_timeout_ms)):
         if value is not None and value <= 0:
             raise AdminError(f"{name} must be > 0")
     async with conn.transaction():
+        if max_concurrent is not None:
+            await conn.execute(CEILING_LOCK)  # no ceiling lowered between the check and the write
+            try:
+                check_ceiling(await load_settings(conn), "platform.max_concurrent", max_concurrent)
+            except SettingError as exc:
+                raise AdminError(str(exc)) from None
         cur = await conn.execute(_UPSERT_PLATFORM, {"code": code, "max_concurrent": max_concurrent,
                                                     "soft": soft_timeout_ms, "hard": hard_timeout_ms,
                                                     "paused": paused, "dynamic": dynamic})

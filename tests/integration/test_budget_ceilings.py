@@ -3,6 +3,8 @@ it; a ceiling changes only with its own command, never below its budget."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
@@ -10,8 +12,11 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
-from libs.dispatch_settings import DispatchSettings, SettingError, check_ceiling, check_new_ceiling
+from libs.dispatch_settings import DispatchSettings, SettingError, check_ceiling, check_new_ceiling, set_setting
+from services.dispatch_coordinator import admin
+from tests.support.db import fetch
 from tests.support.monitorctl import monitorctl_json, monitorctl_refused
+from tests.support.wait import eventually
 
 
 def test_the_seed_ceilings_bound_their_budgets() -> None:
@@ -70,3 +75,80 @@ async def test_monitorctl_refuses_budgets_and_limits_above_their_ceilings(
         cur = await conn.execute("SELECT max_concurrent_monitor, max_queue_depth FROM desktop_clients WHERE id = %s",
                                  (client,))
         assert await cur.fetchone() == {"max_concurrent_monitor": 4, "max_queue_depth": 40}
+
+
+async def test_a_ceiling_is_not_lowered_below_the_limits_in_use(settings: Settings,
+                                                                 pool: AsyncConnectionPool[Conn]) -> None:
+    async with pool.connection() as conn:
+        seed: dict[str, Any] = await seed_demo(conn, tenants=1, brands=1, questions=1, clients=2, due=False)
+    first, second = (c["client_id"] for c in seed["tenants"][0]["clients"])
+    await monitorctl_json(settings, "client", "set", first, "--max-concurrent", "4", "--max-queue-depth", "30")
+    await monitorctl_json(settings, "client", "set", second, "--max-concurrent", "3", "--max-queue-depth", "30")
+    await monitorctl_json(settings, "platform", "set", "openai", "--max-concurrent", "2")
+
+    refused = await monitorctl_refused(settings, "budgets", "set-ceiling", "client_max_concurrent_ceiling", "2")
+    assert "below what 2 client(s) have client.max_concurrent set to (up to 4)" in refused, refused
+    assert "monitorctl client set CLIENT_ID --max-concurrent 2" in refused
+    refused = await monitorctl_refused(settings, "budgets", "set-ceiling", "client_max_queue_depth_ceiling", "29")
+    assert "2 client(s) have client.max_queue_depth" in refused and "--max-queue-depth 29" in refused, refused
+    refused = await monitorctl_refused(settings, "budgets", "set-ceiling", "platform_max_concurrent_ceiling", "1")
+    assert "1 platform(s) have platform.max_concurrent set to (up to 2)" in refused, refused
+    assert "monitorctl platform set CODE --max-concurrent 1" in refused
+    budgets = await monitorctl_json(settings, "budgets", "get")
+    assert (budgets["client_max_concurrent_ceiling"], budgets["client_max_queue_depth_ceiling"],
+            budgets["platform_max_concurrent_ceiling"]) == (4, 40, 2)  # nothing changed
+
+    # Down to the highest limit in use is fine; below it once the limits are lowered first.
+    await monitorctl_json(settings, "budgets", "set-ceiling", "client_max_concurrent_ceiling", "4")
+    assert "1 client(s)" in await monitorctl_refused(settings, "budgets", "set-ceiling",
+                                                     "client_max_concurrent_ceiling", "3")
+    await monitorctl_json(settings, "client", "set", first, "--max-concurrent", "3")
+    await monitorctl_json(settings, "budgets", "set-ceiling", "client_max_concurrent_ceiling", "3")
+    await monitorctl_json(settings, "budgets", "set-ceiling", "client_max_queue_depth_ceiling", "30")
+    await monitorctl_json(settings, "platform", "set", "openai", "--max-concurrent", "1")
+    await monitorctl_json(settings, "budgets", "set-ceiling", "platform_max_concurrent_ceiling", "1")
+    budgets = await monitorctl_json(settings, "budgets", "get")
+    assert (budgets["client_max_concurrent_ceiling"], budgets["client_max_queue_depth_ceiling"],
+            budgets["platform_max_concurrent_ceiling"]) == (3, 30, 1)
+
+
+async def _waits_for_the_ceiling_lock(pool: AsyncConnectionPool[Conn], holder_pid: int) -> bool | None:
+    rows = await fetch(pool, "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                             "AND (classid::bigint << 32 | objid::bigint) = 7401552113 AND pid <> %s", holder_pid)
+    return True if rows[0]["n"] else None
+
+
+async def test_limits_and_ceilings_change_one_at_a_time(pool: AsyncConnectionPool[Conn]) -> None:
+    """A client's or platform's limit checked against a ceiling that is being lowered waits for it, and is then
+    checked against the lowered ceiling (no limit above its ceiling from the two racing)."""
+    async with pool.connection() as conn:
+        seed: dict[str, Any] = await seed_demo(conn, tenants=1, brands=1, questions=1, clients=1, due=False)
+    client = uuid.UUID(seed["tenants"][0]["clients"][0]["client_id"])
+    changes = (
+        ("client_max_concurrent_ceiling", 2,
+         lambda conn: admin.set_client_limits(conn, client, max_concurrent=3, max_queue_depth=None)),
+        ("client_max_queue_depth_ceiling", 20,
+         lambda conn: admin.set_client_limits(conn, client, max_concurrent=None, max_queue_depth=30)),
+        ("platform_max_concurrent_ceiling", 1, lambda conn: admin.set_platform(conn, "openai", max_concurrent=2)),
+    )
+    for ceiling, lowered, change in changes:
+        async with pool.connection() as lowering, pool.connection() as operator:
+            async with lowering.transaction():
+                await lowering.execute(admin.CEILING_LOCK)  # set-ceiling, between its check and its commit
+                racing = asyncio.create_task(change(operator))
+                await eventually(lambda: _waits_for_the_ceiling_lock(pool, lowering.info.backend_pid),
+                                 message=f"the limit change waits for the ceiling lock ({ceiling})")
+                assert not racing.done()
+                await set_setting(lowering, ceiling, lowered)
+            try:
+                await racing
+            except admin.AdminError as exc:
+                assert f"above its ceiling {lowered}" in str(exc), exc
+            else:
+                raise AssertionError(f"a limit went above {ceiling} = {lowered}")
+    rows = await fetch(pool, "SELECT max_concurrent_monitor, max_queue_depth FROM desktop_clients WHERE id = %s",
+                       client)
+    assert rows == [{"max_concurrent_monitor": 2, "max_queue_depth": 20}]
+    rows = await fetch(pool, "SELECT coalesce(s.max_concurrent, 1) AS n FROM ai_platforms p "
+                             "LEFT JOIN platform_settings s ON s.ai_platform_id = p.id WHERE p.code = 'openai'")
+    assert rows == [{"n": 1}]

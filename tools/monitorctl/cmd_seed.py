@@ -8,6 +8,7 @@ from typing import Any
 
 from libs.demo import create_client, seed_demo
 from libs.dispatch_settings import SettingError, check_ceiling, load_settings
+from services.dispatch_coordinator.admin import CEILING_LOCK
 from tools.monitorctl.cmd_client import register_client_commands
 from tools.monitorctl.common import Context, fail
 
@@ -90,13 +91,14 @@ async def run_client_create(args: argparse.Namespace, ctx: Context) -> int:
     cur = await conn.execute("SELECT 1 FROM tenants WHERE id = %(id)s", {"id": args.tenant})
     if await cur.fetchone() is None:
         return fail(f"tenant {args.tenant} does not exist")
-    settings = await load_settings(conn)
-    try:
-        check_ceiling(settings, "client.max_concurrent", args.max_concurrent)
-        check_ceiling(settings, "client.max_queue_depth", args.max_queue_depth)
-    except SettingError as exc:
-        return fail(str(exc))
     async with conn.transaction():
+        await conn.execute(CEILING_LOCK)  # no ceiling lowered between the check and the write
+        settings = await load_settings(conn)
+        try:
+            check_ceiling(settings, "client.max_concurrent", args.max_concurrent)
+            check_ceiling(settings, "client.max_queue_depth", args.max_queue_depth)
+        except SettingError as exc:
+            return fail(str(exc))
         client_id, token = await create_client(
             conn, tenant_id=args.tenant, workspace_id=args.workspace, user_id=args.user, name=args.name,
             max_concurrent_monitor=args.max_concurrent, max_queue_depth=args.max_queue_depth)
