@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import shutil
+import subprocess
 import tomllib
 from collections.abc import Iterator, Mapping
 from functools import cache
@@ -58,9 +59,13 @@ def _load(path: Path) -> list[dict[str, Any]]:
 
 
 # ---- kustomize, the subset the overlays use -------------------------------------------------------
-# kubectl/kustomize is not available where the tests run, so the overlays are rendered here with the
-# fields below, each applied the way kustomize v5 applies it (deploy/k8s/README.md, "Kustomize"). A
-# kustomization.yaml using any other field fails the render instead of being half-understood.
+# The overlays are rendered by `kubectl kustomize` where a kubectl with kustomize v5 is installed (this
+# box's, from Google's kubectl package; Debian's kubernetes-client is kubectl 1.20 with kustomize v2,
+# which knows neither `labels` nor `replacements`), and by the renderer below everywhere else (CI on a
+# fresh machine has no kubectl, and nothing is downloaded for it). The renderer implements the fields
+# below, each applied the way kustomize v5 applies it (deploy/k8s/README.md, "Kustomize"); a
+# kustomization.yaml using any other field fails the render instead of being half-understood. Where
+# both exist, the two must agree (test_the_renderer_agrees_with_kubectl_kustomize).
 KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "labels", "images", "configMapGenerator",
                         "patches", "replacements"}
 GENERATED = "__generated__"  # internal mark of a generated ConfigMap (gets the hash suffix), removed at the end
@@ -176,12 +181,14 @@ def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _apply_labels(entries: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
     for entry in entries:
-        # Without includeSelectors / includeTemplates kustomize sets metadata.labels and the pod
-        # template labels of workloads, never a selector.
-        assert set(entry) == {"pairs"}, "labels: only `pairs` (no selectors, templates or fields options)"
+        # kustomize v5 sets metadata.labels; with includeTemplates also the pod template labels of
+        # workloads; a selector only with includeSelectors, which is not supported (selectors are immutable).
+        assert set(entry) <= {"pairs", "includeTemplates", "includeSelectors"}, (
+            "labels: only `pairs` and `includeTemplates` (no fields option)")
+        assert not entry.get("includeSelectors"), "labels: includeSelectors is not supported"
         for doc in docs:
             doc["metadata"].setdefault("labels", {}).update(entry["pairs"])
-            if doc["kind"] in WORKLOADS:
+            if entry.get("includeTemplates") and doc["kind"] in WORKLOADS:
                 doc["spec"]["template"]["metadata"].setdefault("labels", {}).update(entry["pairs"])
 
 
@@ -270,8 +277,9 @@ def _layer(folder: Path) -> list[dict[str, Any]]:
 
 
 def kustomize_hash(configmap: Mapping[str, Any]) -> str:
-    """kustomize's name suffix of a generated ConfigMap: sha256 of Go's JSON of kind, name and data."""
-    fields = {"data": configmap.get("data", ""), "kind": "ConfigMap", "name": configmap["metadata"]["name"]}
+    """kustomize's name suffix of a generated ConfigMap: sha256 of Go's JSON of kind, an empty name and data
+    (kustomize v5.5 hashes the generated object before it is named: the suffix depends on the data only)."""
+    fields = {"data": configmap.get("data", ""), "kind": "ConfigMap", "name": ""}
     encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     for char, escape in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"),
                          ("\u2029", "\\u2029")):
@@ -315,9 +323,43 @@ def render(folder: Path) -> list[dict[str, Any]]:
     return [doc for doc in docs if doc["metadata"].get("annotations", {}).get(LOCAL_CONFIG) != "true"]
 
 
+KUBECTL_TIMEOUT_S = 60
+
+
+@cache
+def kubectl_kustomize() -> str | None:
+    """kubectl, when it is installed and its kustomize is v5 or later (what the overlays are written for)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        return None
+    done = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True,
+                          timeout=KUBECTL_TIMEOUT_S, check=False)
+    try:
+        version = str(json.loads(done.stdout).get("kustomizeVersion", ""))
+    except json.JSONDecodeError:
+        return None
+    major = re.match(r"v(\d+)\.", version)
+    return kubectl if major is not None and int(major.group(1)) >= 5 else None
+
+
+def kubectl_render(folder: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize folder`: the objects the real kustomize renders."""
+    kubectl = kubectl_kustomize()
+    assert kubectl is not None
+    done = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
+                          timeout=KUBECTL_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc is not None]
+
+
+def build(folder: Path) -> list[dict[str, Any]]:
+    """The overlay's objects: kubectl kustomize's where it is installed, else the renderer's."""
+    return kubectl_render(folder) if kubectl_kustomize() is not None else render(folder)
+
+
 @cache
 def _rendered(overlay: str) -> tuple[dict[str, Any], ...]:
-    return tuple(render(OVERLAYS[overlay]))
+    return tuple(build(OVERLAYS[overlay]))
 
 
 def _objects(overlay: str = PRODUCTION) -> list[dict[str, Any]]:
@@ -480,7 +522,7 @@ def test_a_config_change_renames_the_config_map_and_rolls_the_pods(tmp_path: Pat
     shutil.copytree(K8S, tmp_path / "k8s")
     env = tmp_path / "k8s" / "base" / "config.env"
     env.write_text(env.read_text().replace("OUTBOX_BATCH_SIZE=200", "OUTBOX_BATCH_SIZE=100"))
-    changed = {(d["kind"], d["metadata"]["name"]): d for d in render(tmp_path / "k8s" / "overlays" / PRODUCTION)}
+    changed = {(d["kind"], d["metadata"]["name"]): d for d in build(tmp_path / "k8s" / "overlays" / PRODUCTION)}
     before = {(d["kind"], d["metadata"]["name"]): d for d in _objects()}
     assert {n for k, n in before if k == "ConfigMap"} != {n for k, n in changed if k == "ConfigMap"}
     for name in SERVICE_PORTS:
@@ -491,9 +533,42 @@ def test_a_config_change_renames_the_config_map_and_rolls_the_pods(tmp_path: Pat
 
 
 def test_kustomize_hash_matches_kustomize() -> None:
-    # The suffixes kustomize itself gives these two (no name, one empty key; no data at all).
-    assert kustomize_hash({"metadata": {"name": ""}, "data": {"one": ""}}) == "9g67k2htb6"
-    assert kustomize_hash({"metadata": {"name": ""}}) == "6ct58987ht"
+    # The suffixes kustomize v5.5 gives these two (one empty key; no data at all), whatever their name.
+    for name in ("", "zeta", CONFIG):
+        assert kustomize_hash({"metadata": {"name": name}, "data": {"one": ""}}) == "9g67k2htb6"
+        assert kustomize_hash({"metadata": {"name": name}}) == "6ct58987ht"
+
+
+def _essentials(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str | None], dict[str, Any]]:
+    """What an apply is about, per object: its labels, its selectors, its pod template's labels and the
+    ConfigMaps its pods name."""
+    out = {}
+    for doc in docs:
+        metadata, spec = doc["metadata"], doc.get("spec") or {}
+        template = spec.get("template") if isinstance(spec.get("template"), dict) else None
+        out[(doc["kind"], metadata["name"], metadata.get("namespace"))] = {
+            "labels": metadata.get("labels", {}),
+            "selector": spec.get("selector"),
+            "podSelector": spec.get("podSelector"),
+            "template_labels": (template or {}).get("metadata", {}).get("labels"),
+            "configmaps": sorted(r["name"] for pod in _pod_specs(doc) for r in _configmap_references(pod)),
+        }
+    return out
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
+    if kubectl_kustomize() is None:
+        pytest.skip("no kubectl with kustomize v5 here: the overlays are rendered by the in-repo renderer only")
+    ours, real = render(OVERLAYS[overlay]), kubectl_render(OVERLAYS[overlay])
+    # Kinds, names (the ConfigMap's hash suffix too), namespaces, labels, selectors, references ...
+    assert _essentials(ours) == _essentials(real)
+    # ... and then every field.
+    assert sorted(ours, key=_kind_and_name) == sorted(real, key=_kind_and_name)
+
+
+def _kind_and_name(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
 
 
 def test_the_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path: Path) -> None:
