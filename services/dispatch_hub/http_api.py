@@ -33,7 +33,11 @@ AUTH = web.AppKey("auth", ClientAuthenticator)
 GATEWAY = web.AppKey("gateway", Gateway)
 CONTEXT = web.AppKey("hub_context", HubContext)
 MAX_BODY = web.AppKey("max_body", int)
+# A client message is at most MAX_WS_MESSAGE bytes. Frames up to MAX_WS_FRAME are still read and answered (an
+# `error` event `frame_too_large`, the socket stays open); a larger one aiohttp refuses from its header, before
+# buffering the payload, and closes the socket with 1009 (docs/security.md, WebSocket frames).
 MAX_WS_MESSAGE = 64 * 1024
+MAX_WS_FRAME = 4 * MAX_WS_MESSAGE
 
 
 @dataclass(slots=True)
@@ -107,8 +111,12 @@ class _Typed(msgspec.Struct):
 
 def decode_client_message(data: str) -> Heartbeat:
     """Client -> server messages must name their `type` (a bare object is not taken as a heartbeat)."""
-    decode_json(data, _Typed, max_bytes=MAX_WS_MESSAGE)
-    return decode_json(data, Heartbeat, max_bytes=MAX_WS_MESSAGE, decoder=client_message_decoder)
+    raw = data.encode()
+    if len(raw) > MAX_WS_MESSAGE:
+        raise ContractError("frame_too_large", f"the frame is {len(raw)} bytes; a message is at most "
+                            f"{MAX_WS_MESSAGE} bytes (frames over {MAX_WS_FRAME} bytes close the socket with 1009)")
+    decode_json(raw, _Typed, max_bytes=MAX_WS_MESSAGE)
+    return decode_json(raw, Heartbeat, max_bytes=MAX_WS_MESSAGE, decoder=client_message_decoder)
 
 
 def _error_event(exc: ContractError | None = None, *, code: str = "", message: str = "",
@@ -127,8 +135,8 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     if gateway.closing:
         raise ApiError(503, "shutting_down", "this hub is shutting down; reconnect")
     # autoping off: pings and pongs reach this loop, so both count as heartbeats.
-    # aiohttp refuses a message of max_msg_size bytes or more (1009); the limit is "at most 64 KiB", hence + 1.
-    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_MESSAGE + 1)
+    # aiohttp refuses a message of max_msg_size bytes or more (1009); the cap is "at most MAX_WS_FRAME", hence + 1.
+    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_FRAME + 1)
     try:
         await ws.prepare(request)
     except ConnectionResetError:

@@ -75,8 +75,9 @@ def _websocket_operation() -> dict[str, Any]:
     return {
         "operationId": "websocket",
         "summary": "WebSocket: server events `hello`, `task_available`, `task_control`, `heartbeat_ack`, "
-                   "`error`; client messages `heartbeat` (text frames of at most 64 KiB; a larger frame "
-                   "closes the socket with 1009). The handshake answers 101.",
+                   "`error`; client messages `heartbeat` (text frames of at most 64 KiB; a larger one up to "
+                   "256 KiB is answered by an `error` event `frame_too_large`, one over 256 KiB closes the "
+                   "socket with 1009). The handshake answers 101.",
         "responses": {"101": {"description": "Switching protocols"},
                       **_errors(400, 429, 503, s400="Not a WebSocket handshake (no `Upgrade: websocket`).",
                                 s429="Too many connection attempts from this address or client "

@@ -1,10 +1,11 @@
 """Malformed WebSocket frames against the real dispatch-hub process, next to a well-behaved client of another tenant.
 
 One client sends every kind of bad frame: broken JSON, wrong types, unknown `type`s, binary frames, NUL and other
-control characters, deep nesting, oversized and unknown platform_health reports, frames over the 64 KiB limit.
-Each one must be answered by an `error` event naming the problem (an over-limit frame: a clean close with 1009),
-and the socket stays usable. Meanwhile a client of another tenant keeps heartbeating: every heartbeat is acked,
-its `last_heartbeat_at` keeps moving in Postgres, its socket is never closed, and the hub process neither logs an
+control characters, deep nesting, oversized and unknown platform_health reports, frames over the 64 KiB limit;
+first a fixed list, then frames generated from a seed (tests/support/ws_frames.py). Each one must be answered by an
+`error` event naming the problem, and the socket stays usable; only a frame over the 256 KiB transport cap gets a
+clean close with 1009. After every frame, a client of another tenant gets its next heartbeat acked: its
+`last_heartbeat_at` keeps moving in Postgres, its socket is never closed, and the hub process neither logs an
 unhandled exception nor restarts.
 """
 
@@ -25,13 +26,17 @@ import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
+from libs.contracts.common import ContractError
 from libs.db.pool import Conn
 from libs.demo import seed_demo
+from services.dispatch_hub.http_api import MAX_WS_FRAME, MAX_WS_MESSAGE, decode_client_message
 from tests.support.fuzz_report import error_lines, fuzz_report
 from tests.support.procs import ServiceProcess, service_env
 from tests.support.wait import eventually
+from tests.support.ws_frames import generated_frames, seed_in_use
 
 LIMIT = 64 * 1024
+CAP = 256 * 1024
 MESSAGE_TOO_BIG = 1009
 GOOD_BEAT = json.dumps({"type": "heartbeat", "platform_health": {"openai": "healthy"}})
 
@@ -117,11 +122,19 @@ BINARY_CASES: list[tuple[str, bytes]] = [
     ("binary bytes", b"\x00\x01\x02\xff"),
     ("binary JSON heartbeat", GOOD_BEAT.encode()),
     ("empty binary frame", b""),
-]
-OVER_LIMIT_CASES: list[tuple[str, str | bytes]] = [
-    ("text one byte over the limit", _padded(LIMIT + 1)),
-    ("text far over the limit", "x" * (4 * LIMIT)),
     ("binary over the limit", b"\x00" * (LIMIT + 1)),
+]
+# Over the 64 KiB message limit but within the transport cap: an error event, the socket stays open.
+TOO_LARGE_CASES: list[tuple[str, str]] = [
+    ("a valid heartbeat one byte over the limit", _padded(LIMIT + 1)),
+    ("text far over the limit", "x" * (3 * LIMIT)),
+    ("a heartbeat of exactly the transport cap", _padded(CAP)),
+]
+# Over the transport cap: refused from the frame's header, a clean close with 1009.
+OVER_CAP_CASES: list[tuple[str, str | bytes]] = [
+    ("text one byte over the cap", _padded(CAP + 1)),
+    ("text far over the cap", "x" * (4 * CAP)),
+    ("binary over the cap", b"\x00" * (CAP + 1)),
 ]
 
 
@@ -130,7 +143,7 @@ class GoodClient:
     """The well-behaved neighbour: heartbeats every `period_s`, each must be acked within a few seconds."""
 
     ws: aiohttp.ClientWebSocketResponse
-    period_s: float = 0.05
+    period_s: float = 0.01
     acks: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -157,7 +170,7 @@ class GoodClient:
 def hub_process(settings: Settings, tmp_path: Path) -> Iterator[ServiceProcess]:
     # Fast heartbeat writes (flushed every 0.2 s, a client's liveness rewritten at most once per ping interval), so
     # the good client's last_heartbeat_at visibly moves during the few seconds of fuzzing; the bad client
-    # reconnects after each over-limit frame, within its upgrade budget.
+    # reconnects after each frame over the transport cap, within its upgrade budget.
     env = service_env(settings, HUB_HEARTBEAT_FLUSH_S="0.2", HUB_PING_INTERVAL_S="0.25",
                       HUB_UPGRADE_BURST_PER_CLIENT=20)
     proc = ServiceProcess("dispatch-hub", env, log_dir=tmp_path)
@@ -196,7 +209,9 @@ async def test_malformed_frames_get_errors_and_never_disturb_another_tenant(
     bad, good = (t["clients"][0] for t in seed["tenants"])
     pid = hub_process.proc.pid if hub_process.proc else None
     url = hub_process.url + "/api/desktop/ws"
+    generated = generated_frames()
     sent: Counter[str] = Counter()
+    neighbour_checks = 0
     problems: list[str] = []
 
     async with aiohttp.ClientSession() as http:
@@ -225,53 +240,63 @@ async def test_malformed_frames_get_errors_and_never_disturb_another_tenant(
 
         async def neighbour_served(after: str) -> None:
             """The other tenant's next heartbeat is acked after each bad frame (so they interleave)."""
+            nonlocal neighbour_checks
+            neighbour_checks += 1
             target = good_client.acks + 1
             try:
                 await eventually(lambda: good_client.acks >= target or bool(good_client.problems), timeout=5,
-                                 message="the good client's next ack")
+                                 interval=0.005, message="the good client's next ack")
             except AssertionError:
                 problems.append(f"after {after}: the good client's heartbeat was not acked within 5 s")
+
+        async def exchange(kind: str, what: str, frame: str | bytes) -> aiohttp.WSMessage | dict[str, Any]:
+            """One frame and the hub's answer to it, then the neighbour's next ack: every frame sent goes
+            through here, so each is followed by its own neighbour check."""
+            await (ws.send_str(frame) if isinstance(frame, str) else ws.send_bytes(frame))
+            sent[kind] += 1
+            reply = await _next_reply(ws)
+            await neighbour_served(what)
+            return reply
+
+        async def expect_error(kind: str, what: str, frame: str | bytes, codes: set[str] | frozenset[str],
+                               named: str | None) -> None:
+            nonlocal ws
+            reply = await exchange(kind, what, frame)
+            if not isinstance(reply, dict) or reply["type"] != "error":
+                problems.append(f"{what}: expected an error event, got {reply!r}")
+                if not isinstance(reply, dict):
+                    ws = await connect(bad["token"])
+                return
+            if reply["error"] not in codes or not reply.get("message"):
+                problems.append(f"{what}: error {reply['error']!r} ({reply.get('message')!r}), expected {codes}")
+            if named is not None and not str(reply.get("field") or "").startswith(named):
+                problems.append(f"{what}: the error names field {reply.get('field')!r}, expected {named!r}")
+
         try:
             for what, frame, codes, named in TEXT_CASES:
-                await ws.send_str(frame)
-                sent["text"] += 1
-                reply = await _next_reply(ws)
-                if not isinstance(reply, dict) or reply["type"] != "error":
-                    problems.append(f"{what}: expected an error event, got {reply!r}")
-                    if not isinstance(reply, dict):
-                        ws = await connect(bad["token"])
-                    continue
-                if reply["error"] not in codes or not reply.get("message"):
-                    problems.append(f"{what}: error {reply['error']!r} ({reply.get('message')!r}), expected {codes}")
-                if named is not None and not str(reply.get("field") or "").startswith(named):
-                    problems.append(f"{what}: the error names field {reply.get('field')!r}, expected {named!r}")
-                await neighbour_served(what)
+                await expect_error("text", what, frame, codes, named)
             for what, data in BINARY_CASES:
-                await ws.send_bytes(data)
-                sent["binary"] += 1
-                reply = await _next_reply(ws)
-                if not isinstance(reply, dict) or reply["type"] != "error" or reply["error"] != "invalid_message":
-                    problems.append(f"{what}: expected an invalid_message error event, got {reply!r}")
-                await neighbour_served(what)
+                await expect_error("binary", what, data, {"invalid_message"}, "type")
             # The socket still works: a valid heartbeat at exactly the limit is acked.
-            await ws.send_str(_padded(LIMIT))
-            sent["text"] += 1
-            reply = await _next_reply(ws)
+            what = f"a valid heartbeat of exactly {LIMIT} bytes"
+            reply = await exchange("text", what, _padded(LIMIT))
             if not isinstance(reply, dict) or reply["type"] != "heartbeat_ack":
-                problems.append(f"a valid heartbeat of exactly {LIMIT} bytes: expected an ack, got {reply!r}")
-            for what, big in OVER_LIMIT_CASES:
+                problems.append(f"{what}: expected an ack, got {reply!r}")
+            for what, big in TOO_LARGE_CASES:
+                await expect_error("over the limit", what, big, {"frame_too_large"}, None)
+            for case in generated:
+                await expect_error("generated", f"generated {case.kind} {case.frame!r:.160}", case.frame, case.codes,
+                                   case.named)
+            for what, huge in OVER_CAP_CASES:
                 if ws.closed:
                     problems.append(f"before {what}: the socket was closed ({ws.close_code})")
                     ws = await connect(bad["token"])
-                await (ws.send_str(big) if isinstance(big, str) else ws.send_bytes(big))
-                sent["over the limit"] += 1
-                reply = await _next_reply(ws)
+                reply = await exchange("over the cap", what, huge)
                 if isinstance(reply, dict) or reply.type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED) \
                         or ws.close_code != MESSAGE_TOO_BIG:
                     problems.append(f"{what}: expected a close with {MESSAGE_TOO_BIG}, got {reply!r} "
                                     f"(close code {ws.close_code})")
                 await ws.close()
-                await neighbour_served(what)
                 ws = await connect(bad["token"])
             await ws.send_str(GOOD_BEAT)
             reply = await _next_reply(ws)
@@ -289,15 +314,20 @@ async def test_malformed_frames_get_errors_and_never_disturb_another_tenant(
             good_closed = good_client.ws.closed
             await good_client.ws.close()
 
+    total = sum(sent.values())
     kinds = ", ".join(f"{n} {kind}" for kind, n in sent.items())
+    generated_kinds = ", ".join(f"{n} {kind}" for kind, n in Counter(case.kind for case in generated).items())
     fuzz_report(request.config).add("websocket fuzz (dispatch-hub)", (
-        f"{sum(sent.values())} malformed or boundary frames sent ({kinds}), {len(problems)} answered wrongly; "
-        f"the other tenant's client meanwhile: {acks_during} heartbeats acked, {beats_during} distinct "
-        f"last_heartbeat_at values, socket {'closed' if good_closed else 'open'} throughout"))
+        f"{total} malformed or boundary frames sent ({kinds}), {len(problems)} answered wrongly; "
+        f"the generated ones from seed {seed_in_use()} (WS_FUZZ_SEED): {generated_kinds}; "
+        f"the other tenant's client meanwhile: {acks_during} heartbeats acked, {neighbour_checks} of them checked "
+        f"one by one after each frame, {beats_during} distinct last_heartbeat_at values, socket "
+        f"{'closed' if good_closed else 'open'} throughout"))
     assert not problems, "\n".join(problems)
     assert not good_client.problems, good_client.problems
     assert not good_closed, "the good client's socket was closed"
-    assert acks_during >= sum(sent.values()) and beats_during >= 3, (acks_during, sorted(beats_seen))
+    assert neighbour_checks == total, (neighbour_checks, sent)
+    assert acks_during >= total and beats_during >= 3, (acks_during, total, sorted(beats_seen))
     assert hub_process.proc is not None and hub_process.proc.poll() is None and hub_process.proc.pid == pid
     assert error_lines(hub_process.logs()) == []
 
@@ -307,7 +337,33 @@ async def _newer(pool: AsyncConnectionPool[Conn], client_id: str, than: datetime
 
 
 def test_the_cases_are_distinct_and_fit_the_limit() -> None:
-    whats = [c[0] for c in TEXT_CASES] + [c[0] for c in BINARY_CASES] + [c[0] for c in OVER_LIMIT_CASES]
+    whats = ([c[0] for c in TEXT_CASES] + [c[0] for c in BINARY_CASES] + [c[0] for c in TOO_LARGE_CASES]
+             + [c[0] for c in OVER_CAP_CASES])
     assert len(whats) == len(set(whats))
     assert all(len(frame.encode()) <= LIMIT for _, frame, _, _ in TEXT_CASES)
-    assert len(_padded(LIMIT).encode()) == LIMIT
+    assert len(_padded(LIMIT).encode()) == LIMIT and len(_padded(CAP).encode()) == CAP
+    assert all(LIMIT < len(frame.encode()) <= CAP for _, frame in TOO_LARGE_CASES)
+    assert all(len(frame.encode() if isinstance(frame, str) else frame) > CAP for _, frame in OVER_CAP_CASES)
+    assert (LIMIT, CAP) == (MAX_WS_MESSAGE, MAX_WS_FRAME)
+
+
+def test_the_generated_frames_are_what_they_claim() -> None:
+    """Offline, against the hub's own decoder: each generated frame fits the limit, is malformed, and gets the
+    error its kind expects (so the run against the process checks the process, not the generator)."""
+    frames = generated_frames()
+    by_kind = Counter(frame.kind for frame in frames)
+    assert len(by_kind) == 7 and min(by_kind.values()) >= 8, by_kind
+    for frame in frames:
+        if isinstance(frame.frame, bytes):
+            assert frame.codes == {"invalid_message"}
+            continue
+        assert len(frame.frame.encode()) <= LIMIT, (frame.kind, len(frame.frame.encode()))
+        with pytest.raises(ContractError) as refused:
+            decode_client_message(frame.frame)
+        assert refused.value.code in frame.codes, (frame, refused.value.code, refused.value.message)
+        assert frame.named is None or str(refused.value.field or "").startswith(frame.named), (
+            frame, refused.value.field)
+
+
+def test_the_generated_frames_are_the_same_for_the_same_seed() -> None:
+    assert generated_frames(4) == generated_frames(4)
