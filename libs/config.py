@@ -209,15 +209,23 @@ class Settings:
         )
         return DEV_JWT_SECRET, "HS256"
 
+    def ops_token(self) -> str:
+        """OPS_API_TOKEN; raises ConfigError for a configured token that is short (under 32 bytes) or a known
+        placeholder, as for the gateway secret, unless DEV_MODE. Empty: the ops API is disabled (403)."""
+        token = self.ops_api_token
+        if token and not self.dev_mode:
+            _check_secret(token, "OPS_API_TOKEN")
+        return token
 
-def _check_secret(secret: str) -> None:
+
+def _check_secret(secret: str, name: str = "GATEWAY_JWT_SECRET") -> None:
     if len(secret.encode()) < MIN_JWT_SECRET_BYTES:
-        raise ConfigError(f"GATEWAY_JWT_SECRET is {len(secret.encode())} bytes; at least {MIN_JWT_SECRET_BYTES} "
+        raise ConfigError(f"{name} is {len(secret.encode())} bytes; at least {MIN_JWT_SECRET_BYTES} "
                           "random bytes are required (e.g. `openssl rand -hex 32`)")
     lowered = secret.lower()
     marker = next((m for m in PLACEHOLDER_MARKERS if m in lowered), None)
     if secret == DEV_JWT_SECRET or marker is not None:
-        raise ConfigError(f"GATEWAY_JWT_SECRET looks like a placeholder (contains {marker!r}); set a random secret")
+        raise ConfigError(f"{name} looks like a placeholder (contains {marker!r}); set a random secret")
 
 
 def _checked_public_key(pem: str) -> str:

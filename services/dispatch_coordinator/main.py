@@ -69,6 +69,7 @@ async def status_handler(request: web.Request) -> web.Response:
 
 
 def build(settings: Settings) -> web.Application:
+    settings.ops_token()  # fail closed: a short or placeholder OPS_API_TOKEN (outside DEV_MODE), no service
     app = SERVICE.app(settings, start)
     app.middlewares.append(ops_auth)  # inside json_errors: refusals are JSON
     app.router.add_get("/api/ops/tasks/{task_id}/explain", explain_handler)

@@ -1,4 +1,5 @@
-"""Settings.from_env: the dispatch-hub timing settings are typed, defaulted and validated."""
+"""Settings.from_env: the dispatch-hub timing settings are typed, defaulted and validated; OPS_API_TOKEN is checked
+like the gateway secret."""
 
 from __future__ import annotations
 
@@ -44,3 +45,25 @@ def test_hub_setting_that_is_not_a_number_is_rejected(name: str, raw: str) -> No
 def test_hub_setting_that_is_not_positive_is_rejected(name: str, raw: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{name}=\S+ must be a positive number of seconds$"):
         Settings.from_env(env={name: raw})
+
+
+OPS_TOKEN = "Zq4v8NwLx2Rk7Tj0Hs5Bm3Yc9Pd1Gf6A"  # 32 random-looking bytes
+
+
+@pytest.mark.parametrize("token", [
+    "x",
+    OPS_TOKEN[:-1],
+    "REPLACE_ME_WITH_OUTPUT_OF_OPENSSL_RAND_HEX_32",  # deploy/k8s/base/secret.example.yaml's placeholder
+    "dev-only-compose-ops-token-0123456789",
+    "please-change-me-0123456789abcdefghij",
+    "an-example-ops-token-0123456789abcdefgh",
+], ids=["one-char", "31-bytes", "k8s-placeholder", "dev-only", "change-me", "example"])
+def test_a_short_or_placeholder_ops_token_is_refused_outside_dev_mode(token: str) -> None:
+    with pytest.raises(ConfigError, match=r"^OPS_API_TOKEN "):
+        Settings.from_env(env={"OPS_API_TOKEN": token}).ops_token()
+    assert Settings.from_env(env={"OPS_API_TOKEN": token, "DEV_MODE": "1"}).ops_token() == token
+
+
+def test_a_real_ops_token_is_accepted_and_an_unset_one_disables_the_ops_api() -> None:
+    assert Settings.from_env(env={"OPS_API_TOKEN": OPS_TOKEN}).ops_token() == OPS_TOKEN
+    assert Settings.from_env(env={}).ops_token() == ""  # the ops routes answer 403 ops_api_disabled

@@ -752,6 +752,12 @@ def test_placeholder_gateway_secret_never_starts_a_service() -> None:
         Settings.from_env(env={"GATEWAY_JWT_SECRET": placeholder}).jwt_key()
 
 
+def test_placeholder_ops_token_never_starts_the_coordinator() -> None:
+    placeholder = _secret_template()["OPS_API_TOKEN"]
+    with pytest.raises(ConfigError, match="OPS_API_TOKEN"):
+        Settings.from_env(env={"OPS_API_TOKEN": placeholder}).ops_token()
+
+
 def test_every_setting_in_the_manifests_is_a_settings_field() -> None:
     known = {f.name.upper() for f in dataclasses.fields(Settings)}
     assert set(_configmap()) <= known

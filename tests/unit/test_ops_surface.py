@@ -10,9 +10,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from libs.config import Settings
+from libs.config import ConfigError, Settings
 from libs.http import ApiError, add_readiness_check, json_errors, make_app, readyz
-from services.dispatch_coordinator.main import check_ops_token
+from services.dispatch_coordinator.main import build, check_ops_token
 
 TOKEN = "ops-token-0123456789abcdefghijklmnopqrstuvwxyz"
 
@@ -39,6 +39,14 @@ def test_with_a_token_configured_only_that_bearer_token_passes(authorization: st
             check_ops_token(settings, authorization)
         assert (refused.value.status, refused.value.code) == (401, "unauthorized")
         assert TOKEN not in refused.value.message
+
+
+def test_the_coordinator_app_is_not_built_with_a_short_or_placeholder_token() -> None:
+    for token in ("x", "REPLACE_ME_WITH_OUTPUT_OF_OPENSSL_RAND_HEX_32"):
+        with pytest.raises(ConfigError, match="OPS_API_TOKEN"):
+            build(Settings(ops_api_token=token))
+    assert isinstance(build(Settings(ops_api_token="x", dev_mode=True)), web.Application)
+    assert isinstance(build(Settings(ops_api_token=TOKEN)), web.Application)
 
 
 def test_without_a_token_the_ops_api_is_disabled_unless_dev_mode() -> None:
