@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -124,6 +125,10 @@ class Settings:
     hub_upgrade_burst_per_client: int = 5
     hub_upgrades_per_address_per_s: float = 200.0
     hub_upgrade_burst_per_address: int = 2000
+    # Proxies whose X-Forwarded-For the hub believes, as comma-separated addresses or CIDRs (the ingress
+    # controller's pods): an upgrade from one counts against the right-most X-Forwarded-For address that is
+    # not a trusted proxy. Empty: trust none, the connection's own peer address counts.
+    hub_trusted_proxies: str = ""
     # How often a hub looks for disabled clients and rotated tokens among its sockets (and closes them).
     hub_revocation_check_s: float = 2.0
     # Client-token lookups cached in each hub: known tokens briefly (a disabled client is refused within this),
@@ -179,6 +184,7 @@ class Settings:
             raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")
         if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:
             raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
+        settings.trusted_proxy_networks()
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
                      "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
                      "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s",
@@ -208,6 +214,20 @@ class Settings:
             "GATEWAY_JWT_SECRET is not set: DEV_MODE uses the development secret; never do this in production"
         )
         return DEV_JWT_SECRET, "HS256"
+
+    def trusted_proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """HUB_TRUSTED_PROXIES parsed; raises ConfigError for an entry that is no address or CIDR (or a CIDR with
+        host bits set, which usually means a typo)."""
+        networks = []
+        for entry in (part.strip() for part in self.hub_trusted_proxies.split(",")):
+            if not entry:
+                continue
+            try:
+                networks.append(ipaddress.ip_network(entry))
+            except ValueError as exc:
+                raise ConfigError(f"HUB_TRUSTED_PROXIES: {entry!r} is not an address or CIDR such as 10.0.0.0/8 "
+                                  f"({exc})") from exc
+        return tuple(networks)
 
     def ops_token(self) -> str:
         """OPS_API_TOKEN; raises ConfigError for a configured token that is short (under 32 bytes) or a known

@@ -24,7 +24,7 @@ from services.dispatch_hub.auth import ClientAuthenticator, ClientPrincipal
 from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.leases import HubContext
-from services.dispatch_hub.logic import TokenBuckets
+from services.dispatch_hub.logic import IPNetwork, TokenBuckets, client_address
 from services.dispatch_hub.openapi import openapi_document
 
 log = logging.getLogger("hub.http")
@@ -42,10 +42,15 @@ MAX_WS_FRAME = 4 * MAX_WS_MESSAGE
 
 @dataclass(slots=True)
 class UpgradeLimits:
-    """WebSocket upgrade budgets: per source address (checked before the token is looked up) and per client."""
+    """WebSocket upgrade budgets: per source address (checked before the token is looked up) and per client.
+    Behind trusted proxies (HUB_TRUSTED_PROXIES) the source address is the client's, from X-Forwarded-For."""
 
     by_address: TokenBuckets
     by_client: TokenBuckets
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+
+    def address_of(self, request: web.Request) -> str:
+        return client_address(request.remote, request.headers.getall("X-Forwarded-For", ()), self.trusted_proxies)
 
     def check(self, buckets: TokenBuckets, key: str, what: str) -> None:
         wait = buckets.take(key, time.monotonic())
@@ -128,7 +133,7 @@ def _error_event(exc: ContractError | None = None, *, code: str = "", message: s
 
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
     limits = request.app[UPGRADE_LIMITS]
-    limits.check(limits.by_address, request.remote or "unknown", "address")
+    limits.check(limits.by_address, limits.address_of(request), "address")
     principal = await _principal(request)  # 401 JSON before the upgrade
     limits.check(limits.by_client, str(principal.client_id), "client")
     gateway = request.app[GATEWAY]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import secrets
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -200,3 +201,48 @@ class TokenBuckets:
         self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < full_after}
         if len(self._buckets) >= self.max_keys:
             self._buckets.clear()  # a flood of distinct keys: forget them all rather than grow without bound
+
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_address(raw: str) -> IPAddress | None:
+    """An IP address as a peer or an X-Forwarded-For entry spells it (`1.2.3.4`, `1.2.3.4:5678`, `::1`,
+    `[::1]:443`); an IPv4-mapped IPv6 address is its IPv4 address. None for anything else."""
+    text = raw.strip()
+    if text.startswith("["):
+        text = text[1:text.find("]")] if "]" in text else ""
+    elif text.count(":") == 1:
+        text = text.partition(":")[0]
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def client_address(peer: str | None, forwarded_for: Iterable[str], trusted: Sequence[IPNetwork]) -> str:
+    """The address a WebSocket upgrade counts against (its per-address budget).
+
+    The connection's peer, unless the peer is a trusted proxy. Then the right-most X-Forwarded-For address that
+    is not a trusted proxy: every trusted hop appends the address its connection came from, so that entry was
+    written by a proxy we trust, while anything left of it is whatever the client chose to send. Every entry
+    trusted: the left-most. An entry that is no address where a hop should be: the trusted hop that passed it
+    on (a client never gets a bucket of its own choosing).
+    """
+    if not trusted:
+        return peer or "unknown"
+    address = parse_address(peer) if peer else None
+    if address is None:
+        return peer or "unknown"
+    entries = [entry for header in forwarded_for for entry in header.split(",") if entry.strip()]
+    hops = iter(reversed(entries))
+    while any(address in network for network in trusted):
+        hop = parse_address(next(hops, ""))
+        if hop is None:
+            break
+        address = hop
+    return str(address)

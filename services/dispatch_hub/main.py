@@ -48,7 +48,8 @@ def _upgrade_limits(settings: Settings) -> UpgradeLimits:
     """WebSocket upgrades allowed per address and per client (token buckets)."""
     return UpgradeLimits(
         by_address=TokenBuckets(settings.hub_upgrades_per_address_per_s, settings.hub_upgrade_burst_per_address),
-        by_client=TokenBuckets(settings.hub_upgrades_per_client_per_s, settings.hub_upgrade_burst_per_client))
+        by_client=TokenBuckets(settings.hub_upgrades_per_client_per_s, settings.hub_upgrade_burst_per_client),
+        trusted_proxies=settings.trusted_proxy_networks())
 
 
 async def _start(life: Lifetime) -> None:

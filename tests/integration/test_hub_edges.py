@@ -186,6 +186,34 @@ async def test_upgrades_are_rate_limited_per_address_before_any_token_lookup(
         assert hub.app[AUTH].lookups == lookups + 2  # the third was refused before its token was looked up
 
 
+async def _upgrade(http: aiohttp.ClientSession, hub: TestServer, token: str, forwarded_for: str) -> int:
+    """The status of a WebSocket upgrade carrying this X-Forwarded-For (101, or the refusal's)."""
+    headers = {"Authorization": f"Bearer {token}", "X-Forwarded-For": forwarded_for}
+    try:
+        ws = await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers=headers)
+    except aiohttp.WSServerHandshakeError as exc:
+        return exc.status
+    await ws.close()
+    return 101
+
+
+async def test_clients_behind_a_trusted_proxy_get_their_own_upgrade_budgets(
+        settings: Settings, http: aiohttp.ClientSession, seed: Json) -> None:
+    _, _, token = client_of(seed)
+    # The test's connections come from 127.0.0.1: here, the ingress. Each client behind it has a budget of 1.
+    async with running_hub(settings, hub_upgrade_burst_per_address=1, hub_upgrades_per_address_per_s=0.01,
+                           hub_trusted_proxies="127.0.0.1/32") as hub:
+        assert await _upgrade(http, hub, token, "198.51.100.1") == 101
+        assert await _upgrade(http, hub, token, "203.0.113.9, 198.51.100.2") == 101  # another client
+        assert await _upgrade(http, hub, token, "198.51.100.1") == 429  # the first one's budget is spent
+        # What a client writes left of the address the proxy appended changes nothing.
+        assert await _upgrade(http, hub, token, "203.0.113.10, 198.51.100.2") == 429
+    # Not a trusted proxy: X-Forwarded-For is ignored, every upgrade counts against the peer's one budget.
+    async with running_hub(settings, hub_upgrade_burst_per_address=1, hub_upgrades_per_address_per_s=0.01) as hub:
+        assert await _upgrade(http, hub, token, "198.51.100.1") == 101
+        assert await _upgrade(http, hub, token, "198.51.100.2") == 429
+
+
 async def test_unknown_tokens_are_cached_as_unknown(settings: Settings, http: aiohttp.ClientSession,
                                                     seed: Json) -> None:
     async with running_hub(settings) as hub:
