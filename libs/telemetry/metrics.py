@@ -38,6 +38,8 @@ LEADER_OWNED: dict[str, str] = {
     "dispatch_auto_slowdown_signal": "dispatch-coordinator",
     "dispatch_auto_slowdown_active": "dispatch-coordinator",
     "monitor_tenant_platform_paused": "dispatch-coordinator",
+    "dispatch_rollout_percentage": "dispatch-coordinator",
+    "dispatch_in_flight_tasks": "dispatch-coordinator",
     "safe_point_interval_ms_p95": "reconciler",
     "reconciler_migration_stalled_ready_tasks": "reconciler",
     "reconciler_migration_orphan_tasks": "reconciler",
@@ -220,6 +222,25 @@ http_request_duration_seconds = Histogram(
 websocket_messages_total = ExactCounter(
     "websocket_messages_total", "WebSocket messages, by direction (in: from clients, out: to clients) and kind.",
     labelnames=("direction", "kind"))
+# WebSocket RED beside the message counts (services/dispatch_hub/connections.py): latency and errors of the sockets.
+WS_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+desktop_ws_delivery_seconds = Histogram(
+    "desktop_ws_delivery_seconds",
+    "A dispatch event's arrival at the hub's broker consumer to its frame written on a client's socket, seconds "
+    "(one observation per socket it went to).", buckets=WS_SECONDS_BUCKETS)
+desktop_ws_hello_seconds = Histogram(
+    "desktop_ws_hello_seconds",
+    "A WebSocket upgrade answered to the hello frame written (online, replay read), seconds.",
+    buckets=WS_SECONDS_BUCKETS)
+desktop_ws_abnormal_closes_total = ExactCounter(
+    "desktop_ws_abnormal_closes_total",
+    "Desktop sockets that ended with an abnormal close code (not 1000/1001 nor a deliberate 4401/4403/4409), by "
+    "code: 1006 dropped without a close frame, 1009 message too big, 1013 too slow (outbound queue full), "
+    "4408 heartbeat timeout, other ...", labelnames=("code",))
+desktop_ws_send_failures_total = ExactCounter(
+    "desktop_ws_send_failures_total",
+    "Frame writes to a desktop socket that failed (the socket was closing or gone; what was queued behind it is "
+    "dropped, the client gets it again from its replay on reconnect).")
 # Edge limits (one client or tenant cannot take what others need).
 edge_rejected_total = ExactCounter(
     "edge_rejected_total", "Requests refused by a per-client, per-address or per-tenant limit, by reason.",
@@ -312,5 +333,18 @@ dispatch_scanner_plans_count = ExactCounter(
 dispatch_scanner_tasks_created_count = ExactCounter(
     "dispatch_scanner_tasks_created_count", "Business tasks created by the schedule scanner, by execution owner.",
     ["execution_owner"])
+# The rollout between the two execution paths (docs/legacy-path.md), beside execution_owner_*_count.
+dispatch_dispatched_by_owner_count = ExactCounter(
+    "dispatch_dispatched_by_owner_count",
+    "Dispatches committed by the coordinator, by execution path: desktop_tasks executions created, legacy offers "
+    "made.", ["execution_owner"])
+dispatch_rollout_percentage = Gauge(
+    "dispatch_rollout_percentage",
+    "dispatch_settings.rollout_percentage as stored: new tasks of tenants with tenant_id % 100 below it take the "
+    "desktop_tasks path, the others legacy.")
+dispatch_in_flight_tasks = Gauge(
+    "dispatch_in_flight_tasks",
+    "Work in flight per execution path: active desktop_tasks executions (queued, in progress, unknown), live legacy "
+    "leases (offered, pulled).", ["execution_owner"])
 dispatch_aging_boosted_count = ExactCounter(
     "dispatch_aging_boosted_count", "Ready normal tasks boosted by aging (docs/architecture.md §9.4).")

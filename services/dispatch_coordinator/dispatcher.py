@@ -697,6 +697,7 @@ class Dispatcher:
         rows = written.rows
         for r in rows:
             metrics.dispatch_decisions_count.inc(lane=r["lane"])
+            metrics.dispatch_dispatched_by_owner_count.inc(execution_owner=r["execution_owner"])
             if r["lane"] == "high":
                 log.info("high task dispatched", extra={
                     "tenant_id": r["tenant_id"], "task_id": str(r["id"]), "monitor_task_id": r["monitor_task_id"],

@@ -1,4 +1,5 @@
-"""Periodic work of the leader besides dispatch: backlog metrics, aging (§9.4), auto slow-down (§12.4)."""
+"""Periodic work of the leader besides dispatch: backlog and execution-path metrics, aging (§9.4), auto slow-down
+(§12.4)."""
 
 from __future__ import annotations
 
@@ -130,10 +131,34 @@ def census_for(conn: Conn) -> BacklogCensus:
     return _censuses.setdefault(_database(conn), BacklogCensus())
 
 
+@dataclass(frozen=True, slots=True)
+class Paths:
+    """The rollout as stored and the work in flight per execution path (docs/legacy-path.md)."""
+
+    rollout_percentage: int
+    in_flight: dict[str, int]
+
+
+async def observe_paths(conn: Conn) -> Paths:
+    """The rollout dashboard's gauges, exactly, in one statement: the rollout percentage as stored (what the scanner and
+    collect-now give new tasks), active executions and live legacy leases."""
+    cur = await conn.execute(q.PATHS, {"default_rollout": DispatchSettings().rollout_percentage})
+    row = await cur.fetchone()
+    assert row is not None
+    paths = Paths(int(row["rollout_percentage"]),
+                  {"desktop_tasks": int(row["desktop_tasks"]), "legacy": int(row["legacy"])})
+    metrics.dispatch_rollout_percentage.set(paths.rollout_percentage)
+    for owner, n in paths.in_flight.items():
+        metrics.dispatch_in_flight_tasks.labels(execution_owner=owner).set(n)
+    return paths
+
+
 async def observe_backlog(conn: Conn, census: BacklogCensus | None = None) -> Backlog:
     """Ready backlog per lane and tenant, into the §15.1 gauges: the high lane and the clients' queues exactly, the rest
-    from the census (`census_for(conn)` unless given), one slice further each call."""
+    from the census (`census_for(conn)` unless given), one slice further each call; and the execution paths' gauges
+    (`observe_paths`)."""
     backlog = Backlog()
+    await observe_paths(conn)
     cur = await conn.execute(q.HIGH_BACKLOG)
     row = await cur.fetchone()
     if row is not None:

@@ -4,6 +4,7 @@ f-strings in this module only."""
 from __future__ import annotations
 
 from libs.ingest.lag import INGEST_LAG_SQL
+from libs.tasks import legacy
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
@@ -512,4 +513,14 @@ SELECT coalesce(extract(epoch FROM (now() - min(requested_at))) * 1000, 0) AS la
 PUBLISH_STATE = """
 INSERT INTO dispatch_coordinator_state (key, value, updated_at) VALUES (%(key)s, %(value)s, now())
 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value, updated_at = now()
+"""
+
+# The rollout as stored (libs.tasks.fragments.ROLLOUT_OWNER_SQL's reading, with the settings' default) and the work
+# in flight per execution path (libs.tasks.legacy.IN_FLIGHT_BY_PATH: counts over the two partial indexes of live
+# work), in one round trip for the maintenance tick's gauges.
+PATHS = f"""
+SELECT coalesce((SELECT (v.value #>> '{{}}')::int FROM dispatch_settings v WHERE v.key = 'rollout_percentage'),
+                %(default_rollout)s) AS rollout_percentage,
+       f.desktop_tasks, f.legacy
+FROM ({legacy.IN_FLIGHT_BY_PATH}) f
 """
