@@ -3,7 +3,12 @@ blocks the broker consumer or other clients; events that arrive before the hello
 held back and sent right after them, so the client sees hello first and loses nothing.
 
 The writer task runs only while there is something to send: an idle socket holds an empty deque (0.6 KB), not
-an `asyncio.Queue` (3.3 KB) and a parked task (1.1 KB), ~38 MB less on a hub of 10,000 sockets."""
+an `asyncio.Queue` (3.3 KB) and a parked task (1.1 KB), ~38 MB less on a hub of 10,000 sockets.
+
+WebSocket RED: each queued frame carries the monotonic time its dispatch event reached the hub's consumer (0 for
+frames the hub makes itself: hello, replay, acks), so the writer observes the delivery latency with one histogram
+observe a frame; the hello's own latency is measured from the upgrade; failed sends and abnormal closes are
+counted."""
 
 from __future__ import annotations
 
@@ -23,6 +28,14 @@ log = logging.getLogger("hub.ws")
 # Live events queued for one socket at most; a client this far behind is closed (1013) and reconnects for a
 # replay from the database. The hello and replay go out whatever this says (the replay has its own limit).
 MAX_OUTBOUND = 2000
+TOO_SLOW_CLOSE = 1013
+# How a socket may end without an error: closed normally (1000), going away (1001: a client quitting, a hub
+# shutting down) or deliberately by the hub (gateway.py: 4401 token rotated, 4403 client disabled, 4409 replaced).
+# Any other code is an abnormal close, counted by code; a code outside ABNORMAL_CODES is counted as "other" (a
+# client chooses its own close code: it must not make a new series each).
+NORMAL_CLOSES = frozenset({1000, 1001, 4401, 4403, 4409})
+ABNORMAL_CODES = frozenset({1002, 1003, 1006, 1007, 1008, 1009, 1010, 1011, TOO_SLOW_CLOSE, 4408})
+DROPPED = 1006  # no close frame: the connection was lost
 
 
 class Connection:
@@ -33,8 +46,9 @@ class Connection:
         self.live = False
         self.last_seen = time.monotonic()
         self.opened_at = self.last_seen
-        self._held: list[str] = []
-        self._outbound: deque[str] = deque()
+        self._held: list[tuple[str, float]] = []
+        self._outbound: deque[tuple[str, float]] = deque()
+        self._hello_pending = True
         self._max_outbound = max_outbound
         self._writer: asyncio.Task[None] | None = None
         self._stopped = False
@@ -43,6 +57,9 @@ class Connection:
         # client's socket limit and is not closed twice.
         self.closing = False
         self._closer: asyncio.Task[bool] | None = None
+        # The code the hub closed it with, if the hub did (the socket's own close_code is then the client's reply).
+        self.closed_with: int | None = None
+        self._close_counted = False
 
     @property
     def client_id(self) -> str:
@@ -60,31 +77,33 @@ class Connection:
     def touch(self) -> None:
         self.last_seen = time.monotonic()
 
-    def deliver(self, text: str) -> None:
-        """Queue an event for the socket (held back until the hello and replay went out)."""
+    def deliver(self, text: str, arrived: float = 0.0) -> None:
+        """Queue an event for the socket (held back until the hello and replay went out); `arrived`: the monotonic
+        time a dispatch event reached the hub (its frame's delivery latency is measured from it)."""
         if not self.live:
-            self._held.append(text)
+            self._held.append((text, arrived))
             return
-        self._put(text)
+        self._put(text, arrived)
 
     def go_live(self, first: list[str]) -> None:
         """Send `first` (hello, replay), then everything held back, then live events, in that order."""
-        self._outbound.extend(first)
-        for text in self._held:
-            self._put(text)
+        self._outbound.extend((text, 0.0) for text in first)
+        for text, arrived in self._held:
+            self._put(text, arrived)
         self._held.clear()
         self.live = True
         self._kick()
 
-    def _put(self, text: str) -> None:
+    def _put(self, text: str, arrived: float) -> None:
         if len(self._outbound) >= self._max_outbound:
             # A client this far behind reconnects and gets a replay from the database instead.
             if not self.overflowed:
                 self.overflowed = True
                 log.warning("outbound queue full; closing the socket", extra={"client_id": self.client_id})
-                self._closer = asyncio.create_task(self.ws.close(code=1013, message=b"too slow; reconnect"))
+                self.closed_with = TOO_SLOW_CLOSE
+                self._closer = asyncio.create_task(self.ws.close(code=TOO_SLOW_CLOSE, message=b"too slow; reconnect"))
             return
-        self._outbound.append(text)
+        self._outbound.append((text, arrived))
         self._kick()
 
     def _kick(self) -> None:
@@ -95,13 +114,19 @@ class Connection:
         """Until the queue is empty (one writer at a time, so the order is the queue's)."""
         try:
             while self._outbound:
-                text = self._outbound.popleft()
+                text, arrived = self._outbound.popleft()
                 try:
                     await self.ws.send_str(text)
-                    metrics.websocket_messages_total.inc(direction="out", kind="text")
                 except (ConnectionError, RuntimeError):
+                    metrics.desktop_ws_send_failures_total.inc()
                     self._outbound.clear()
                     return  # closing or closed: the handler's receive loop ends and cleans up
+                metrics.websocket_messages_total.inc(direction="out", kind="text")
+                if arrived:
+                    metrics.desktop_ws_delivery_seconds.observe(time.monotonic() - arrived)
+                elif self._hello_pending:  # the first frame of a socket is its hello
+                    self._hello_pending = False
+                    metrics.desktop_ws_hello_seconds.observe(time.monotonic() - self.opened_at)
         finally:
             self._writer = None
 
@@ -117,3 +142,15 @@ class Connection:
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
+
+    def count_close(self) -> int:
+        """Once the socket is closed: how it ended (the hub's code if the hub closed it, else the socket's; a socket
+        without one was dropped), counted in desktop_ws_abnormal_closes_total unless normal. Counts once."""
+        code = self.closed_with if self.closed_with is not None else self.ws.close_code
+        if code is None:
+            code = DROPPED
+        if not self._close_counted and code not in NORMAL_CLOSES:
+            metrics.desktop_ws_abnormal_closes_total.inc(code=str(code) if code in ABNORMAL_CODES else "other")
+        self._close_counted = True
+        return code
+

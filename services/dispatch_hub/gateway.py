@@ -141,16 +141,17 @@ class Gateway:
         if not conns:  # a client of another hub (or of none)
             self.for_other_hubs += 1
             return
+        arrived = time.monotonic()
         if tracing.enabled():
-            self._deliver_traced(message, client_id, conns)
+            self._deliver_traced(message, client_id, conns, arrived)
             return
         text = message.body.decode()
         for conn in conns:
-            conn.deliver(text)
+            conn.deliver(text, arrived)
             self.forwarded += 1
 
     def _deliver_traced(self, message: AbstractIncomingMessage, client_id: uuid.UUID,
-                        conns: tuple[Connection, ...]) -> None:
+                        conns: tuple[Connection, ...], arrived: float) -> None:
         """Deliver in a span that is a child of the publisher's (AMQP headers); the event goes out with that
         span's `traceparent`, which the client sends back on its calls for the task."""
         with tracing.span("hub.deliver", kind=tracing.SpanKind.CONSUMER,
@@ -165,7 +166,7 @@ class Gateway:
                 text = msgspec.json.encode(msgspec.structs.replace(
                     event, traceparent=tracing.traceparent_of(span))).decode()
             for conn in conns:
-                conn.deliver(text)
+                conn.deliver(text, arrived)
                 self.forwarded += 1
 
     def _on_reconnect(self, *_: Any) -> None:
@@ -272,6 +273,7 @@ class Gateway:
         return events
 
     async def detach(self, conn: Connection) -> None:
+        conn.count_close()
         principal = conn.principal
         client_id = principal.client_id
         async with self._lock(client_id):
@@ -311,6 +313,7 @@ class Gateway:
 
     def _close(self, conn: Connection, code: int, message: bytes) -> None:
         conn.closing = True
+        conn.closed_with = code
         self._spawn(conn.ws.close(code=code, message=message), name=f"close-{conn.client_id}")
 
     # ---- revocation --------------------------------------------------------------------------
@@ -393,6 +396,8 @@ class Gateway:
         """SIGTERM: tell every client to go elsewhere (1001 going away); handlers then clean up."""
         self.closing = True
         conns = self.all_connections()
+        for conn in conns:
+            conn.closed_with = GOING_AWAY
         await asyncio.gather(*(c.ws.close(code=GOING_AWAY, message=b"server shutting down") for c in conns),
                              return_exceptions=True)
 
