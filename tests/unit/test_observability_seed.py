@@ -187,16 +187,26 @@ def _rules() -> dict[str, dict[str, Any]]:
     return {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"]}
 
 
-def _dashboard() -> dict[str, Any]:
-    configmap = yaml.safe_load((K8S / "grafana-dashboard.yaml").read_text())
+# The main dashboard, and the rollout between the execution paths (docs/legacy-path.md).
+MAIN_DASHBOARD = "grafana-dashboard.yaml"
+ROLLOUT_DASHBOARD = "grafana-dashboard-rollout.yaml"
+DASHBOARDS = (MAIN_DASHBOARD, ROLLOUT_DASHBOARD)
+
+
+def _dashboard(file: str = MAIN_DASHBOARD) -> dict[str, Any]:
+    configmap = yaml.safe_load((K8S / file).read_text())
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     (body,) = configmap["data"].values()
     dashboard: dict[str, Any] = json.loads(body)
     return dashboard
 
 
-def _panel_exprs() -> list[str]:
-    return [t["expr"] for p in _dashboard()["panels"] if p["type"] != "row" for t in p["targets"]]
+def _panel_exprs(file: str = MAIN_DASHBOARD) -> list[str]:
+    return [t["expr"] for p in _dashboard(file)["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def _all_panel_exprs() -> list[str]:
+    return [expr for file in DASHBOARDS for expr in _panel_exprs(file)]
 
 
 def _collapse(expr: str) -> str:
@@ -262,7 +272,7 @@ def test_seed_alert_matches_the_seed(alert: str) -> None:
 
 def test_every_queried_metric_is_exposed(exposition: str) -> None:
     exposed = _sample_names(exposition)
-    queries = [str(r["expr"]) for r in _rules().values()] + _panel_exprs()
+    queries = [str(r["expr"]) for r in _rules().values()] + _all_panel_exprs()
     assert queries
     for expr in queries:
         unknown = metric_names(expr) - exposed - SYNTHETIC_SERIES
@@ -278,8 +288,9 @@ def test_dashboard_has_a_panel_for_every_seed_metric() -> None:
         assert sample in queried, f"no dashboard panel shows {name}"
 
 
-def test_dashboard_is_well_formed() -> None:
-    dashboard = _dashboard()
+@pytest.mark.parametrize("file", DASHBOARDS)
+def test_dashboard_is_well_formed(file: str) -> None:
+    dashboard = _dashboard(file)
     assert dashboard["uid"] and dashboard["title"]
     panels = dashboard["panels"]
     ids = [p["id"] for p in panels]
@@ -299,12 +310,14 @@ def test_dashboard_is_well_formed() -> None:
 DASHBOARD_VARIABLES = {"$__rate_interval": "5m", "$namespace": "monitoring-dispatch", "$job": ".*"}
 
 
-def test_dashboard_filters_by_namespace_and_service() -> None:
-    variables = {v["name"]: v for v in _dashboard()["templating"]["list"]}
+@pytest.mark.parametrize("file", DASHBOARDS)
+def test_dashboard_filters_by_namespace_and_service(file: str) -> None:
+    variables = {v["name"]: v for v in _dashboard(file)["templating"]["list"]}
     assert {"datasource", "namespace", "job"} <= set(variables)
     assert "up{" in variables["namespace"]["definition"] and "namespace" in variables["namespace"]["definition"]
     assert 'namespace="$namespace"' in variables["job"]["definition"]
-    for expr in _panel_exprs():
+    assert variables == {v["name"]: v for v in _dashboard()["templating"]["list"]}, "the main dashboard's variables"
+    for expr in _panel_exprs(file):
         # Every selector names the namespace: two overlays on one Prometheus never mix.
         for selector in re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*\{[^}]*\}", expr):
             assert 'namespace="$namespace"' in selector, expr
@@ -330,7 +343,8 @@ def test_dashboard_has_rows_for_each_subsystem() -> None:
         assert metric in queried, metric
 
 
-def test_every_panel_query_parses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file", DASHBOARDS)
+def test_every_panel_query_parses(tmp_path: Path, file: str) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
         message = "promtool is not installed: run scripts/ensure-promtool.sh (Debian's prometheus package)"
@@ -338,7 +352,7 @@ def test_every_panel_query_parses(tmp_path: Path) -> None:
             pytest.fail(message)
         pytest.skip(message)
     rules = []
-    for panel in _dashboard()["panels"]:
+    for panel in _dashboard(file)["panels"]:
         for target in panel.get("targets", []):
             expr = target["expr"]
             for variable, value in DASHBOARD_VARIABLES.items():
@@ -349,3 +363,111 @@ def test_every_panel_query_parses(tmp_path: Path) -> None:
     done = subprocess.run([promtool, "check", "rules", "panels.yml"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dashboards_are_distinct() -> None:
+    uids = [_dashboard(file)["uid"] for file in DASHBOARDS]
+    assert len(set(uids)) == len(uids)
+    names = [yaml.safe_load((K8S / file).read_text())["metadata"]["name"] for file in DASHBOARDS]
+    assert len(set(names)) == len(names)
+
+
+# ---- the rollout dashboard ---------------------------------------------------------------------------
+
+ROLLOUT_METRICS = {
+    "dispatch_rollout_percentage", "execution_owner_legacy_count", "execution_owner_desktop_tasks_count",
+    "dispatch_in_flight_tasks", "dispatch_dispatched_by_owner_count", "dispatch_scanner_tasks_created_count",
+    "phase2_reconcile_fixed_count", "reconciler_migration_stalled_ready_tasks", "reconciler_migration_orphan_tasks",
+    "reconciler_job_runs_count", "reconciler_job_last_rows_fixed", "reconciler_job_last_success_timestamp",
+    "reconciler_job_duration_ms_bucket",
+}
+
+
+def test_the_rollout_dashboard_shows_both_paths_and_the_migration_reconcile() -> None:
+    exprs = _panel_exprs(ROLLOUT_DASHBOARD)
+    queried = set().union(*(metric_names(e) for e in exprs))
+    assert ROLLOUT_METRICS <= queried, sorted(ROLLOUT_METRICS - queried)
+    per_path = [e for e in exprs if metric_names(e) & {"dispatch_in_flight_tasks", "dispatch_dispatched_by_owner_count",
+                                                        "dispatch_scanner_tasks_created_count"}]
+    assert any("by (execution_owner)" in e for e in per_path)
+    for expr in exprs:
+        if metric_names(expr) & {n for n in ROLLOUT_METRICS if n.startswith("reconciler_job_")}:
+            assert 'job="migration_reconcile"' in expr, expr
+    # The new gauges describe the whole system: exported by the coordinator's leader only.
+    for gauge in ("dispatch_rollout_percentage", "dispatch_in_flight_tasks"):
+        assert metrics.LEADER_OWNED[gauge] == "dispatch-coordinator"
+        assert all("max(" in e or "max by" in e for e in exprs if gauge in metric_names(e))
+
+
+# ---- events of counters in dashboards ----------------------------------------------------------------
+
+_WINDOW_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_INCREASE = re.compile(
+    r"increase\((?P<counter>[A-Za-z_:][A-Za-z0-9_:]*)(?P<selector>\{[^}]*\})?\[(?P<window>\d+[smhd])\]\)")
+
+
+def _counters() -> dict[str, tuple[str, ...]]:
+    """Every exact-name counter of libs/telemetry/metrics.py, with its labels."""
+    return {c.name: c.labelnames for c in vars(metrics).values() if isinstance(c, ExactCounter)}
+
+
+def plain_increases(expr: str) -> list[str]:
+    """The increase() calls over the services' counters that are not the alert rules' events form: a labelled
+    counter's series is born at 1 with its first event, a new pod's counters with what they counted before the
+    first scrape, and increase() misses that first value (a client's first 3 preemption timeouts showed 2)."""
+    text = _collapse(expr)
+    counters = _counters()
+    found = []
+    for match in _INCREASE.finditer(text):
+        counter, window = match["counter"], match["window"]
+        if counter not in counters:
+            continue
+        seconds = int(window[:-1]) * _WINDOW_SECONDS[window[-1]]
+        c = re.escape(counter + (match["selector"] or ""))
+        w = re.escape(window)
+        form = (rf"\(last_over_time\({c}\[{w}\]\) unless {c} offset {w}\) and on \(instance\) "
+                rf"\(up(?:\{{[^}}]*\}})? offset {w} == 1 or process_start_time_seconds(?:\{{[^}}]*\}})? > time\(\) - "
+                rf"{seconds}\) or $")
+        if not re.search(form, text[:match.start()]):
+            found.append(match.group(0))
+    return found
+
+
+def test_the_plain_increase_check_flags_what_it_should() -> None:
+    counters = _counters()
+    assert counters["monitor_preempt_timeout_count"] == ("client_id",)
+    old = 'sum by (client_id) (increase(monitor_preempt_timeout_count{namespace="$namespace"}[1h]))'
+    assert plain_increases(old) == ['increase(monitor_preempt_timeout_count{namespace="$namespace"}[1h])']
+    c = 'monitor_preempt_timeout_count{namespace="$namespace"}'
+    up = 'up{namespace="$namespace"}'
+    start = 'process_start_time_seconds{namespace="$namespace"}'
+    good = (f"sum by (client_id) ((last_over_time({c}[1h]) unless {c} offset 1h) and on (instance) "
+            f"({up} offset 1h == 1 or {start} > time() - 3600) or increase({c}[1h]))")
+    assert plain_increases(good) == []
+    assert plain_increases(good.replace("3600", "600")), "the guard's seconds must be the window's"
+    assert plain_increases(good.replace(f"unless {c} offset 1h", f"unless {c} offset 5m")), "the same window"
+    # The rules are written that way too.
+    for rule in _rules().values():
+        assert plain_increases(str(rule["expr"])) == [], rule["alert"]
+
+
+@pytest.mark.parametrize("file", DASHBOARDS)
+def test_dashboards_count_events_the_way_the_alert_rules_do(file: str) -> None:
+    for panel in _dashboard(file)["panels"]:
+        for target in panel.get("targets", []):
+            assert plain_increases(target["expr"]) == [], f"panel {panel['id']} {panel['title']!r}"
+
+
+# ---- WebSocket RED and processes ---------------------------------------------------------------------
+
+def test_the_main_dashboard_shows_websocket_latency_and_errors_and_process_resources() -> None:
+    exprs = _panel_exprs()
+    queried = set().union(*(metric_names(e) for e in exprs))
+    assert {"desktop_ws_delivery_seconds_bucket", "desktop_ws_hello_seconds_bucket", "desktop_ws_abnormal_closes_total",
+            "desktop_ws_send_failures_total", "process_cpu_seconds_total", "process_resident_memory_bytes"} <= queried
+    closes = [e for e in exprs if "desktop_ws_abnormal_closes_total" in metric_names(e)]
+    assert closes and all("by (code)" in e for e in closes)
+    for expr in exprs:
+        if metric_names(expr) & {"process_cpu_seconds_total", "process_resident_memory_bytes"}:
+            assert 'job=~"$job"' in expr, expr
+
