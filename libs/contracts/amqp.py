@@ -1,4 +1,10 @@
-"""Messages on `monitor.result`, `monitor.projection` and `monitor.lifecycle`."""
+"""Messages on `monitor.result`, `monitor.projection` and `monitor.lifecycle`.
+
+Our own services publish them, but some of their text came from a client (a result's answer and error, a
+cancel's reason): it carries the same constraints as at the HTTP edge, which refuses it first. A message that
+breaks them anyway fails to decode and is dead-lettered with its reason by its consumer, instead of failing the
+database statement it would have been written by (a NUL in `text`), again at every redelivery.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,12 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from libs.contracts.common import SINGLE_LINE, AnswerText, ErrorText, ShortText
 from libs.contracts.http import Citation
 from libs.contracts.wire import TaskAvailable, TaskControl
+
+# A task's collector_type, run_mode and lane: varchar(20) columns.
+ColumnCode = Annotated[str, msgspec.Meta(min_length=1, max_length=20, pattern=SINGLE_LINE)]
 
 
 class MonitorResult(msgspec.Struct, tag="monitor_result", tag_field="type", kw_only=True):
@@ -24,15 +34,15 @@ class MonitorResult(msgspec.Struct, tag="monitor_result", tag_field="type", kw_o
     brand_id: int
     question_id: int
     ai_platform_id: int
-    collector_type: str
-    run_mode: str
+    collector_type: ColumnCode
+    run_mode: ColumnCode
     business_date: date
     client_id: uuid.UUID
     status: Literal["succeeded", "failed"]
-    answer_text: str | None = None
+    answer_text: AnswerText | None = None
     citations: Annotated[list[Citation], msgspec.Meta(max_length=200)] = []
     brand_mentioned: bool = False
-    error: str | None = None
+    error: ErrorText | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
     received_at: datetime
@@ -63,8 +73,8 @@ class LifecycleEvent(msgspec.Struct, tag="lifecycle", tag_field="type", kw_only=
     task_id: uuid.UUID | None = None
     monitor_task_id: int | None = None
     ai_platform_id: int | None = None
-    lane: str | None = None
-    reason: str | None = None
+    lane: ColumnCode | None = None
+    reason: ShortText | None = None
     collect_request_id: uuid.UUID | None = None
 
 

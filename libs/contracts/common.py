@@ -33,6 +33,9 @@ _CONTROL_PATTERNS = {SINGLE_LINE: "a control character", MULTI_LINE: "a NUL or c
 
 
 ShortText = Annotated[str, msgspec.Meta(max_length=200, pattern=SINGLE_LINE)]
+# A result's answer and error description, as a client posts them and as the hub publishes them.
+AnswerText = Annotated[str, msgspec.Meta(max_length=100_000, pattern=MULTI_LINE)]
+ErrorText = Annotated[str, msgspec.Meta(max_length=2000, pattern=MULTI_LINE)]
 Token = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=SINGLE_LINE)]
 # ai_platforms.code: lower-case letters, digits, `_`, `-`, `.`, at most 40 (the column's width).
 PlatformCode = Annotated[str, msgspec.Meta(min_length=1, max_length=40, pattern=r"^[a-z0-9][a-z0-9_.-]*$")]

@@ -11,6 +11,8 @@ import msgspec
 from libs.contracts.common import (
     MULTI_LINE,
     SINGLE_LINE,
+    AnswerText,
+    ErrorText,
     ExecutionPhase,
     Lane,
     NonNegativeInt,
@@ -182,10 +184,10 @@ class Citation(msgspec.Struct, kw_only=True):
 class ResultRequest(msgspec.Struct, kw_only=True):
     lease_token: Token
     status: Literal["succeeded", "failed"]
-    answer_text: Annotated[str, msgspec.Meta(max_length=100_000, pattern=MULTI_LINE)] | None = None
+    answer_text: AnswerText | None = None
     citations: Annotated[list[Citation], msgspec.Meta(max_length=200)] = []
     brand_mentioned: bool = False
-    error: Annotated[str, msgspec.Meta(max_length=2000, pattern=MULTI_LINE)] | None = None
+    error: ErrorText | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
 

@@ -250,9 +250,12 @@ async def test_malformed_results_are_dead_lettered_and_the_shard_keeps_flowing(
 
         await eventually(drained, message="four dead letters")
         await dlq_channel.close()
-    # Decode failures are found before the batch is applied, the others by it: each with its reason.
-    assert sorted(r.split(":")[0] for r in reasons) == ["business_key_mismatch", "db_rejected", "invalid_message",
+    # Decode failures are found before the batch is applied, the others by it: each with its reason. A NUL in
+    # the answer (which Postgres' text cannot hold) breaks the message's contract: a decode failure naming the
+    # field, not a refused statement.
+    assert sorted(r.split(":")[0] for r in reasons) == ["business_key_mismatch", "invalid_message", "invalid_message",
                                                         "malformed_json"]
+    assert any(r.startswith("invalid_message") and "answer_text" in r for r in reasons), reasons
     runs = await fetch(pool, "SELECT result_id FROM question_monitor_runs")
     assert {r["result_id"] for r in runs} == {r.result_id for r in good}
 

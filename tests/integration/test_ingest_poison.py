@@ -218,12 +218,13 @@ async def test_a_killed_backend_mid_batch_is_retried_and_dead_letters_nothing(po
 
 async def test_a_killed_backend_while_isolating_a_refused_result_is_retried_not_dead_lettered(
         pool, settings, topology, amqp, world) -> None:
-    """The batch is refused (a NUL byte Postgres cannot store), so it is applied one result at a time; one of
-    those transactions then loses its connection twice. Only the NUL result is dead-lettered."""
+    """The batch is refused (one answer the test trigger refuses), so it is applied one result at a time; one of
+    those transactions then loses its connection twice. Only the refused result is dead-lettered."""
+    await execute(pool, REFUSE_ONE_ANSWER)
     await execute(pool, KILL_BACKEND_TWICE)
     ex = await executions(pool, world)
     await execute(pool, "INSERT INTO test_kill_on_end (task_id) VALUES (%s)", ex[12].task_id)
-    results = [make_result(e, shards=topology.ingest_shards, answer="bad\x00byte" if i == 4 else "fine")
+    results = [make_result(e, shards=topology.ingest_shards, answer=REFUSED_ANSWER if i == 4 else "fine")
                for i, e in enumerate(ex[:20])]
     transient = m.ingest_transient_error_count.value()
     await declared(amqp, topology)
@@ -236,7 +237,7 @@ async def test_a_killed_backend_while_isolating_a_refused_result_is_retried_not_
             letters.extend(await drain_dlq(amqp, topology))
             return len(letters) >= 1
 
-        await eventually(dead_lettered, message="the NUL result dead-lettered")
+        await eventually(dead_lettered, message="the refused result dead-lettered")
         # The shard survived the lost connections: it keeps consuming.
         later = make_result(ex[20], shards=topology.ingest_shards)
         await publish(amqp, topology, [later])
@@ -245,7 +246,7 @@ async def test_a_killed_backend_while_isolating_a_refused_result_is_retried_not_
     assert kills["last_value"] == 3
     assert m.ingest_transient_error_count.value() - transient >= 2
     [(headers, body)] = letters
-    assert str(headers["x-dead-letter-reason"]).startswith("db_rejected: UntranslatableCharacter 22P05")
+    assert str(headers["x-dead-letter-reason"]).startswith("db_rejected: RaiseException P0001")
     assert msgspec.json.decode(body, type=MonitorResult).result_id == results[4].result_id
     assert await drain_dlq(amqp, topology) == []
     assert await ready_count(amqp, topology.ingest_queue(results[0].shard)) == 0
