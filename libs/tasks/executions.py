@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from libs.db.pool import Conn, json_records
-from libs.tasks.fragments import CLIENT_GENERATION_SQL
+from libs.tasks.fragments import BLOCKED_PLATFORMS_OF_CLIENTS_SQL, CLIENT_GENERATION_SQL, HELD_LANES_SQL
 from libs.tasks.result_claims import claim_result, release_result_claim
 
 # ---- creation (the coordinator) ----------------------------------------------------------------------------------
@@ -112,6 +112,40 @@ WITH named AS (
 UPDATE desktop_tasks
 SET control_flags = control_flags || jsonb_build_object('replacement_task_id', %(replacement_id)s::text)
 WHERE id = ANY(%(interrupted_ids)s::uuid[]) AND tenant_id = %(tenant_id)s AND EXISTS (SELECT 1 FROM named)
+"""
+
+
+# ---- a broken login (the hub's heartbeat flush) ------------------------------------------------------------------
+
+# The platform-health pause at the hub (libs/domain/platform_health.py): the queued executions of the lanes the
+# planner holds back (normal, boosted, retry; not high) that wait for one of the clients %(client_ids)s on a platform
+# it now reports a broken login on (unless the tenant's override ignores health) are released. The set-based twin
+# of transitions.end_execution(outcome='aborted') for executions never leased (no attempt to close), reason
+# platform_unhealthy; then (transitions.yield_business_task) each one's business task gets its dispatch attempt
+# back, lane and enqueued_at kept, for the coordinator to plan again (another client of the tenant whose login
+# works, or held while none has one). Rows locked in id order. The legacy twin: legacy.RELEASE_OFFERS_OF_PLATFORM.
+RELEASE_QUEUED_OF_PLATFORM = f"""
+WITH blocked AS MATERIALIZED ({BLOCKED_PLATFORMS_OF_CLIENTS_SQL}),
+locked AS (
+    SELECT d.id FROM desktop_tasks d JOIN blocked b
+      ON d.target_client_id = b.client_id AND d.tenant_id = b.tenant_id AND d.ai_platform_id = b.ai_platform_id
+    WHERE d.kind = 'monitor' AND d.status = 'queued' AND d.lane IN {HELD_LANES_SQL}
+    ORDER BY d.id
+    FOR UPDATE OF d
+), released AS (
+    UPDATE desktop_tasks d
+    SET status = 'aborted', finished_at = now(), updated_at = now(), lease_token_hash = NULL,
+        interrupt_reason = 'platform_unhealthy'
+    FROM locked
+    WHERE d.id = locked.id AND d.status = 'queued'
+    RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.ai_platform_id, d.lane,
+              d.interrupt_generation, d.collect_request_id
+), yielded AS (
+    UPDATE monitoring_collect_tasks
+    SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
+    WHERE id = ANY(ARRAY(SELECT monitor_task_id FROM released)) AND status = 'pending'
+)
+SELECT * FROM released ORDER BY target_client_id, id
 """
 
 

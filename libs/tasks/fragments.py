@@ -1,10 +1,11 @@
 """SQL fragments the owner modules of libs/tasks compose into their statements (docs/architecture.md §7.1): the
 client's interrupt generation a click stamps, the execution path the rollout gives a new task, the active executions'
-task ids, the test for a client without a fresh heartbeat."""
+task ids, the test for a client without a fresh heartbeat, the platforms a client reports a broken login on."""
 
 from __future__ import annotations
 
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.domain.platform_health import BLOCKING_STATES
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, sql_list
 
 # A click's write phase is pipelined (services/collect_now_api/service.py): statements after the increment read the
 # new generation with this subquery (0 when the request is unbound). No other writer changes a client's generation.
@@ -31,3 +32,40 @@ ACTIVE_TASK_IDS_SQL = (
 
 # A client whose last heartbeat is older than %(timeout_s)s (or that never sent one).
 STALE_CLIENT_SQL = "(c.last_heartbeat_at IS NULL OR c.last_heartbeat_at < now() - make_interval(secs => %(timeout_s)s))"
+
+
+# ---- the platform-health pause (libs/domain/platform_health.py) ------------------------------------------------
+
+# The login states that block a platform's scheduled work on the client reporting them.
+BLOCKING_STATES_SQL = sql_list(tuple(sorted(BLOCKING_STATES)))
+
+# The lanes the pause holds back on a client with a broken login (all but high: a user's collect-now still goes).
+HELD_LANES_SQL = sql_list(("normal", "normal_boosted", "retry"))
+
+
+def _health_ignored_sql(tenant: str, platform: str) -> str:
+    """An operator's `ignore_health` override of the tenant's platform (`tenant`, `platform`: SQL expressions)."""
+    return (f"EXISTS (SELECT 1 FROM platform_health_overrides o WHERE o.tenant_id = {tenant} "
+            f"AND o.ai_platform_id = {platform} AND o.mode = 'ignore_health')")
+
+
+# (client_id, tenant_id, ai_platform_id) of every platform one of the clients %(client_ids)s reports a broken login
+# on, as stored now, unless the tenant's override ignores health: whose queued normal work a report releases.
+BLOCKED_PLATFORMS_OF_CLIENTS_SQL = f"""
+SELECT c.id AS client_id, c.tenant_id, p.id AS ai_platform_id
+FROM desktop_clients c CROSS JOIN ai_platforms p
+WHERE c.id = ANY(%(client_ids)s::uuid[]) AND c.disabled_at IS NULL
+  AND c.platform_health ->> p.code IN {BLOCKING_STATES_SQL}
+  AND NOT {_health_ignored_sql("c.tenant_id", "p.id")}
+"""
+
+
+def held_for_broken_login_sql(row: str, code: str) -> str:
+    """True for work of `row` (a desktop_tasks or legacy_leases alias; `code`: its platform's code) that the lease
+    caller %(client_id)s may not take now: normal work of a platform it reports a broken login on, unless the
+    tenant's override ignores health. The client's report is read once per statement; a platform it does not report
+    is not held (false, never NULL: the caller negates it)."""
+    return (f"({row}.lane IN {HELD_LANES_SQL} "
+            f"AND coalesce((SELECT hc.platform_health FROM desktop_clients hc WHERE hc.id = %(client_id)s) ->> {code} "
+            f"IN {BLOCKING_STATES_SQL}, false) "
+            f"AND NOT {_health_ignored_sql(f'{row}.tenant_id', f'{row}.ai_platform_id')})")

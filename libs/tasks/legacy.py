@@ -22,7 +22,12 @@ from datetime import datetime
 from typing import Any
 
 from libs.db.pool import Conn, json_records
-from libs.tasks.fragments import CLIENT_GENERATION_SQL
+from libs.tasks.fragments import (
+    BLOCKED_PLATFORMS_OF_CLIENTS_SQL,
+    CLIENT_GENERATION_SQL,
+    HELD_LANES_SQL,
+    held_for_broken_login_sql,
+)
 from libs.tasks.result_claims import claim_result, release_result_claim
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, CLEAR_LEGACY_LEASE_SQL
 
@@ -70,8 +75,9 @@ IN_PROGRESS_OF_CLIENT = """(
     WHERE l.target_client_id = c.id AND l.status = 'in_progress' AND l.result_received_at IS NULL)"""
 
 # The client's offers in dispatch order (the same order as its queued executions), as many as the call asks for (the
-# hub merges them with the queued executions and leases what the client's free slots take).
-PICK_OFFERS = """
+# hub merges them with the queued executions and leases what the client's free slots take). Normal work of a platform
+# the client reports a broken login on stays where it is (the heartbeat flush withdraws it: RELEASE_OFFERS_OF_PLATFORM).
+PICK_OFFERS = f"""
 SELECT l.id, l.monitor_task_id, l.lane, l.lane_weight, l.priority, l.lease_epoch, l.interrupt_generation,
        l.business_date, l.tenant_id, l.ai_platform_id, l.collect_request_id, l.control_flags, l.enqueued_at,
        b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
@@ -81,6 +87,7 @@ JOIN brands b ON b.id = l.brand_id
 JOIN monitoring_questions q ON q.id = l.question_id
 JOIN ai_platforms p ON p.id = l.ai_platform_id
 WHERE l.target_client_id = %(client_id)s AND l.tenant_id = %(tenant_id)s AND l.status = 'queued'
+  AND NOT {held_for_broken_login_sql("l", "p.code")}
 ORDER BY l.lane_weight DESC, l.priority DESC, l.enqueued_at ASC
 LIMIT %(max_tasks)s
 FOR UPDATE OF l SKIP LOCKED
@@ -283,6 +290,37 @@ withdrawn AS (
     WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
 )
 SELECT * FROM withdrawn
+"""
+
+
+# The platform-health pause at the hub, on this path (the twin of executions.RELEASE_QUEUED_OF_PLATFORM): the offers
+# of held lanes (normal, boosted, retry) not pulled yet by one of the clients %(client_ids)s, of a platform it now
+# reports a broken login on (unless the tenant's override ignores health), are withdrawn: the offer ends aborted with
+# reason platform_unhealthy, the business row is pending again with its lease cleared and its dispatch attempt back.
+# Offers locked in id order, before their business rows (as the lease call does: PICK_OFFERS, MARK_LEASED).
+RELEASE_OFFERS_OF_PLATFORM = f"""
+WITH blocked AS MATERIALIZED ({BLOCKED_PLATFORMS_OF_CLIENTS_SQL}),
+locked AS (
+    SELECT l.id FROM legacy_leases l JOIN blocked b
+      ON l.target_client_id = b.client_id AND l.tenant_id = b.tenant_id AND l.ai_platform_id = b.ai_platform_id
+    WHERE l.status = 'queued' AND l.lane IN {HELD_LANES_SQL}
+    ORDER BY l.id
+    FOR UPDATE OF l
+), withdrawn AS (
+    UPDATE legacy_leases l
+    SET status = 'aborted', finished_at = now(), updated_at = now(), interrupt_reason = 'platform_unhealthy'
+    FROM locked
+    WHERE l.id = locked.id AND l.status = 'queued'
+    RETURNING l.id, l.monitor_task_id, l.tenant_id, l.target_client_id, l.ai_platform_id, l.lane,
+              l.interrupt_generation, l.collect_request_id
+), released AS (
+    UPDATE monitoring_collect_tasks t
+    SET status = 'pending', {CLEAR_LEGACY_LEASE_SQL},
+        dispatch_attempts = greatest(t.dispatch_attempts - 1, 0), updated_at = now()
+    FROM withdrawn w
+    WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
+)
+SELECT * FROM withdrawn ORDER BY target_client_id, id
 """
 
 

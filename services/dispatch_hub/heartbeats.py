@@ -1,6 +1,18 @@
 """Batched heartbeat writes: every sign of life only marks the client; one UPDATE per flush
 interval covers every client that showed one (thousands of clients, one statement), each client at most once
-per `refresh_s`."""
+per `refresh_s`.
+
+The platform-health pause at the hub (libs/domain/platform_health.py): with the reports it stores, a flush releases
+the work already queued for a reporting client on a platform it reports a broken login on (the coordinator plans
+none of it from then on, but what it queued before would still be leased and run): its queued executions and
+unpulled legacy offers of the held lanes (normal, boosted, retry; high work still goes) end aborted with reason
+`platform_unhealthy`, their business tasks get their dispatch attempt back for the coordinator to plan again
+(to another client of the tenant whose login works, or held), `task.released` is emitted and the client told
+`task_control(cancelled)`, in the transaction that stores the report. Every report while the login stays broken
+does it again, so work queued by a pass that read the report before it changed is released at the next one (the
+lease call skips it meanwhile: `held_for_broken_login_sql`). An operator's `ignore_health` override of the tenant's
+platform keeps its work where it is.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +22,21 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 import msgspec
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from libs.contracts.amqp import LifecycleEvent
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
+from libs.mq.topology import LIFECYCLE
+from libs.outbox import OutboxEvent, enqueue_many
+from libs.tasks import executions, legacy
+from libs.tasks.controls import control_event
 from libs.tasks.transitions import emit_lifecycle
 from services.dispatch_hub import queries as q
 
@@ -50,6 +69,8 @@ class HeartbeatWriter:
         self._written: dict[uuid.UUID, float] = {}  # client -> when its liveness was written (monotonic)
         self.flushes = 0
         self.health_rejected = 0
+        self.health_released = 0  # queued work released for a broken login
+        self.release_failed = 0  # clients whose release failed (their report stored)
 
     def touch(self, client_id: uuid.UUID) -> None:
         self._touched.add(client_id)
@@ -91,24 +112,48 @@ class HeartbeatWriter:
                 await emit_lifecycle(conn, "client.online", tenant_id=int(row["tenant_id"]), client_id=row["id"])
 
     async def _write_health(self, health: dict[uuid.UUID, dict[str, str]]) -> None:
-        rows = [{"id": str(client_id), "health": report} for client_id, report in sorted(health.items(),
-                                                                                         key=lambda i: str(i[0]))]
+        """Store the reports and release the work they block (module docstring): set-based for the whole flush, or,
+        when that fails, one client at a time, its report and its release each in a savepoint of its own (one
+        client's failure fails only that client's write; a report stored whose release failed is released again at
+        the client's next report, and the lease call holds the work meanwhile)."""
+        ids = sorted(health, key=str)
+        rows = [{"id": str(client_id), "health": health[client_id]} for client_id in ids]
+        released: list[dict[str, Any]] = []
         try:
             async with self._pool.connection() as conn, conn.transaction():
                 await conn.execute(q.PLATFORM_HEALTH_BATCH, {"rows": msgspec.json.encode(rows).decode()})
+                released = await release_unhealthy(conn, ids)
+            self.health_released += len(released)
+            _log_released(released)
             return
-        except psycopg.DataError:
-            log.warning("platform-health batch refused; writing the reports one by one")
+        except psycopg.DatabaseError as exc:
+            log.warning("platform-health batch refused; writing the reports one by one",
+                        extra={"clients": len(ids), "error": type(exc).__name__})
+        released = []
         async with self._pool.connection() as conn, conn.transaction():
-            for row in rows:
+            for client_id, row in zip(ids, rows, strict=True):
                 try:
                     async with conn.transaction():  # a savepoint: one bad report fails only itself
                         await conn.execute(q.PLATFORM_HEALTH, {"client_id": row["id"],
                                                                "health": msgspec.json.encode(row["health"]).decode()})
-                except psycopg.DataError as exc:
+                except psycopg.DatabaseError as exc:
+                    if conn.broken:
+                        raise
                     self.health_rejected += 1
                     log.warning("platform-health report refused by the database",
                                 extra={"client_id": row["id"], "error": type(exc).__name__})
+                    continue
+                try:
+                    async with conn.transaction():
+                        released += await release_unhealthy(conn, [client_id])
+                except psycopg.DatabaseError as exc:
+                    if conn.broken:
+                        raise
+                    self.release_failed += 1
+                    log.warning("releasing a broken login's queued work failed; tried again at its next report",
+                                exc_info=True, extra={"client_id": row["id"], "error": type(exc).__name__})
+        self.health_released += len(released)
+        _log_released(released)
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -118,3 +163,46 @@ class HeartbeatWriter:
                 await self.flush()
             except Exception:
                 log.exception("heartbeat flush failed; will retry at the next interval")
+
+
+RELEASE_REASON = "platform_unhealthy"
+
+
+async def release_unhealthy(conn: Conn, client_ids: list[uuid.UUID]) -> list[dict[str, Any]]:
+    """The clients' queued work of the held lanes on platforms they now report a broken login on, on both execution
+    paths, released in the caller's transaction (executions.RELEASE_QUEUED_OF_PLATFORM,
+    legacy.RELEASE_OFFERS_OF_PLATFORM), each with its `task.released` and the client's `task_control(cancelled)`.
+    Returns the released rows."""
+    params = {"client_ids": client_ids}
+    released: list[dict[str, Any]] = []
+    for statement in (executions.RELEASE_QUEUED_OF_PLATFORM, legacy.RELEASE_OFFERS_OF_PLATFORM):
+        cur = await conn.execute(statement, params)
+        released += await cur.fetchall()
+    if not released:
+        return released
+    now = datetime.now(UTC)
+    events: list[OutboxEvent] = []
+    for row in released:
+        client_id: uuid.UUID = row["target_client_id"]
+        events.append(control_event(task_id=row["id"], client_id=client_id, control="cancelled",
+                                    reason=RELEASE_REASON, interrupt_generation=int(row["interrupt_generation"]),
+                                    tenant_id=row["tenant_id"], collect_request_id=row["collect_request_id"],
+                                    now=now))
+        events.append(OutboxEvent(
+            exchange=LIFECYCLE, routing_key="task.released", tenant_id=row["tenant_id"],
+            message=LifecycleEvent(event="task.released", tenant_id=row["tenant_id"], occurred_at=now,
+                                   client_id=client_id, task_id=row["id"], monitor_task_id=row["monitor_task_id"],
+                                   ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason=RELEASE_REASON,
+                                   collect_request_id=row["collect_request_id"])))
+    await enqueue_many(conn, events, notify=True)  # the client told and the coordinator woken now, not at a poll
+    return released
+
+
+def _log_released(released: list[dict[str, Any]]) -> None:
+    by_client: dict[tuple[uuid.UUID, int], list[dict[str, Any]]] = {}
+    for row in released:
+        by_client.setdefault((row["target_client_id"], int(row["tenant_id"])), []).append(row)
+    for (client_id, tenant_id), rows in by_client.items():
+        log.info("queued work released: the client reports a broken login on its platform", extra={
+            "client_id": str(client_id), "tenant_id": tenant_id, "released": len(rows),
+            "ai_platform_ids": sorted({int(r["ai_platform_id"]) for r in rows}), "reason": RELEASE_REASON})

@@ -1,7 +1,7 @@
 """Every SQL statement of the hub, with named parameters. Each filters by the caller's tenant. The legacy path's
 statements (the same calls on a lease of the business row) are in libs/tasks/legacy.py."""
 
-from libs.tasks import legacy
+from libs.tasks import fragments, legacy
 
 # The tokens of every handshake and call that missed the hub's cache while the previous lookup ran.
 AUTHENTICATE_CLIENTS = """
@@ -35,7 +35,9 @@ WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
 """
 
 # Contract 5: the best queued executions of this client in dispatch order, as many as it has free slots (the
-# capacity is computed in the statement, so that the lease reads and locks in one round trip).
+# capacity is computed in the statement, so that the lease reads and locks in one round trip). Normal work of a
+# platform the client reports a broken login on is not leased (the heartbeat flush releases it:
+# executions.RELEASE_QUEUED_OF_PLATFORM; this is the second line, for work queued since).
 PICK_QUEUED = f"""
 SELECT d.id, d.monitor_task_id, d.lane, d.lane_weight, d.priority, d.lease_epoch, d.interrupt_generation,
        d.business_date, d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags, d.enqueued_at,
@@ -46,7 +48,7 @@ JOIN brands b ON b.id = d.brand_id
 JOIN monitoring_questions q ON q.id = d.question_id
 JOIN ai_platforms p ON p.id = d.ai_platform_id
 WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s
-  AND d.status = 'queued' AND d.kind = 'monitor'
+  AND d.status = 'queued' AND d.kind = 'monitor' AND NOT {fragments.held_for_broken_login_sql("d", "p.code")}
 ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
 LIMIT coalesce(({CLIENT_CAPACITY}), 0)
 FOR UPDATE OF d SKIP LOCKED

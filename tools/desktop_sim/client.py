@@ -196,6 +196,10 @@ class SimClient:
     def pump(self) -> None:
         self._commands.put_nowait(("pump",))
 
+    def set_platform_health(self, health: dict[str, str]) -> None:
+        """What this client reports of its logins from its next heartbeat on (a user's login broke, or was fixed)."""
+        self.options.platform_health = dict(health)
+
     @property
     def active_task_ids(self) -> list[str]:
         return list(self._active)
