@@ -22,7 +22,7 @@ import contextlib
 import functools
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 from opentelemetry import context as otel_context
@@ -42,6 +42,8 @@ TASK_ID = "monitoring.task_id"
 CLIENT_ID = "monitoring.client_id"
 SHARD = "monitoring.shard"
 LANE = "monitoring.lane"
+# The execution path of a span's tasks (docs/legacy-path.md): desktop_tasks, legacy, or both (execution_owners).
+EXECUTION_OWNER = "monitoring.execution_owner"
 
 # HTTP routes that get no server span: probes and scrapes every few seconds, and a WebSocket session (a span
 # as long as the connection). Used when OTEL_PYTHON_AIOHTTP_SERVER_EXCLUDED_URLS is not set.
@@ -312,6 +314,12 @@ def set_attributes(**attributes: Any) -> None:
     values = clean({f"monitoring.{k}": v for k, v in attributes.items()})
     if values and current.is_recording():
         current.set_attributes(values)
+
+
+def execution_owners(owners: Iterable[str]) -> str | None:
+    """The `execution_owner` attribute of a span over tasks on these paths: the one path, or `desktop_tasks/legacy`
+    when they are on both; None without tasks."""
+    return "/".join(sorted(set(owners))) or None
 
 
 def clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -752,6 +752,8 @@ def _click_spans(rows: list[dict[str, Any]]) -> dict[str, Span]:
                                       tracing.TENANT_ID: first["tenant_id"],
                                       tracing.CLIENT_ID: first["target_client_id"],
                                       tracing.TASK_ID: first["id"] if len(click_rows) == 1 else None,
+                                      tracing.EXECUTION_OWNER: tracing.execution_owners(
+                                          r["execution_owner"] for r in click_rows),
                                       "monitoring.tasks": len(click_rows)})
         if span is not None:
             spans[traceparent] = span

@@ -228,7 +228,8 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
             lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False)),
             execution_owner=row["execution_owner"]))
-    tracing.set_attributes(leased=len(tasks), task_id=tasks[0].task_id if len(tasks) == 1 else None)
+    tracing.set_attributes(leased=len(tasks), task_id=tasks[0].task_id if len(tasks) == 1 else None,
+                           execution_owner=tracing.execution_owners(t.execution_owner for t in tasks))
     for task in tasks:
         log.info("task leased", extra={"task_id": str(task.task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "lane": task.lane,
@@ -277,9 +278,13 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                       "ttl_s": dispatch.lease_ttl_seconds, "phase": body.execution_phase}
             cur = await conn.execute(executions.EXTEND_LEASE, params)
             row = await cur.fetchone()
+            owner = "desktop_tasks"
             if row is None:  # a lease of the legacy path?
                 cur = await conn.execute(legacy.EXTEND, params)
                 row = await cur.fetchone()
+                owner = "legacy"
+            if row is not None:
+                tracing.set_attributes(execution_owner=owner)
         if row is None:
             _fence(await _lease_state(conn, task_id, principal.tenant_id), principal, body.lease_token)
             raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
@@ -336,6 +341,7 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         async with conn.transaction():
             row = _fence(await _lease_state(conn, task_id, principal.tenant_id, for_update=True), principal,
                          body.lease_token)
+            tracing.set_attributes(execution_owner=row["execution_owner"])
             if body.reason == PREEMPT_REASON:
                 ack = await _acknowledge_preempt(conn, principal, task_id, body, row)
             else:
@@ -446,6 +452,7 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
     digest = result_digest(msgspec.json.encode(body))
     async with ctx.pool.connection() as conn:
         row = await _lease_state(conn, task_id, principal.tenant_id)
+        tracing.set_attributes(execution_owner=row["execution_owner"] if row is not None else None)
         replayed = _result_replay(row, principal, body.lease_token, digest)
         if replayed is not None:
             return replayed

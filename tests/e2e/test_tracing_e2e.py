@@ -110,6 +110,10 @@ async def test_a_click_is_one_trace_from_the_gateway_to_the_projection(
     assert dispatch["parent_span_id"] == click["span_id"], "the coordinator continues the click (its request row)"
     assert dispatch["links"], "and links to the pass that served it"
     lease = next(s for s in spans if s["name"] == "hub.lease")
+    # The tenant is on the desktop_tasks path (rollout 100): the dispatch and the lease name it (the legacy path's
+    # spans: tests/integration/test_hub_tracing_owner.py).
+    assert dispatch["attributes"]["monitoring.execution_owner"] == "desktop_tasks"
+    assert lease["attributes"]["monitoring.execution_owner"] == "desktop_tasks"
     lease_call = by_id[lease["parent_span_id"]]
     assert lease_call["kind"] == "server" and by_id[lease_call["parent_span_id"]]["name"] == "hub.deliver"
     # No answer text or token in any attribute.
