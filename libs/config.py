@@ -105,6 +105,12 @@ class Settings:
     # a relay publish waits half of it for the broker's confirm.
     coordinator_relay: bool = True
     coordinator_relay_lease_seconds: float = 5.0
+    # collect-now-api: one tenant's clicks on a database connection in this process at most (keep it under the
+    # pool's size, 4 to 6), how long more wait for a turn (holding no connection) and how long a click waits
+    # for the tenant's lock (another replica's click); past either wait, 429 tenant_busy.
+    collect_now_tenant_max_in_flight: int = 2
+    collect_now_tenant_wait_ms: int = 1000
+    collect_now_lock_wait_ms: int = 1000
     # dispatch-hub / desktop
     lease_ttl_seconds: int = 120
     heartbeat_timeout_seconds: int = 30
@@ -185,6 +191,10 @@ class Settings:
         if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:
             raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
         settings.trusted_proxy_networks()
+        for name, low, high in (("collect_now_tenant_max_in_flight", 1, 64), ("collect_now_tenant_wait_ms", 1, 60_000),
+                                ("collect_now_lock_wait_ms", 1, 60_000)):
+            if not low <= getattr(settings, name) <= high:
+                raise ConfigError(f"{name.upper()}={getattr(settings, name)} must be from {low} to {high}")
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
                      "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
                      "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s",

@@ -10,12 +10,13 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import AuthError, TenantPrincipal, verify_gateway_jwt
 from libs.clock import SYSTEM_CLOCK, Clock
+from libs.config import Settings
 from libs.contracts.http import CollectNowRequest
 from libs.db.pool import Conn
 from libs.dispatch_settings import SettingsCache
 from libs.http import ApiError, json_response, read_body
 from libs.runtime import SETTINGS
-from services.collect_now_api.service import collect_now, request_status
+from services.collect_now_api.service import TenantGate, collect_now, request_status
 
 POOL = web.AppKey("pool", AsyncConnectionPool[Conn])
 
@@ -33,6 +34,12 @@ _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}
 SETTINGS_CACHE = web.AppKey("dispatch_settings_cache", SettingsCache)
 # The clock a click's business dates are reckoned by (libs/clock.py); the system clock when the app has none.
 CLOCK: web.AppKey[Clock] = web.AppKey("clock")
+# The tenant gate (clicks in flight per tenant, their waits), sized from the settings once, at start-up.
+GATE: web.AppKey[TenantGate] = web.AppKey("tenant_gate")
+
+
+def install_tenant_gate(app: web.Application, settings: Settings) -> None:
+    app[GATE] = TenantGate.from_settings(settings)
 
 
 def authenticate(request: web.Request) -> TenantPrincipal:
@@ -95,7 +102,7 @@ async def post_collect_now(request: web.Request) -> web.Response:
     body = await read_body(request, CollectNowRequest, max_bytes=MAX_COLLECT_NOW_BODY_BYTES, allow_empty=True)
     pool = request.app[POOL]
     settings = await request.app[SETTINGS_CACHE].get()
-    accepted = await collect_now(pool, principal, brand_id, body, settings,
+    accepted = await collect_now(pool, principal, brand_id, body, settings, gate=request.app.get(GATE),
                                  clock=request.app.get(CLOCK, SYSTEM_CLOCK))
     return json_response(accepted.response, status=200 if accepted.replay else 202)
 

@@ -14,6 +14,7 @@ from services.collect_now_api.handlers import (
     POOL,
     SETTINGS_CACHE,
     get_collect_request,
+    install_tenant_gate,
     post_collect_now,
 )
 from services.collect_now_api.openapi import COLLECT_NOW_PATH, REQUEST_STATUS_PATH, openapi_document
@@ -28,6 +29,7 @@ async def get_openapi(_: web.Request) -> web.Response:
 def build(settings: Settings) -> web.Application:
     settings.jwt_key()  # fail closed: no real gateway key (outside DEV_MODE), no service
     app = SERVICE.app(settings, start, http=make_app(max_body_bytes=settings.max_body_bytes))
+    install_tenant_gate(app, settings)
     app.router.add_post(COLLECT_NOW_PATH, post_collect_now)
     app.router.add_get(REQUEST_STATUS_PATH, get_collect_request)
     app.router.add_get("/openapi.json", get_openapi)

@@ -19,6 +19,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import TenantPrincipal
 from libs.clock import SYSTEM_CLOCK, Clock
+from libs.config import Settings
 from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, CollectRequestTask
 from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
@@ -49,21 +50,26 @@ log = logging.getLogger("collect_now")
 
 PREEMPT_REASON: EndReason = "collect_now_preempt"
 DEADLOCK_RETRIES = 3
-# One tenant's clicks on a database connection in this process at most; more wait here (holding no connection)
-# for up to TENANT_WAIT_S and are then answered 429, so a burst from one tenant cannot take the pool from the
-# others, while a double-click still gets its idempotent replay.
-TENANT_IN_FLIGHT_LIMIT = 2
-TENANT_WAIT_S = 1.0
-TENANT_LOCK_WAIT_MS = 1000
 
 
 class TenantGate:
-    """At most `limit` requests of a tenant at once; a request waits `wait_s` for a turn, then 429 `tenant_busy`."""
+    """At most `limit` requests of a tenant at once in this process; a request waits `wait_s` for a turn (holding
+    no connection), then 429 `tenant_busy`, so a burst from one tenant cannot take the pool from the others,
+    while a double-click still gets its idempotent replay. In its transaction a request waits `lock_wait_ms`
+    for the tenant's collect-now lock (another replica's click), then 429 `tenant_busy` too."""
 
-    def __init__(self, limit: int, wait_s: float) -> None:
+    def __init__(self, limit: int, wait_s: float, lock_wait_ms: int = 1000) -> None:
         self.limit = limit
         self.wait_s = wait_s
+        self.lock_wait = f"{lock_wait_ms}ms"  # the click transaction's lock_timeout
         self._slots: dict[int, tuple[asyncio.Semaphore, list[int]]] = {}  # tenant -> (slots, [users])
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TenantGate:
+        """COLLECT_NOW_TENANT_MAX_IN_FLIGHT, COLLECT_NOW_TENANT_WAIT_MS, COLLECT_NOW_LOCK_WAIT_MS (read once, at
+        start-up)."""
+        return cls(settings.collect_now_tenant_max_in_flight, settings.collect_now_tenant_wait_ms / 1000,
+                   settings.collect_now_lock_wait_ms)
 
     @contextlib.asynccontextmanager
     async def slot(self, tenant_id: int) -> AsyncIterator[None]:
@@ -86,7 +92,7 @@ class TenantGate:
                 del self._slots[tenant_id]
 
 
-TENANT_GATE = TenantGate(TENANT_IN_FLIGHT_LIMIT, TENANT_WAIT_S)
+TENANT_GATE = TenantGate.from_settings(Settings())  # the defaults, for a caller that passes no gate
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,11 +160,13 @@ async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipa
     context goes into the request row and the outbox events, and with them to the coordinator and the hub.
     `clock`: its date (in UTC) decides which business dates the replay lookup expects (`_scope_hashes`)."""
     tracing.set_attributes(tenant_id=principal.tenant_id, brand_id=brand_id)
-    async with (gate or TENANT_GATE).slot(principal.tenant_id):
+    gate = gate or TENANT_GATE
+    async with gate.slot(principal.tenant_id):
         for attempt in range(DEADLOCK_RETRIES):
             try:
                 async with pool.connection() as conn:
-                    accepted = await _collect_now_tx(conn, principal, brand_id, body, settings, clock.now().date())
+                    accepted = await _collect_now_tx(conn, principal, brand_id, body, settings, clock.now().date(),
+                                                     gate.lock_wait)
                 break
             except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure):
                 if attempt == DEADLOCK_RETRIES - 1:
@@ -183,6 +191,7 @@ class _Click:
     body: CollectNowRequest
     settings: DispatchSettings
     today: date  # the UTC date by the API's clock
+    lock_wait: str  # how long the tenant's lock is waited for (lock_timeout)
     reads: dict[str, Any] = field(default_factory=dict)
     scope_hash: str = ""
     choice: ClientChoice | None = None
@@ -212,11 +221,11 @@ class _Promotion:
 
 
 async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int, body: CollectNowRequest,
-                          settings: DispatchSettings, today: date) -> Accepted:
+                          settings: DispatchSettings, today: date, lock_wait: str) -> Accepted:
     """The steps of docs/architecture.md §17.1 in one short transaction, pipelined: three round trips (the tenant's
     lock and every read; preemption and promotion; the request row, events and COMMIT) instead of ~20 statements
     one by one, which keeps click -> commit at a few ms."""
-    click = _Click(principal, brand_id, body, settings, today)
+    click = _Click(principal, brand_id, body, settings, today, lock_wait)
     async with pipelined_transaction(conn) as pipe:
         replay = await _lock_and_read(conn, pipe, click)
         if replay is not None:
@@ -237,7 +246,7 @@ async def _lock_and_read(conn: Conn, pipe: AsyncPipeline, click: _Click) -> Acce
     reads, in one statement: the brand and keyword in the caller's tenant, the user's recent requests, clients,
     limits, scope. The idempotent replay of a request made moments ago, if this is one."""
     body, tenant_id = click.body, click.tenant_id
-    await conn.execute(q.LOCK_WAIT, {"lock_wait": f"{TENANT_LOCK_WAIT_MS}ms"})
+    await conn.execute(q.LOCK_WAIT, {"lock_wait": click.lock_wait})
     await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
     hashes = _scope_hashes(click.brand_id, body, click.today)
     recent_params = {"brand_id": click.brand_id, "tenant_id": tenant_id, "user_id": click.principal.user_id,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -524,3 +526,33 @@ async def test_a_burst_from_one_tenant_answers_429_and_never_blocks_another_tena
         rows = await fetch_all(conn, "SELECT count(*) AS n FROM monitoring_collect_requests WHERE tenant_id = %s",
                                world.tenant_id)
     assert rows[0]["n"] == 0
+
+
+async def test_the_tenant_gate_and_lock_wait_follow_their_settings(settings: Settings, pool) -> None:
+    """COLLECT_NOW_TENANT_MAX_IN_FLIGHT, COLLECT_NOW_TENANT_WAIT_MS and COLLECT_NOW_LOCK_WAIT_MS, read at start-up:
+    one click in flight and a 100 ms turn, so of two concurrent clicks one waits for the (held) tenant lock and the
+    other gives up waiting for its turn; then a 50 ms lock wait answers well before the default second."""
+    async with pool.connection() as conn:
+        world = await make_world(conn, brands=2, questions=1)
+    holder = await connect(settings.database_url)
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute("SELECT pg_advisory_xact_lock(hashtextextended('collect_now.tenant:' || %s::text, 0))",
+                             (str(world.tenant_id),))
+        brands = [b["brand_id"] for b in world.tenant["brands"]]
+        one_at_a_time = replace(settings, collect_now_tenant_max_in_flight=1, collect_now_tenant_wait_ms=100,
+                                collect_now_lock_wait_ms=600)
+        async with api_client(one_at_a_time) as http:
+            answers = await asyncio.gather(*(http.post(collect_path(b), json={}, headers=world.auth()) for b in brands))
+            bodies = [(r.status, await r.json()) for r in answers]
+        assert all(status == 429 and body["error"] == "tenant_busy" for status, body in bodies), bodies
+        assert sorted("holds its lock" in body["message"] for _, body in bodies) == [False, True], bodies
+        async with api_client(replace(settings, collect_now_lock_wait_ms=50)) as http:
+            started = time.monotonic()
+            async with http.post(collect_path(brands[0]), json={}, headers=world.auth()) as resp:
+                body = await resp.json()
+            waited = time.monotonic() - started
+        assert resp.status == 429 and "holds its lock" in body["message"], body
+        assert waited < 0.9, waited  # the default would have waited a whole second for the lock
+    finally:
+        await holder.close()

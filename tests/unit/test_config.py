@@ -67,3 +67,24 @@ def test_a_short_or_placeholder_ops_token_is_refused_outside_dev_mode(token: str
 def test_a_real_ops_token_is_accepted_and_an_unset_one_disables_the_ops_api() -> None:
     assert Settings.from_env(env={"OPS_API_TOKEN": OPS_TOKEN}).ops_token() == OPS_TOKEN
     assert Settings.from_env(env={}).ops_token() == ""  # the ops routes answer 403 ops_api_disabled
+
+
+def test_collect_now_tenant_gate_settings_parse_and_default() -> None:
+    defaults = Settings.from_env(env={})
+    assert (defaults.collect_now_tenant_max_in_flight, defaults.collect_now_tenant_wait_ms,
+            defaults.collect_now_lock_wait_ms) == (2, 1000, 1000)
+    tuned = Settings.from_env(env={"COLLECT_NOW_TENANT_MAX_IN_FLIGHT": "3", "COLLECT_NOW_TENANT_WAIT_MS": "250",
+                                   "COLLECT_NOW_LOCK_WAIT_MS": "400"})
+    assert (tuned.collect_now_tenant_max_in_flight, tuned.collect_now_tenant_wait_ms,
+            tuned.collect_now_lock_wait_ms) == (3, 250, 400)
+
+
+@pytest.mark.parametrize(("name", "raw"), [
+    ("COLLECT_NOW_TENANT_MAX_IN_FLIGHT", "0"), ("COLLECT_NOW_TENANT_MAX_IN_FLIGHT", "65"),
+    ("COLLECT_NOW_TENANT_WAIT_MS", "0"), ("COLLECT_NOW_TENANT_WAIT_MS", "60001"),
+    ("COLLECT_NOW_LOCK_WAIT_MS", "0"),  # lock_timeout 0 would wait for ever
+    ("COLLECT_NOW_LOCK_WAIT_MS", "-5"), ("COLLECT_NOW_LOCK_WAIT_MS", "60001"),
+])
+def test_collect_now_tenant_gate_settings_out_of_range_are_refused(name: str, raw: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{name}={raw} must be from \d+ to \d+$"):
+        Settings.from_env(env={name: raw})
