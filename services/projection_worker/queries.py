@@ -20,11 +20,20 @@ WITH c AS (
     FOR UPDATE SKIP LOCKED
 ){_CLAIM_KEYS_OF_C}"""
 
-# Claim up to `limit` unclaimed (or abandoned) keys, tenant-fair (the sweep and merge-mode batches: requests
-# whose event was lost, re-requested keys, a backlog). The tenants with claimable keys take turns: turn 1 is
-# every tenant's oldest key, turn 2 every tenant's second oldest, and so on; within a turn, the tenant whose
-# oldest key waited longest goes first. So one tenant's burst of keys takes one key per turn, not the batch,
-# and a tenant with fewer keys than its share leaves the rest of the batch to the others (a full batch
+# A key of the queue (alias k) a claim may take: not claimed (or its claim abandoned), attempts left, and not one of
+# the keys the caller skips (%(skip_tenants)s, %(skip_brands)s, %(skip_dates)s: the event path's keys whose rebuild
+# was just refused; empty for the sweep and merge batches).
+_CLAIMABLE = """(k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
+          AND NOT EXISTS (SELECT 1 FROM unnest(%(skip_tenants)s::bigint[], %(skip_brands)s::bigint[],
+                                               %(skip_dates)s::date[]) AS s(tenant_id, brand_id, business_date)
+                          WHERE (s.tenant_id, s.brand_id, s.business_date)
+                              = (k.tenant_id, k.brand_id, k.business_date))"""
+
+# Claim up to `limit` unclaimed (or abandoned) keys, tenant-fair (the event path's claim rounds, the sweep and
+# merge-mode batches: requests whose event was lost, re-requested keys, a backlog). The tenants with claimable keys
+# take turns: turn 1 is every tenant's oldest key, turn 2 every tenant's second oldest, and so on; within a turn,
+# the tenant whose oldest key waited longest goes first. So one tenant's burst of keys takes one key per turn, not
+# the batch, and a tenant with fewer keys than its share leaves the rest of the batch to the others (a full batch
 # whenever enough keys are claimable).
 #   tenants: every tenant with a queued key, one index probe each (a loose scan of the tenant column).
 #   heads:   each one's oldest claimable key; only the `limit` tenants whose heads are oldest can make it in.
@@ -48,8 +57,7 @@ WITH RECURSIVE tenants AS (
     FROM tenants t
     CROSS JOIN LATERAL (
         SELECT k.requested_at FROM projection_rebuild_queue k
-        WHERE k.tenant_id = t.tenant_id
-          AND (k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
+        WHERE k.tenant_id = t.tenant_id AND {_CLAIMABLE}
         ORDER BY k.requested_at
         LIMIT 1
     ) h
@@ -62,8 +70,7 @@ WITH RECURSIVE tenants AS (
         SELECT k.tenant_id, k.brand_id, k.business_date,
                row_number() OVER (ORDER BY k.requested_at, k.brand_id, k.business_date) AS turn
         FROM projection_rebuild_queue k
-        WHERE k.tenant_id = h.tenant_id
-          AND (k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
+        WHERE k.tenant_id = h.tenant_id AND {_CLAIMABLE}
         ORDER BY k.requested_at, k.brand_id, k.business_date
         LIMIT %(limit)s - least(h.claimable_tenants, %(limit)s) + 1
     ) k
@@ -71,13 +78,23 @@ WITH RECURSIVE tenants AS (
     SELECT k.tenant_id, k.brand_id, k.business_date, t.turn, t.head
     FROM (SELECT * FROM turns ORDER BY turn, head, tenant_id) t
     JOIN projection_rebuild_queue k USING (tenant_id, brand_id, business_date)
-    WHERE (k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
+    WHERE {_CLAIMABLE}
     ORDER BY t.turn, t.head, t.tenant_id
     LIMIT %(limit)s
     FOR UPDATE OF k SKIP LOCKED
 ), claimed AS ({_CLAIM_KEYS_OF_C})
 SELECT claimed.* FROM claimed JOIN c USING (tenant_id, brand_id, business_date)
 ORDER BY c.turn, c.head, c.tenant_id
+"""
+
+# The event path: which of the keys its events wait on a claim can take now (the others are served, claimed by
+# another worker, or out of attempts: their events are done).
+KEYS_CLAIMABLE = """
+SELECT w.tenant_id, w.brand_id, w.business_date
+FROM unnest(%(tenant_ids)s::bigint[], %(brand_ids)s::bigint[], %(dates)s::date[])
+     AS w(tenant_id, brand_id, business_date)
+JOIN projection_rebuild_queue k USING (tenant_id, brand_id, business_date)
+WHERE (k.claimed_by IS NULL OR k.claim_expires_at < now()) AND k.attempts < %(max_attempts)s
 """
 
 # Both rebuilds (one key; a merged batch of keys) overwrite every counter of an aggregate row they upsert.

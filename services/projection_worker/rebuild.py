@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Any, Literal
@@ -99,12 +100,27 @@ class Rebuilder:
             row = await cur.fetchone()
         return None if row is None else _claim(row)
 
-    async def claim_oldest(self, limit: int) -> list[Claim]:
+    async def claim_oldest(self, limit: int, *, skip: Collection[tuple[int, int, date]] = ()) -> list[Claim]:
         """Up to `limit` claimable keys, tenants taking turns (each tenant's own keys oldest first), in turn
-        order: one tenant's burst of keys cannot fill a sweep or merge batch while other tenants wait."""
+        order: one tenant's burst of keys cannot fill a claim round, sweep or merge batch while other tenants wait.
+        Keys in `skip` are not taken."""
+        keys = list(skip)
         async with self.pool.connection() as conn:
-            cur = await conn.execute(q.CLAIM_FAIR, {**self._claim_params(), "limit": limit})
+            cur = await conn.execute(q.CLAIM_FAIR, {
+                **self._claim_params(), "limit": limit, "skip_tenants": [k[0] for k in keys],
+                "skip_brands": [k[1] for k in keys], "skip_dates": [k[2] for k in keys]})
             return [_claim(row) for row in await cur.fetchall()]
+
+    async def claimable(self, keys: Collection[tuple[int, int, date]]) -> set[tuple[int, int, date]]:
+        """Which of `keys` a claim can take now (queued, not claimed, attempts left)."""
+        if not keys:
+            return set()
+        listed = list(keys)
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(q.KEYS_CLAIMABLE, {
+                "tenant_ids": [k[0] for k in listed], "brand_ids": [k[1] for k in listed],
+                "dates": [k[2] for k in listed], "max_attempts": self.config.max_attempts})
+            return {_row_key(row) for row in await cur.fetchall()}
 
     @tracing.traced("projection.rebuild")
     async def rebuild(self, claim: Claim, trigger: Trigger) -> bool:
@@ -161,7 +177,7 @@ class Rebuilder:
             except (psycopg.OperationalError, PoolTimeout):
                 # Not about any one key (connection, timeout, deadlock): give the batch back.
                 m.projection_rebuild_failed_count.inc()
-                await self._release_failed_keys(held)
+                await self.release_failed_keys(held)
                 raise
             except Exception as exc:
                 # Possibly one bad key: rebuild the batch one key at a time so it cannot drag every
@@ -196,7 +212,7 @@ class Rebuilder:
             except Exception as exc:
                 if is_transient(exc):
                     if claims[index + 1:]:
-                        await self._release_failed_keys(claims[index + 1:])
+                        await self.release_failed_keys(claims[index + 1:])
                     raise
                 log.warning("projection rebuild refused; key released, the others go on", exc_info=True,
                             extra={**_log_key(claim), "trigger": trigger, "error": describe_failure(exc)})
@@ -224,7 +240,8 @@ class Rebuilder:
                 raise _ClaimsLost(lost)  # rolls the whole batch back
         return len(served), len(released)
 
-    async def _release_failed_keys(self, claims: list[Claim]) -> None:
+    async def release_failed_keys(self, claims: list[Claim]) -> None:
+        """Give back claims not rebuilt (their attempt stays counted)."""
         try:
             async with self.pool.connection() as conn:
                 await conn.execute(q.RELEASE_FAILED_KEYS, {**_key_arrays(claims), "me": self.config.instance_id})

@@ -1,20 +1,31 @@
-"""Tenant-fair projection rebuild claims against real Postgres: a tenant's burst of rebuild keys does not hold back
-another tenant's few. Measured by the claim round in which each key was taken (sweep and merge-mode batches), not
-by wall time: tenants take turns within every claim, each tenant's keys oldest first."""
+"""Tenant-fair projection rebuild claims against real Postgres (and RabbitMQ for the event path): a tenant's burst of
+rebuild keys does not hold back another tenant's few. Measured by the claim round in which each key was taken (event
+path rounds, sweep and merge-mode batches) and by its place in the order of rebuilds, not by wall time: tenants take
+turns within every claim, each tenant's keys oldest first, whatever order the events arrive in."""
 
 from __future__ import annotations
 
 from collections import Counter
-from datetime import date
+from collections.abc import Collection
+from datetime import UTC, date, datetime
 
+import aio_pika
+import msgspec
+import pytest
 from aio_pika.abc import AbstractRobustConnection
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
+from libs.config import Settings
+from libs.contracts.amqp import ProjectionRebuild
 from libs.db.pool import Conn
 from libs.mq.topology import Topology
+from libs.telemetry import metrics as m
 from services.projection_worker.consumer import ProjectionWorker
-from services.projection_worker.rebuild import Claim, ProjectionConfig, Rebuilder
+from services.projection_worker.rebuild import Claim, ProjectionConfig, Rebuilder, Trigger
 from tests.support.ingest_factory import fetch
+from tests.support.projection import running_projection
+from tests.support.wait import eventually
 
 DAY = date(2026, 3, 15)
 A, B, C = 9_001, 9_002, 9_003  # tenants (the queue table holds bare ids: keys without runs rebuild to nothing)
@@ -26,11 +37,17 @@ class RecordingRebuilder(Rebuilder):
     def __init__(self, pool: AsyncConnectionPool[Conn], instance_id: str) -> None:
         super().__init__(pool, ProjectionConfig(instance_id=instance_id))
         self.rounds: list[list[Claim]] = []
+        self.rebuilt: list[tuple[tuple[int, int, date], Trigger]] = []  # in rebuild order
 
-    async def claim_oldest(self, limit: int) -> list[Claim]:
-        claims = await super().claim_oldest(limit)
-        self.rounds.append(claims)
+    async def claim_oldest(self, limit: int, *, skip: Collection[tuple[int, int, date]] = ()) -> list[Claim]:
+        claims = await super().claim_oldest(limit, skip=skip)
+        if claims:  # a round that found nothing to claim is not a round
+            self.rounds.append(claims)
         return claims
+
+    async def rebuild(self, claim: Claim, trigger: Trigger) -> bool:
+        self.rebuilt.append((claim.key_tuple, trigger))
+        return await super().rebuild(claim, trigger)
 
     def round_of(self, tenant_id: int) -> list[int]:
         """For each key of `tenant_id` claimed so far, the (1-based) claim round that took it."""
@@ -138,3 +155,52 @@ async def test_a_fair_claim_keeps_the_lease_rules_and_steps_over_locked_and_clai
         (A, 10), (B, 3), (A, 11), (B, 4), (A, 12), (B, 5), (A, 13), (B, 9), (A, 14), (B, 10), (A, 15), (A, 16)]
     assert await rebuilder.rebuild(claims[1], "sweep") is True
     assert await fetch(pool, "SELECT 1 FROM projection_rebuild_queue WHERE tenant_id = %s AND brand_id = 2", B) == []
+
+
+async def publish_events(amqp: AbstractRobustConnection, topology: Topology, tenant_id: int, keys: int) -> None:
+    """One ProjectionRebuild event per key of `enqueue_burst(tenant_id, keys)`, in key order."""
+    async with amqp.channel() as channel:
+        exchange = await channel.get_exchange(topology.projection_exchange, ensure=False)
+        for brand_id in range(1, keys + 1):
+            body = msgspec.json.encode(ProjectionRebuild(tenant_id=tenant_id, brand_id=brand_id, business_date=DAY,
+                                                         requested_at=datetime.now(UTC)))
+            await exchange.publish(aio_pika.Message(body, content_type="application/json",
+                                                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                                   routing_key="rebuild")
+
+
+@pytest.mark.parametrize("burst", [50, 500])
+async def test_a_burst_of_one_tenants_events_does_not_hold_back_another_tenants_key(
+        pool: AsyncConnectionPool[Conn], settings: Settings, topology: Topology, amqp: AbstractRobustConnection,
+        burst: int) -> None:
+    """Tenant A's `burst` keys and their events, then tenant B's one: the broker hands the worker A's events first,
+    and B's last, yet B's key is rebuilt in the event path's first claim round, within its first few rebuilds,
+    however large A's burst."""
+    rebuilder = RecordingRebuilder(pool, "projection-events-fair")
+    m.projection_queue_depth.set(-1)
+    async with running_projection(pool, settings, topology, sweep_interval_s=60, rebuilder=rebuilder) as worker:
+        # Its first sweep, over an empty queue, is over: from now on only the events rebuild.
+        await eventually(lambda: REGISTRY.get_sample_value("projection_queue_depth") == 0,
+                         message="the first sweep done")
+        await enqueue_burst(pool, A, burst, after_s=0)  # what ingest writes with each result ...
+        await enqueue_burst(pool, B, 1, after_s=10)
+        await publish_events(amqp, topology, A, burst)  # ... and the events it publishes after the commit
+        await publish_events(amqp, topology, B, 1)
+
+        async def all_served() -> bool:
+            return (await queued(pool, A) == 0 and await queued(pool, B) == 0 and await waiting_in_broker() == 0
+                    and worker.inbox.empty() and worker.held_events == 0)
+
+        async def waiting_in_broker() -> int:
+            async with amqp.channel() as channel:
+                queue = await channel.declare_queue(topology.projection_queue, passive=True)
+                return int(queue.declaration_result.message_count or 0)
+
+        await eventually(all_served, timeout=60, message="every key rebuilt and every event settled")
+    assert {trigger for _, trigger in rebuilder.rebuilt} == {"event"}
+    assert len(rebuilder.rebuilt) == burst + 1
+    assert rebuilder.round_of(B) == [1]
+    position = [key for key, _ in rebuilder.rebuilt].index((B, 1, DAY))
+    # A's oldest key and B's share the first turn of the first round; the worker's other claim loop may rebuild a
+    # key of its own round meanwhile. FIFO by event would have rebuilt B's key last (position `burst`).
+    assert position <= 3, position

@@ -32,11 +32,13 @@ Rows = tuple[tuple[object, ...] | None, dict[int, tuple[object, ...]]]
 @contextlib.asynccontextmanager
 async def running_projection(pool: AsyncConnectionPool[Conn], settings: Settings, topology: Topology, *,
                              instance_id: str = "projection-a", sweep_interval_s: float = 1.0,
-                             merge_window_s: float = 5.0, merge_batch: int = 200) -> AsyncIterator[ProjectionWorker]:
+                             merge_window_s: float = 5.0, merge_batch: int = 200,
+                             rebuilder: Rebuilder | None = None) -> AsyncIterator[ProjectionWorker]:
     connection = await connect(settings.amqp_url, name=instance_id)
     async with connection.channel() as channel:
         await declare_projection(channel, topology)
-    worker = ProjectionWorker(connection, topology, Rebuilder(pool, ProjectionConfig(instance_id=instance_id)),
+    worker = ProjectionWorker(connection, topology,
+                              rebuilder or Rebuilder(pool, ProjectionConfig(instance_id=instance_id)),
                               sweep_interval_s=sweep_interval_s, merge_window_s=merge_window_s,
                               merge_batch=merge_batch)
     async with running_worker(connection, worker):
