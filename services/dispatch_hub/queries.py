@@ -75,16 +75,26 @@ WHERE t.id = %(monitor_task_id)s AND t.tenant_id = %(tenant_id)s
 
 PLATFORM_CODES = "SELECT id, code FROM ai_platforms"
 
-# Replay on (re)connect, for a batch of clients (client_ids[i] of tenant_ids[i]): everything queued for each, in
-# lane order ...
+# Replay on (re)connect, for a batch of clients (client_ids[i] of tenant_ids[i]): everything queued for each (on
+# either execution path), in lane order ...
 REPLAY_QUEUED = """
 SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.scheduler_group_key, d.business_date,
        d.interrupt_generation, d.updated_at, d.monitor_task_id, d.collect_request_id
 FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
 CROSS JOIN LATERAL (
-    SELECT d.*
-    FROM desktop_tasks d
-    WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'queued'
+    SELECT d.* FROM (
+        SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.lane_weight, d.scheduler_group_key,
+               d.business_date, d.interrupt_generation, d.updated_at, d.monitor_task_id, d.collect_request_id,
+               d.enqueued_at
+        FROM desktop_tasks d
+        WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'queued'
+        UNION ALL  -- the legacy path's offers not pulled yet (libs/tasks/legacy.py), with the coordinator's group key
+        SELECT l.kind, l.id, l.target_client_id, l.priority, l.lane, l.lane_weight, 'qid:' || l.question_id,
+               l.business_date, l.interrupt_generation, l.updated_at, l.monitor_task_id, l.collect_request_id,
+               l.enqueued_at
+        FROM legacy_leases l
+        WHERE l.target_client_id = c.client_id AND l.tenant_id = c.tenant_id AND l.status = 'queued'
+    ) d
     ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
     LIMIT %(limit)s
 ) d
@@ -97,10 +107,19 @@ SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags
        d.updated_at, d.collect_request_id
 FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
 CROSS JOIN LATERAL (
-    SELECT d.*
-    FROM desktop_tasks d
-    WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'in_progress'
-      AND coalesce((d.control_flags ->> 'interrupt_requested')::boolean, false)
+    SELECT d.* FROM (
+        SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags, d.interrupt_reason,
+               d.updated_at, d.collect_request_id, d.leased_at
+        FROM desktop_tasks d
+        WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'in_progress'
+          AND coalesce((d.control_flags ->> 'interrupt_requested')::boolean, false)
+        UNION ALL  -- pulled legacy leases asked to yield and without a posted result
+        SELECT l.kind, l.id, l.target_client_id, l.interrupt_generation, l.control_flags, l.interrupt_reason,
+               l.updated_at, l.collect_request_id, l.leased_at
+        FROM legacy_leases l
+        WHERE l.target_client_id = c.client_id AND l.tenant_id = c.tenant_id AND l.status = 'in_progress'
+          AND l.result_received_at IS NULL AND coalesce((l.control_flags ->> 'interrupt_requested')::boolean, false)
+    ) d
     ORDER BY d.leased_at
     LIMIT %(limit)s
 ) d

@@ -15,6 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.db.pool import Conn
 from libs.domain.lanes import lane_weight
 from libs.tasks import legacy
+from services.collect_now_api import queries as collect_now_queries
 from tests.integration.test_hub_api import http, hub, lease, post, seed
 from tests.support.db import one
 from tests.support.desktop import dispatch_execution, insert_ready_task
@@ -130,3 +131,33 @@ async def test_a_client_cancel_ends_the_lease_and_retries_the_task(
     status, body = await post(http, hub, f"/api/desktop/tasks/{task['task_id']}/extend", client["token"],
                               {"lease_token": task["lease_token"]})
     assert (status, body["error"]) == (409, "stale_lease")
+
+
+async def test_a_reconnecting_client_is_replayed_its_legacy_offers_and_interrupts(
+        hub: TestServer, http: aiohttp.ClientSession, pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
+    """What a client missed while away on the legacy path comes with its hello, as on desktop_tasks: the offers it has
+    not pulled (task_available, lane order) and the pulled leases asked to yield (task_control)."""
+    from tests.integration.test_hub_websocket import connect, receive
+
+    tenant = seed["tenants"][0]
+    client = tenant["clients"][0]
+    pulled = await offer_legacy(pool, tenant, client["client_id"], question_index=0)
+    (leased,) = await lease(http, hub, client["token"], max_tasks=1)
+    assert leased["task_id"] == str(pulled["task_id"])
+    normal = await offer_legacy(pool, tenant, client["client_id"], question_index=1)
+    high = await offer_legacy(pool, tenant, client["client_id"], question_index=2, lane="high", priority=20000)
+    async with pool.connection() as conn, conn.transaction():  # a click's writes: the generation, then the interrupt
+        params = {"client_id": uuid.UUID(client["client_id"]), "tenant_id": tenant["tenant_id"],
+                  "request_id": str(uuid.uuid4())}
+        await conn.execute(collect_now_queries.INCREMENT_GENERATION, params)
+        cur = await conn.execute(legacy.INTERRUPT_SCHEDULED_LEASES, params)
+        assert [r["id"] for r in await cur.fetchall()] == [pulled["task_id"]]
+    ws = await connect(http, hub, client["token"])
+    hello = await receive(ws)
+    assert (hello["type"], hello["replayed_available"], hello["replayed_controls"]) == ("hello", 2, 1), hello
+    replay = [await receive(ws) for _ in range(3)]
+    assert [(e["type"], e["task_id"]) for e in replay] == [
+        ("task_available", str(high["task_id"])), ("task_available", str(normal["task_id"])),
+        ("task_control", str(pulled["task_id"]))]
+    assert replay[0]["lane"] == "high" and replay[2]["control"] == "interrupt_requested"
+    await ws.close()
