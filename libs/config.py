@@ -156,6 +156,9 @@ class Settings:
     projection_sweep_interval_ms: int = 1000
     projection_claim_lease_seconds: float = 30.0
     projection_max_attempts: int = 10
+    # the event path: keys claimed per tenant-fair round; how long a refused (poison) key is left to the sweep
+    projection_event_batch: int = 20
+    projection_refused_hold_seconds: float = 60.0
     # merge mode while the coordinator reports auto slow-down (§12.4): every window, batches of at most
     # this many keys, one transaction each, until the queue is drained
     projection_merge_window_ms: int = 5000

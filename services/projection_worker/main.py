@@ -27,7 +27,9 @@ async def start(life: Lifetime) -> Worker:
                               concurrency=settings.projection_concurrency,
                               sweep_interval_s=settings.projection_sweep_interval_ms / 1000,
                               merge_window_s=settings.projection_merge_window_ms / 1000,
-                              merge_batch=settings.projection_merge_batch)
+                              merge_batch=settings.projection_merge_batch,
+                              event_batch=settings.projection_event_batch,
+                              refused_hold_s=settings.projection_refused_hold_seconds)
     return await life.consume(connection, worker, "projection queue", health, pool)
 
 

@@ -88,3 +88,10 @@ def test_collect_now_tenant_gate_settings_parse_and_default() -> None:
 def test_collect_now_tenant_gate_settings_out_of_range_are_refused(name: str, raw: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{name}={raw} must be from \d+ to \d+$"):
         Settings.from_env(env={name: raw})
+
+
+def test_the_projection_event_path_settings_come_from_the_environment() -> None:
+    defaults = Settings.from_env(env={})
+    assert (defaults.projection_event_batch, defaults.projection_refused_hold_seconds) == (20, 60.0)
+    settings = Settings.from_env(env={"PROJECTION_EVENT_BATCH": "5", "PROJECTION_REFUSED_HOLD_SECONDS": "2.5"})
+    assert (settings.projection_event_batch, settings.projection_refused_hold_seconds) == (5, 2.5)
