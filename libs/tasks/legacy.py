@@ -267,9 +267,21 @@ SELECT (SELECT count(*) FROM desktop_tasks WHERE kind = 'monitor' AND status IN 
 """
 
 
-# The same two steps on the legacy path (Phase 1, docs/legacy-path.md). The client's offers of scheduled work it
-# has not pulled yet are withdrawn (the twin of CANCEL_QUEUED_SCHEDULED: the offer ends aborted at epoch 0, so its
-# budget is given back; the business row is pending again with its dispatch attempt back) ...
+# Offers withdrawn before they were pulled (a statement's `withdrawn` rows): their business rows are pending again,
+# their lease columns cleared and their dispatch attempt given back.
+_RELEASE_WITHDRAWN = f"""released AS (
+    UPDATE monitoring_collect_tasks t
+    SET status = 'pending', {CLEAR_LEGACY_LEASE_SQL},
+        dispatch_attempts = greatest(t.dispatch_attempts - 1, 0), updated_at = now()
+    FROM withdrawn w
+    WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
+)"""
+
+
+# A click's two steps (executions.CANCEL_QUEUED_SCHEDULED, MARK_INTERRUPT_REQUESTED) on the legacy path (Phase 1,
+# docs/legacy-path.md). The client's offers of scheduled work it has not pulled yet are withdrawn (the twin of
+# CANCEL_QUEUED_SCHEDULED: the offer ends aborted at epoch 0, so its budget is given back; the business row is
+# pending again with its dispatch attempt back) ...
 WITHDRAW_SCHEDULED_OFFERS = f"""
 WITH g AS (SELECT {CLIENT_GENERATION_SQL} AS gen),
 withdrawn AS (
@@ -282,14 +294,24 @@ withdrawn AS (
     WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'queued'
       AND lane IN ('normal', 'normal_boosted')
     RETURNING id, monitor_task_id, ai_platform_id, lane
-), released AS (
-    UPDATE monitoring_collect_tasks t
-    SET status = 'pending', {CLEAR_LEGACY_LEASE_SQL},
-        dispatch_attempts = greatest(t.dispatch_attempts - 1, 0), updated_at = now()
-    FROM withdrawn w
-    WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
-)
+), {_RELEASE_WITHDRAWN}
 SELECT * FROM withdrawn
+"""
+
+
+# ... and its pulled leases of scheduled work are told to yield, without clearing them here: the client cancels only
+# while PREPARING or NAVIGATING, and otherwise finishes the task (the lease then ends as any other).
+INTERRUPT_SCHEDULED_LEASES = f"""
+WITH g AS (SELECT {CLIENT_GENERATION_SQL} AS gen)
+UPDATE legacy_leases
+SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
+                                                        'interrupt_generation', g.gen,
+                                                        'collect_request_id', %(request_id)s::text),
+    interrupt_generation = g.gen, interrupt_reason = 'collect_now_preempt', updated_at = now()
+FROM g
+WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'in_progress'
+  AND lane IN ('normal', 'normal_boosted') AND result_received_at IS NULL AND interrupt_generation < g.gen
+RETURNING id, monitor_task_id, ai_platform_id, lane
 """
 
 
@@ -313,30 +335,8 @@ locked AS (
     WHERE l.id = locked.id AND l.status = 'queued'
     RETURNING l.id, l.monitor_task_id, l.tenant_id, l.target_client_id, l.ai_platform_id, l.lane,
               l.interrupt_generation, l.collect_request_id
-), released AS (
-    UPDATE monitoring_collect_tasks t
-    SET status = 'pending', {CLEAR_LEGACY_LEASE_SQL},
-        dispatch_attempts = greatest(t.dispatch_attempts - 1, 0), updated_at = now()
-    FROM withdrawn w
-    WHERE t.id = w.monitor_task_id AND t.legacy_lease_id = w.id AND t.status = 'leased'
-)
+), {_RELEASE_WITHDRAWN}
 SELECT * FROM withdrawn ORDER BY target_client_id, id
-"""
-
-
-# ... and its pulled leases of scheduled work are told to yield, without clearing them here: the client cancels only
-# while PREPARING or NAVIGATING, and otherwise finishes the task (the lease then ends as any other).
-INTERRUPT_SCHEDULED_LEASES = f"""
-WITH g AS (SELECT {CLIENT_GENERATION_SQL} AS gen)
-UPDATE legacy_leases
-SET control_flags = control_flags || jsonb_build_object('interrupt_requested', true,
-                                                        'interrupt_generation', g.gen,
-                                                        'collect_request_id', %(request_id)s::text),
-    interrupt_generation = g.gen, interrupt_reason = 'collect_now_preempt', updated_at = now()
-FROM g
-WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'in_progress'
-  AND lane IN ('normal', 'normal_boosted') AND result_received_at IS NULL AND interrupt_generation < g.gen
-RETURNING id, monitor_task_id, ai_platform_id, lane
 """
 
 
