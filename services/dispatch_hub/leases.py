@@ -154,7 +154,8 @@ class HubContext:
     safe_points: SafePointStats
     publisher: ResultPublisher
     ingest_shards: int
-    # This replica's write timings for the coordinator's auto slow-down (libs/db/write_health.py).
+    # This replica's write timings for the coordinator's auto slow-down (libs/db/write_health.py): the lease,
+    # extend, cancel and result writes (and the gateway's heartbeat flushes).
     write_health: WriterHealth = field(default_factory=lambda: WriterHealth("hub", "hub"))
 
 
@@ -276,13 +277,14 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             params = {"task_id": task_id, "tenant_id": principal.tenant_id, "client_id": principal.client_id,
                       "epoch": epoch, "token_hash": hash_token(body.lease_token),
                       "ttl_s": dispatch.lease_ttl_seconds, "phase": body.execution_phase}
-            cur = await conn.execute(executions.EXTEND_LEASE, params)
-            row = await cur.fetchone()
-            owner = "desktop_tasks"
-            if row is None:  # a lease of the legacy path?
-                cur = await conn.execute(legacy.EXTEND, params)
+            async with ctx.write_health.timed():  # autocommit: one statement, a second for a legacy lease
+                cur = await conn.execute(executions.EXTEND_LEASE, params)
                 row = await cur.fetchone()
-                owner = "legacy"
+                owner = "desktop_tasks"
+                if row is None:  # a lease of the legacy path?
+                    cur = await conn.execute(legacy.EXTEND, params)
+                    row = await cur.fetchone()
+                    owner = "legacy"
             if row is not None:
                 tracing.set_attributes(execution_owner=owner)
         if row is None:
@@ -338,7 +340,7 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         dispatch = await ctx.settings.get(conn)
         ack = _PreemptAck()
         # One transaction; the lease row (a legacy lease: the business row first) is locked before anything else.
-        async with conn.transaction():
+        async with ctx.write_health.timed(), conn.transaction():
             row = _fence(await _lease_state(conn, task_id, principal.tenant_id, for_update=True), principal,
                          body.lease_token)
             tracing.set_attributes(execution_owner=row["execution_owner"])
@@ -460,7 +462,7 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         on_legacy = row["execution_owner"] == "legacy"
         epoch = int(row["lease_epoch"])
         claim_params = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch, "digest": digest}
-        async with conn.transaction():
+        async with ctx.write_health.timed(), conn.transaction():
             cur = await conn.execute(legacy.CLAIM_RESULT if on_legacy else executions.CLAIM_RESULT, claim_params)
             claim = await cur.fetchone()
         assert claim is not None  # the fence passed: the row is there at this epoch
@@ -478,13 +480,13 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
     try:
         await ctx.publisher.publish(message, routing_key=f"shard.{message.shard}")
     except BrokerUnavailable as exc:
-        async with ctx.pool.connection() as conn:
+        async with ctx.pool.connection() as conn, ctx.write_health.timed():
             release = legacy.RELEASE_RESULT_CLAIM if on_legacy else executions.RELEASE_RESULT_CLAIM
             await conn.execute(release, claim_params)
         raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
                        retry_after_s=2) from exc
     received = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch}
-    async with ctx.pool.connection() as conn:
+    async with ctx.pool.connection() as conn, ctx.write_health.timed():
         if on_legacy:
             async with conn.transaction():
                 await conn.execute(legacy.MARK_BUSINESS_RECEIVED, received)

@@ -1,9 +1,10 @@
 """dispatch-hub desktop HTTP API on real Postgres and RabbitMQ: lease order, fencing, generations,
-result confirm, auth isolation, malformed bodies, 410, OpenAPI conformance."""
+result confirm, auth isolation, malformed bodies, 410, OpenAPI conformance, write-health timing of the calls."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import date
@@ -20,7 +21,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.contracts.amqp import MonitorResult
 from libs.contracts.wire import TaskControl
-from libs.db.pool import Conn
+from libs.db.pool import Conn, connect
 from libs.demo import seed_demo
 from libs.domain.shard import shard_for
 from libs.mq.topology import Topology
@@ -404,3 +405,51 @@ async def test_a_posted_result_frees_the_clients_slot(hub: TestServer, http: aio
     # The first execution stays in_progress until ingest applies the result, but the client is free.
     (following,) = await lease(http, hub, token)
     assert following["task_id"] == str(second["task_id"])
+
+
+async def test_extend_cancel_and_result_writes_count_in_the_hubs_write_health(
+        settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
+        pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
+    tenant, client, token, platform = _first(seed)
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 3 WHERE id = %s", (client,))
+        done, dropped, contended = [
+            (await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client,
+                                      question_index=i, age_s=30 - i))["task_id"] for i in range(3)]
+    # A short lock wait, so a call that meets a locked row fails on lock_timeout (a conflict) quickly.
+    async with running_hub(settings, db_lock_timeout_ms=200) as hub:
+        health = hub.app[CONTEXT].write_health
+        tokens = {t["task_id"]: t["lease_token"] for t in await lease(http, hub, token, max_tasks=3)}
+
+        async def counted(action: str, task_id: uuid.UUID, body: dict[str, Any]) -> tuple[int, int, int]:
+            """The call's status and the (writes, conflicts) it added to the hub's write health."""
+            writes, conflicts = health.stats.counts(time.monotonic())
+            status, _ = await post(http, hub, f"/api/desktop/tasks/{task_id}/{action}", token,
+                                   {"lease_token": tokens[str(task_id)], **body})
+            now_writes, now_conflicts = health.stats.counts(time.monotonic())
+            return status, now_writes - writes, now_conflicts - conflicts
+
+        extend = {"execution_phase": "NAVIGATING"}
+        cancel = {"reason": "user", "interrupt_generation": 0}
+        result = {"status": "succeeded", "answer_text": "ok"}
+        assert await counted("extend", done, extend) == (200, 1, 0)
+        assert await counted("result", done, result) == (202, 2, 0)  # the claim, then the received mark
+        assert await counted("cancel", dropped, cancel) == (200, 1, 0)
+        holder = await connect(settings.database_url)
+        try:
+            await holder.execute("BEGIN")
+            await holder.execute("SELECT id FROM desktop_tasks WHERE id = %s FOR UPDATE", (contended,))
+            for action, body in (("extend", extend), ("cancel", cancel), ("result", result)):
+                assert await counted(action, contended, body) == (503, 1, 1), action  # lock_timeout: a conflict
+        finally:
+            await holder.execute("ROLLBACK")
+            await holder.close()
+        assert await counted("result", contended, result) == (202, 2, 0)
+        # ... and what the coordinator reads: this replica's row in writer_health.
+        writes, conflicts = health.stats.counts(time.monotonic())
+        assert (writes, conflicts) == (1 + 1 + 2 + 1 + 3 + 2, 3)  # the lease first
+        await health.publish(pool)
+        async with pool.connection() as conn:
+            cur = await conn.execute("SELECT writes, conflicts FROM writer_health WHERE writer = 'hub' "
+                                     "AND instance = %s", (health.instance,))
+            assert await cur.fetchone() == {"writes": writes, "conflicts": conflicts}
