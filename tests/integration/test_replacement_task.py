@@ -19,19 +19,29 @@ from libs.domain.lanes import lane_weight
 from libs.tasks import legacy
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from services.dispatch_hub.leases import current_interrupt
-from tests.support.collect_now import api_client, business_task, execution, fetch_all, make_world, today
+from tests.support.collect_now import World, api_client, business_task, execution, fetch_all, make_world, today
 
 
-async def test_the_interrupt_names_the_high_execution_that_replaces_it(settings: Settings,
-                                                                       pool: AsyncConnectionPool[Conn]) -> None:
+async def _interrupting_click(settings: Settings, pool: AsyncConnectionPool[Conn], *, legacy_path: bool) -> (
+        tuple[World, uuid.UUID, dict[str, Any], TaskControl]):
+    """A click whose client runs scheduled work of another brand (an execution, or a pulled legacy lease): the
+    world, the running work, the click's answer and the interrupt sent for it."""
     async with pool.connection() as conn:
         world = await make_world(conn, brands=2, questions=1, clients=1)
+        if legacy_path:
+            await set_setting(conn, "rollout_percentage", 0)  # every tenant on the legacy path
         other_brand = world.tenant["brands"][1]
         day = await today(conn, world.tenant_id)
         scheduled = await business_task(conn, tenant_id=world.tenant_id, brand_id=other_brand["brand_id"],
                                         question_id=other_brand["question_ids"][0],
                                         ai_platform_id=world.platform_ids[0], business_date=day)
-        running = await execution(conn, monitor_task_id=scheduled, client_id=world.client_id(0), status="in_progress")
+        if legacy_path:
+            await conn.execute("UPDATE monitoring_collect_tasks SET execution_owner = 'legacy' WHERE id = %s",
+                               (scheduled,))
+            running = await pulled_legacy_lease(conn, scheduled, world.client_id(0))
+        else:
+            running = await execution(conn, monitor_task_id=scheduled, client_id=world.client_id(0),
+                                      status="in_progress")
         await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 4")
         await conn.execute("INSERT INTO platform_settings (ai_platform_id, max_concurrent) SELECT id, 2 "
                            "FROM ai_platforms ON CONFLICT (ai_platform_id) DO UPDATE SET max_concurrent = 2")
@@ -43,9 +53,16 @@ async def test_the_interrupt_names_the_high_execution_that_replaces_it(settings:
     async with pool.connection() as conn:
         rows = await fetch_all(conn, "SELECT payload FROM outbox WHERE routing_key = %s",
                                f"monitor.control.{world.client_id(0)}")
-        (control,) = [msgspec.json.decode(r["payload"], type=TaskControl) for r in rows]
-        assert control.control == "interrupt_requested" and control.task_id == running
-        assert control.replacement_task_id is not None
+    (control,) = [msgspec.json.decode(r["payload"], type=TaskControl) for r in rows]
+    assert control.control == "interrupt_requested" and control.task_id == running
+    assert control.replacement_task_id is not None
+    return world, running, accepted, control
+
+
+async def test_the_interrupt_names_the_high_execution_that_replaces_it(settings: Settings,
+                                                                       pool: AsyncConnectionPool[Conn]) -> None:
+    _, running, accepted, control = await _interrupting_click(settings, pool, legacy_path=False)
+    async with pool.connection() as conn:
         # the hub's replay of the interrupt names the same replacement
         (row,) = await fetch_all(conn, "SELECT * FROM desktop_tasks WHERE id = %s", running)
         assert current_interrupt(row, now=control.updated_at).replacement_task_id == control.replacement_task_id
@@ -69,30 +86,8 @@ async def test_the_legacy_interrupt_names_the_offer_that_replaces_it(settings: S
     """The same on the legacy path (docs/legacy-path.md): the interrupted lease keeps the replacement's id, the hub's
     re-sent interrupt (read from the lease as the hub reads it) names it, and the high pass offers the promoted task
     under that id."""
+    world, running, accepted, control = await _interrupting_click(settings, pool, legacy_path=True)
     async with pool.connection() as conn:
-        world = await make_world(conn, brands=2, questions=1, clients=1)
-        await set_setting(conn, "rollout_percentage", 0)  # every tenant on the legacy path
-        other_brand = world.tenant["brands"][1]
-        day = await today(conn, world.tenant_id)
-        scheduled = await business_task(conn, tenant_id=world.tenant_id, brand_id=other_brand["brand_id"],
-                                        question_id=other_brand["question_ids"][0],
-                                        ai_platform_id=world.platform_ids[0], business_date=day)
-        await conn.execute("UPDATE monitoring_collect_tasks SET execution_owner = 'legacy' WHERE id = %s", (scheduled,))
-        running = await pulled_legacy_lease(conn, scheduled, world.client_id(0))
-        await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 4")
-        await conn.execute("INSERT INTO platform_settings (ai_platform_id, max_concurrent) SELECT id, 2 "
-                           "FROM ai_platforms ON CONFLICT (ai_platform_id) DO UPDATE SET max_concurrent = 2")
-    async with api_client(settings) as http:
-        resp = await http.post(f"/api/tenant/monitoring/brands/{world.brand_id}/collect-now", json={},
-                               headers=world.auth())
-        accepted: dict[str, Any] = await resp.json()
-        assert resp.status == 202 and accepted["interrupt_requested_count"] == 1, accepted
-    async with pool.connection() as conn:
-        rows = await fetch_all(conn, "SELECT payload FROM outbox WHERE routing_key = %s",
-                               f"monitor.control.{world.client_id(0)}")
-        (control,) = [msgspec.json.decode(r["payload"], type=TaskControl) for r in rows]
-        assert control.control == "interrupt_requested" and control.task_id == running
-        assert control.replacement_task_id is not None
         (flags,) = await fetch_all(conn, "SELECT control_flags FROM legacy_leases WHERE id = %s", running)
         assert flags["control_flags"]["replacement_task_id"] == str(control.replacement_task_id)
         # the hub's re-sent interrupt of the lease (a stale callback) names the same replacement
