@@ -24,7 +24,7 @@ from services.dispatch_hub.auth import ClientAuthenticator, ClientPrincipal
 from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.leases import HubContext
-from services.dispatch_hub.logic import IPNetwork, TokenBuckets, client_address
+from services.dispatch_hub.logic import IPNetwork, TokenBuckets, address_bucket, client_address
 from services.dispatch_hub.openapi import openapi_document
 
 log = logging.getLogger("hub.http")
@@ -50,7 +50,9 @@ class UpgradeLimits:
     trusted_proxies: tuple[IPNetwork, ...] = ()
 
     def address_of(self, request: web.Request) -> str:
-        return client_address(request.remote, request.headers.getall("X-Forwarded-For", ()), self.trusted_proxies)
+        """The budget key of the upgrade's source: its address (IPv4) or /64 (IPv6)."""
+        return address_bucket(client_address(request.remote, request.headers.getall("X-Forwarded-For", ()),
+                                             self.trusted_proxies))
 
     def check(self, buckets: TokenBuckets, key: str, what: str) -> None:
         wait = buckets.take(key, time.monotonic())

@@ -224,6 +224,15 @@ def parse_address(raw: str) -> IPAddress | None:
     return address
 
 
+def address_bucket(address: str) -> str:
+    """The per-address budget an address draws on: an IPv4 address alone, an IPv6 address its /64 (one subnet, the
+    unit a provider hands a site: a client must not get a fresh budget by rotating addresses within it)."""
+    parsed = parse_address(address)
+    if isinstance(parsed, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((parsed, 64), strict=False))
+    return address
+
+
 def client_address(peer: str | None, forwarded_for: Iterable[str], trusted: Sequence[IPNetwork]) -> str:
     """The address a WebSocket upgrade counts against (its per-address budget).
 

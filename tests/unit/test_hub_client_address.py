@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 
 from libs.config import ConfigError, Settings
-from services.dispatch_hub.logic import IPNetwork, client_address, parse_address
+from services.dispatch_hub.logic import IPNetwork, address_bucket, client_address, parse_address
 
 INGRESS = (ipaddress.ip_network("10.42.0.0/16"),)
 CHAIN = (ipaddress.ip_network("10.42.0.0/16"), ipaddress.ip_network("192.0.2.0/24"), ipaddress.ip_network("fd00::/8"))
@@ -76,3 +76,14 @@ def test_trusted_proxies_setting_parses_addresses_and_cidrs() -> None:
 def test_a_trusted_proxies_entry_that_is_no_cidr_is_refused(raw: str) -> None:
     with pytest.raises(ConfigError, match="HUB_TRUSTED_PROXIES"):
         Settings.from_env(env={"HUB_TRUSTED_PROXIES": raw})
+
+
+@pytest.mark.parametrize(("address", "bucket"), [
+    ("203.0.113.7", "203.0.113.7"),
+    ("2001:db8:1:2::7", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2:ffff:ffff:ffff:ffff", "2001:db8:1:2::/64"),  # the same /64: one budget
+    ("2001:db8:1:3::7", "2001:db8:1:3::/64"),  # the next /64: another
+    ("unknown", "unknown"),
+])
+def test_an_ipv6_client_draws_on_its_64s_budget(address: str, bucket: str) -> None:
+    assert address_bucket(address) == bucket
