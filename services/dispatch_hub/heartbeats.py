@@ -37,6 +37,7 @@ from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.tasks import executions, legacy
 from libs.tasks.controls import control_event
+from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import emit_lifecycle
 from services.dispatch_hub import queries as q
 
@@ -165,7 +166,7 @@ class HeartbeatWriter:
                 log.exception("heartbeat flush failed; will retry at the next interval")
 
 
-RELEASE_REASON = "platform_unhealthy"
+RELEASE_REASON: EndReason = "platform_unhealthy"
 
 
 async def release_unhealthy(conn: Conn, client_ids: list[uuid.UUID]) -> list[dict[str, Any]]:
