@@ -28,8 +28,9 @@ HARD_FACTOR = 3
 
 
 def bucket_of(interval_ms: float) -> int:
-    """The upper bound of the bucket an interval falls in."""
-    return next(le for le in BUCKETS_MS if interval_ms <= le)
+    """The upper bound of the bucket an interval falls in (the last bucket's for anything longer: a client may
+    report any interval up to 2**63 - 1 ms)."""
+    return next((le for le in BUCKETS_MS if interval_ms <= le), BUCKETS_MS[-1])
 
 
 def p95_from_histogram(buckets: Iterable[tuple[int, int]]) -> float | None:

@@ -10,6 +10,8 @@ from libs.domain.safe_points import BUCKETS_MS, bucket_of, p95_from_histogram, t
 def test_intervals_fall_in_the_bucket_of_their_upper_bound() -> None:
     assert bucket_of(0) == 250 and bucket_of(250) == 250 and bucket_of(251) == 500
     assert bucket_of(10_000_000) == BUCKETS_MS[-1]
+    # past the last bound too: the open last bucket (an interval the contract allows, up to 2**63 - 1 ms)
+    assert bucket_of(BUCKETS_MS[-1] + 1) == bucket_of(2**63 - 1) == BUCKETS_MS[-1]
 
 
 def test_p95_interpolates_inside_its_bucket() -> None:
