@@ -5,6 +5,11 @@ fuzzed cases in positive and negative modes, with every schemathesis check on: n
 content types and headers, bodies that match their schemas, schema-valid requests accepted, invalid ones refused,
 credentials not ignored, 405 with `Allow` for undeclared methods. The cases sent per operation are summed up at the
 end of the pytest run.
+
+Random task ids only reach the refusals of extend, cancel and result, so their success paths are fuzzed on real
+leases too (tests/support/lease_fuzz.py): each case on a fresh lease of a fuzzing client's own, its lease fields
+mostly the lease's and sometimes mutated, every schemathesis check plus the answer the sent values call for, a
+JSON error naming the problem for every 4xx, and the database and published results consistent afterwards.
 """
 
 from __future__ import annotations
@@ -21,15 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hypothesis
+import msgspec
 import psycopg
 import pytest
 import schemathesis
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from schemathesis import Case, CheckContext, Response
+from schemathesis import Case, CheckContext, GenerationMode, Response
+from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import positive_data_acceptance, unsupported_method
 
 from libs.config import Settings
+from libs.contracts.http import ErrorBody
 from libs.db.pool import make_pool
 from libs.mq.topology import Topology
 from services.collect_now_api.openapi import openapi_document as collect_now_document
@@ -38,6 +47,18 @@ from tests.support.collect_now import JWT_SECRET, World, make_world
 from tests.support.desktop import dispatch_execution
 from tests.support.env import Backends
 from tests.support.fuzz_report import error_lines, fuzz_report
+from tests.support.lease_fuzz import (
+    BODY_FIELDS,
+    CANCEL,
+    EXTEND,
+    RESULT,
+    RealLeases,
+    check_answer,
+    check_effect,
+    expected_answer,
+    fill,
+    plan_for,
+)
 from tests.support.procs import ServiceProcess, service_env
 
 MAX_EXAMPLES = 50
@@ -227,3 +248,104 @@ def test_dispatch_hub_matches_its_openapi_document(case: Case, hub_target: Targe
     except BaseException:
         summary.fail("dispatch-hub", case)
         raise
+
+
+# ---- extend, cancel and result on real leases -------------------------------------------------------------
+
+# Cases per operation on real leases: schema-valid ones (the success paths) and schema-invalid ones.
+VALID_CASES = 50
+INVALID_CASES = 10
+REAL_LEASES = "dispatch-hub, real leases"
+# Error codes that name the body field at fault whenever the body is a JSON object.
+_FIELD_ERRORS = {"missing_field", "invalid_field", "unknown_type"}
+
+
+@pytest.fixture(scope="module")
+def real_leases(module_settings: Settings, world: World, hub_target: Target) -> Iterator[RealLeases]:
+    leases = RealLeases(module_settings, hub_target.process.url, world.seed["tenants"][1], world.platform_ids)
+    try:
+        yield leases
+    finally:
+        leases.close()
+
+
+def _error_names_the_problem(ctx: CheckContext, response: Response, case: Case) -> bool | None:
+    """Every 4xx is a JSON error body with a code and a message; a field it names is one of the body's."""
+    if not 400 <= response.status_code < 500:
+        return None
+    content_type = response.headers.get("content-type", [""])[0]
+    assert content_type.startswith("application/json"), f"{response.status_code} answered as {content_type!r}"
+    error = msgspec.convert(response.json(), ErrorBody)
+    assert error.error and error.message, f"{response.status_code} names no problem: {response.text}"
+    fields = BODY_FIELDS[case.operation.path]
+    if error.field is not None:
+        assert re.split(r"[.\[ ]", error.field)[0] in fields, f"{error.field!r} is no field of the body"
+    elif error.error in _FIELD_ERRORS:
+        assert not isinstance(case.body, dict), f"{error.error} names no field: {response.text}"
+    return None
+
+
+def _invalid_by_its_body(case: Case) -> bool:
+    body = case.meta.components.get(ParameterLocation.BODY) if case.meta is not None else None
+    return body is not None and body.mode.is_negative
+
+
+# Schema-valid and schema-invalid cases in separate seeded runs, so that each gets its share.
+@pytest.mark.parametrize("valid", [True, False], ids=["valid", "invalid"])
+@pytest.mark.parametrize("path", [EXTEND, CANCEL, RESULT])
+def test_task_calls_on_real_leases_match_the_openapi_document(path: str, valid: bool, real_leases: RealLeases,
+                                                              summary: FuzzCounts) -> None:
+    operation = HUB_SCHEMA[path]["POST"]
+    cases = operation.as_strategy(GenerationMode.POSITIVE if valid else GenerationMode.NEGATIVE)
+    if not valid:
+        # Invalid by the body: the credentials and the task id are filled in, so a case invalid by those alone
+        # would be a valid one.
+        cases = cases.filter(_invalid_by_its_body)
+    statuses: Counter[int] = Counter()
+
+    def send(case: Case) -> Response:
+        summary.count(REAL_LEASES, case)
+        response = case.call_and_validate(base_url=real_leases.base_url, headers=real_leases.headers,
+                                          additional_checks=[_error_names_the_problem])
+        summary.answered(REAL_LEASES, case, response.status_code)
+        statuses[response.status_code] += 1
+        return response
+
+    @hypothesis.seed(20260611)
+    @hypothesis.settings(max_examples=VALID_CASES if valid else INVALID_CASES, database=None, deadline=None,
+                         suppress_health_check=list(hypothesis.HealthCheck))
+    @hypothesis.given(case=cases)
+    def one_case(case: Case) -> None:
+        plan = plan_for(path, case)
+        lease = real_leases.lease(generation=plan.initial_generation, interrupt=plan.interrupted)
+        try:
+            fill(case, plan, lease, headers=real_leases.headers, other_clients_task=real_leases.other_clients_task)
+            expected = expected_answer(path, case, lease, max_body=real_leases.max_body)
+            before = real_leases.state(lease.task_id)
+            response = send(case)
+            answer = response.json()
+            if expected is not None:
+                assert (response.status_code, answer.get("error")) == expected, (case, answer)
+                check_answer(path, lease, response.status_code, answer)
+            check_effect(path, response.status_code, case.body, before, real_leases.state(lease.task_id))
+            if path == RESULT and response.status_code == 202 and plan.again != "none":
+                # A lease takes one result: the same body again is answered as the first was, another is refused.
+                if plan.again == "other":
+                    case.body = {**case.body, "status": "failed" if case.body["status"] == "succeeded" else
+                                 "succeeded"}
+                again = send(case)
+                if plan.again == "same":
+                    assert (again.status_code, again.json()) == (202, answer)
+                else:
+                    assert (again.status_code, again.json()["error"]) == (409, "result_already_posted")
+        except BaseException:
+            summary.fail(REAL_LEASES, case)
+            raise
+        finally:
+            real_leases.release(lease)
+
+    one_case()
+    assert real_leases.invariants() == []
+    assert not any(status >= 500 for status in statuses), statuses
+    if valid:  # the success paths were fuzzed, not only the refusals
+        assert sum(n for status, n in statuses.items() if status < 300) >= VALID_CASES // 4, statuses
