@@ -10,6 +10,7 @@ from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import msgspec
+import psycopg
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from psycopg import errors as pg_errors
@@ -86,6 +87,15 @@ async def json_errors(request: web.Request, handler: Callable[[web.Request], Awa
                                                                  "error_type": type(exc).__name__})
         return error_response(503, "busy", "the request met concurrent work on the same data and was not applied; "
                               "retry it", retry_after_s=1)
+    except psycopg.OperationalError as exc:
+        # The database connection was lost mid-call or none could be had in time (psycopg_pool.PoolTimeout): a
+        # restart, a failover, terminated backends. What the call wrote is rolled back or, if its COMMIT got
+        # through, what a retry finds (a click's replay, a result's idempotency key) or the reconciler repairs (a
+        # lease nobody heard of expires): a 503 to come back to, not a 500.
+        log.warning("database unavailable; answered 503", extra={"path": request.path, "method": request.method,
+                                                                 "error_type": type(exc).__name__})
+        return error_response(503, "database_unavailable", "the database could not be reached; retry it",
+                              retry_after_s=1)
     except Exception:
         log.exception("unhandled error", extra={"path": request.path, "method": request.method})
         return error_response(500, "internal_error", "an unexpected error occurred; it has been logged")

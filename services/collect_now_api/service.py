@@ -13,6 +13,7 @@ from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import msgspec
+import psycopg
 from psycopg import AsyncCursor, AsyncPipeline
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
@@ -162,24 +163,45 @@ async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipa
     tracing.set_attributes(tenant_id=principal.tenant_id, brand_id=brand_id)
     gate = gate or TENANT_GATE
     async with gate.slot(principal.tenant_id):
-        for attempt in range(DEADLOCK_RETRIES):
-            try:
-                async with pool.connection() as conn:
-                    accepted = await _collect_now_tx(conn, principal, brand_id, body, settings, clock.now().date(),
-                                                     gate.lock_wait)
-                break
-            except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure):
-                if attempt == DEADLOCK_RETRIES - 1:
-                    raise
-                log.warning("collect-now transaction conflicted; retrying",
-                            extra={"tenant_id": principal.tenant_id, "brand_id": brand_id, "attempt": attempt + 1})
-            except pg_errors.LockNotAvailable:
-                metrics.edge_rejected_total.inc(service="collect-now-api", reason="tenant_busy")
-                raise ApiError(429, "tenant_busy", "another collect-now of this tenant holds its lock; retry in a "
-                               "moment", retry_after_s=1) from None
+        accepted = await _accept_with_retries(pool, principal, brand_id, body, settings, clock.now().date(), gate)
     if body.wait_for_first_dispatch and not accepted.replay and accepted.response.status == "accepted":
         accepted = await _wait_for_first_dispatch(pool, principal, accepted, first_dispatch_wait_s)
     return accepted
+
+
+async def _accept_with_retries(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
+                               body: CollectNowRequest, settings: DispatchSettings, today: date,
+                               gate: TenantGate) -> Accepted:
+    """The accept transaction, again after a deadlock or serialization failure (up to DEADLOCK_RETRIES times) and
+    once after a lost connection: a pooled connection that died (a database restart or failover, a terminated
+    backend) takes the pool's other idle connections with it, so they are checked and replaced first. A click whose
+    COMMIT did reach the database before its connection died is found by the retry's replay lookup, never written
+    twice. A tenant whose lock is held answers 429."""
+    conflicts = 0
+    reconnected = False
+    while True:
+        try:
+            async with pool.connection() as conn:
+                try:
+                    return await _collect_now_tx(conn, principal, brand_id, body, settings, today, gate.lock_wait)
+                except psycopg.OperationalError:
+                    if not conn.broken or reconnected:
+                        raise
+        except (pg_errors.DeadlockDetected, pg_errors.SerializationFailure):
+            conflicts += 1
+            if conflicts == DEADLOCK_RETRIES:
+                raise
+            log.warning("collect-now transaction conflicted; retrying",
+                        extra={"tenant_id": principal.tenant_id, "brand_id": brand_id, "attempt": conflicts})
+            continue
+        except pg_errors.LockNotAvailable:
+            metrics.edge_rejected_total.inc(service="collect-now-api", reason="tenant_busy")
+            raise ApiError(429, "tenant_busy", "another collect-now of this tenant holds its lock; retry in a "
+                           "moment", retry_after_s=1) from None
+        reconnected = True
+        log.warning("collect-now connection was lost; retrying on a fresh one",
+                    extra={"tenant_id": principal.tenant_id, "brand_id": brand_id})
+        await pool.check()
 
 
 @dataclass(slots=True)

@@ -556,3 +556,27 @@ async def test_the_tenant_gate_and_lock_wait_follow_their_settings(settings: Set
         assert waited < 0.9, waited  # the default would have waited a whole second for the lock
     finally:
         await holder.close()
+
+
+async def test_a_click_after_the_database_dropped_the_pools_connections_is_accepted(settings: Settings,
+                                                                                   pool) -> None:
+    """A restart, failover or terminated backends leave collect-now-api's pool holding dead connections: the click
+    that meets one retries on a fresh connection (the pool's idle ones checked first) and is accepted once."""
+    async with pool.connection() as conn:
+        world = await make_world(conn, brands=2, questions=1)
+    brands = [b["brand_id"] for b in world.tenant["brands"]]
+    async with api_client(settings) as http:
+        first = await http.post(collect_path(brands[0]), json={}, headers=world.auth())
+        assert first.status == 202, await first.text()
+        async with pool.connection() as conn:
+            cur = await conn.execute("SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity "
+                                     "WHERE datname = current_database() AND application_name = 'collect-now-api'")
+            killed = await cur.fetchone()
+        assert killed is not None and killed["n"] >= 1
+        second = await http.post(collect_path(brands[1]), json={}, headers=world.auth())
+        body = await second.json()
+        assert second.status == 202 and body["status"] == "accepted", body
+    async with pool.connection() as conn:
+        rows = await fetch_all(conn, "SELECT brand_id, count(*) AS n FROM monitoring_collect_requests "
+                                     "WHERE tenant_id = %s GROUP BY brand_id ORDER BY brand_id", world.tenant_id)
+    assert rows == [{"brand_id": brands[0], "n": 1}, {"brand_id": brands[1], "n": 1}]
