@@ -359,10 +359,16 @@ class Dispatcher:
                     platforms.append(platform_id)
                     pair_lanes.append(lane)
                     ks.append(k)
+        await self._read_pairs(conn, tenants, platforms, pair_lanes, ks, found)
+        return found
+
+    async def _read_pairs(self, conn: Conn, tenants: list[int], platforms: list[int], lanes: list[str],
+                          ks: list[int], found: dict[str, list[Candidate]]) -> None:
+        """The candidates of each (tenant, platform, lane) up to its k, in chunks of about `candidate_chunk_rows`
+        rows, yielding to a click between them: under the benchmark's load one read of every pair took ~20 ms (up
+        to 50), all of it a click's wait."""
         start = 0
         while start < len(tenants):
-            # In chunks of about `candidate_chunk_rows` rows, yielding to a click between them: under the
-            # benchmark's load one read of every pair took ~20 ms (up to 50), all of it a click's wait.
             end, wanted = start, 0
             while end < len(tenants) and (end == start or wanted + ks[end] <= self._chunk_rows):
                 wanted += ks[end]
@@ -370,12 +376,11 @@ class Dispatcher:
             if start:
                 self._yield_to_high()
             cur = await conn.execute(q.PAIR_CANDIDATES, {
-                "tenants": tenants[start:end], "platforms": platforms[start:end], "lanes": pair_lanes[start:end],
+                "tenants": tenants[start:end], "platforms": platforms[start:end], "lanes": lanes[start:end],
                 "limits": ks[start:end]})
             for r in await cur.fetchall():
                 found[r["lane"]].append(_candidate(r))
             start = end
-        return found
 
     def _report_pauses(self, snap: Snapshot) -> None:
         """`monitor_tenant_platform_paused`, and one log line when a pause starts or ends."""
