@@ -31,8 +31,11 @@ def openapi_document() -> dict[str, Any]:
 
 
 def _auth_and_server_errors() -> dict[str, Any]:
-    """The answers every tenant operation can give: 401 (the gateway token) and 500."""
-    return {**errors(401, s401="Missing, malformed, expired or wrongly signed gateway token."), **errors(500)}
+    """The answers every tenant operation can give: 401 (the gateway token), 500, and 503 (the database busy or
+    unreachable: `busy`, `database_unavailable`; retry after Retry-After)."""
+    return {**errors(401, s401="Missing, malformed, expired or wrongly signed gateway token."), **errors(500),
+            **errors(503, s503="The database was busy (`busy`) or could not be reached (`database_unavailable`); "
+                               "nothing was applied that a retry would repeat: retry after Retry-After.")}
 
 
 def _collect_now_operation() -> dict[str, Any]:

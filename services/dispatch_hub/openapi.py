@@ -30,14 +30,16 @@ _TEXT = {
     401: "Missing or unknown client token, or a disabled client (`client_disabled`).",
     404: "No such task for this client.",
     409: "The lease is no longer this token's (`stale_lease`).",
-    503: "The broker did not confirm the result; retry.",
+    503: "The database was busy (`busy`) or could not be reached (`database_unavailable`), or (a result) the broker "
+         "did not confirm it (`broker_unavailable`); retry after Retry-After.",
 }
 
 
 def _errors(*statuses: int, **descriptions: str) -> dict[str, Any]:
-    """The statuses every desktop operation can answer (401, 500) plus `statuses`."""
+    """The statuses every desktop operation can answer (401, 500, 503: the database busy or unreachable) plus
+    `statuses`."""
     texts = {f"s{status}": text for status, text in _TEXT.items()}
-    return errors(*sorted({401, 500, *statuses}), **{**texts, **descriptions})
+    return errors(*sorted({401, 500, 503, *statuses}), **{**texts, **descriptions})
 
 
 _TASK_ID = path_parameter("task_id", {"type": "string", "format": "uuid"})
