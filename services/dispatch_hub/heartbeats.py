@@ -33,6 +33,7 @@ from libs.contracts.amqp import LifecycleEvent
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
+from libs.domain.platform_health import BLOCKING_STATES
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.tasks import executions, legacy
@@ -119,11 +120,14 @@ class HeartbeatWriter:
         the client's next report, and the lease call holds the work meanwhile)."""
         ids = sorted(health, key=str)
         rows = [{"id": str(client_id), "health": health[client_id]} for client_id in ids]
+        # Only a report that names a blocking state can release anything (the report replaces the stored one): the
+        # flush of a healthy fleet runs no release statement.
+        broken = {client_id for client_id in ids if not BLOCKING_STATES.isdisjoint(health[client_id].values())}
         released: list[dict[str, Any]] = []
         try:
             async with self._pool.connection() as conn, conn.transaction():
                 await conn.execute(q.PLATFORM_HEALTH_BATCH, {"rows": msgspec.json.encode(rows).decode()})
-                released = await release_unhealthy(conn, ids)
+                released = await release_unhealthy(conn, [c for c in ids if c in broken])
             self.health_released += len(released)
             _log_released(released)
             return
@@ -143,6 +147,8 @@ class HeartbeatWriter:
                     self.health_rejected += 1
                     log.warning("platform-health report refused by the database",
                                 extra={"client_id": row["id"], "error": type(exc).__name__})
+                    continue
+                if client_id not in broken:
                     continue
                 try:
                     async with conn.transaction():
@@ -174,8 +180,10 @@ async def release_unhealthy(conn: Conn, client_ids: list[uuid.UUID]) -> list[dic
     paths, released in the caller's transaction (executions.RELEASE_QUEUED_OF_PLATFORM,
     legacy.RELEASE_OFFERS_OF_PLATFORM), each with its `task.released` and the client's `task_control(cancelled)`.
     Returns the released rows."""
-    params = {"client_ids": client_ids}
     released: list[dict[str, Any]] = []
+    if not client_ids:
+        return released
+    params = {"client_ids": client_ids}
     for statement in (executions.RELEASE_QUEUED_OF_PLATFORM, legacy.RELEASE_OFFERS_OF_PLATFORM):
         cur = await conn.execute(statement, params)
         released += await cur.fetchall()
