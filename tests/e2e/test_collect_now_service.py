@@ -10,7 +10,7 @@ import aiohttp
 
 from libs.config import Settings
 from tests.support.collect_now import JWT_SECRET, make_world
-from tests.support.procs import ServiceProcess, service_env
+from tests.support.procs import ServiceProcess, refused_start, service_env
 
 
 async def test_service_process_accepts_a_click_and_stops_cleanly(settings: Settings, pool, tmp_path: Path) -> None:
@@ -49,15 +49,8 @@ async def test_service_refuses_to_start_without_a_real_gateway_key(settings: Set
                         ("too-short", "at least 32")):
         env = service_env(settings, GATEWAY_JWT_SECRET=secret)
         env.pop("DEV_MODE", None)
-        api = ServiceProcess("collect-now-api", env, log_dir=tmp_path)
-        try:
-            await asyncio.to_thread(api.start, timeout=15)
-        except RuntimeError as exc:
-            assert "exited with 2" in str(exc) and why in str(exc), str(exc)[-2000:]
-            assert "Traceback" not in api.logs(), api.logs()[-2000:]
-        else:
-            await asyncio.to_thread(api.stop)
-            raise AssertionError(f"collect-now-api started with GATEWAY_JWT_SECRET={secret!r}")
+        error, _ = await refused_start("collect-now-api", env, tmp_path)
+        assert why in error, (secret, error[-2000:])
     # DEV_MODE is the explicit escape hatch for local stacks
     dev = ServiceProcess("collect-now-api", service_env(settings, GATEWAY_JWT_SECRET="", DEV_MODE="1"),
                          log_dir=tmp_path)

@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 
 from libs.config import Settings
-from tests.support.procs import ServiceProcess, service_env
+from tests.support.procs import ServiceProcess, refused_start, service_env
 
 REAL_TOKEN = "e2e-ops-token-7f3a9c1d5b8e2f6a0c4d9e1b"
 
@@ -18,16 +18,9 @@ async def test_coordinator_refuses_to_start_with_a_short_or_placeholder_ops_toke
     for token, why in (("REPLACE_ME_WITH_OUTPUT_OF_OPENSSL_RAND_HEX_32", "placeholder"), ("x", "at least 32")):
         env = service_env(settings, OPS_API_TOKEN=token)
         env.pop("DEV_MODE", None)
-        coordinator = ServiceProcess("dispatch-coordinator", env, log_dir=tmp_path)
-        try:
-            await asyncio.to_thread(coordinator.start, timeout=15)
-        except RuntimeError as exc:
-            assert "exited with 2" in str(exc) and why in str(exc) and "OPS_API_TOKEN" in str(exc), str(exc)[-2000:]
-            assert "Traceback" not in coordinator.logs(), coordinator.logs()[-2000:]
-            assert len(token) < 8 or token not in coordinator.logs()  # the reason names no secret
-        else:
-            await asyncio.to_thread(coordinator.stop)
-            raise AssertionError(f"dispatch-coordinator started with OPS_API_TOKEN={token!r}")
+        error, logs = await refused_start("dispatch-coordinator", env, tmp_path)
+        assert why in error and "OPS_API_TOKEN" in error, error[-2000:]
+        assert len(token) < 8 or token not in logs  # the reason names no secret
     # A real token starts it (and guards the ops routes); DEV_MODE is the escape hatch for local stacks.
     env = service_env(settings, OPS_API_TOKEN=REAL_TOKEN)
     env.pop("DEV_MODE", None)

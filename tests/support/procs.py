@@ -110,3 +110,19 @@ class ServiceProcess:
             self.proc.wait(5)
         if self._log:
             self._log.close()
+
+
+async def refused_start(service: str, env: dict[str, str], log_dir: Path) -> tuple[str, str]:
+    """Start `service` with `env` and expect it to refuse: it must exit with 2 (a configuration error) without a
+    traceback. Returns the start error's text and the service's log; a service that starts is stopped and fails."""
+    import asyncio
+
+    process = ServiceProcess(service, env, log_dir=log_dir)
+    try:
+        await asyncio.to_thread(process.start, timeout=15)
+    except RuntimeError as exc:
+        assert "exited with 2" in str(exc), str(exc)[-2000:]
+        assert "Traceback" not in process.logs(), process.logs()[-2000:]
+        return str(exc), process.logs()
+    await asyncio.to_thread(process.stop)
+    raise AssertionError(f"{service} started with a configuration it must refuse")
