@@ -106,9 +106,11 @@ async def open_pool(
         await pool.close()
 
 
-async def connect(url: str, *, autocommit: bool = True, name: str = "monitoring") -> Conn:
+async def connect(url: str, *, autocommit: bool = True, name: str = "monitoring", options: str = "") -> Conn:
+    """A dedicated connection (leader lock, LISTEN, the CLI); `options`: server settings for its session."""
+    extra: dict[str, Any] = {"options": options} if options else {}
     conn: Conn = await AsyncConnection.connect(
-        url, autocommit=autocommit, row_factory=dict_row, application_name=name
+        url, autocommit=autocommit, row_factory=dict_row, application_name=name, **extra
     )
     return conn
 

@@ -99,7 +99,8 @@ async def start(life: Lifetime) -> None:
         pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
                                 instance_id=settings.instance_id,
                                 relay_lease_seconds=settings.coordinator_relay_lease_seconds), amqp, relay)
-    life.app[LEADER] = LeaderLock(settings.database_url, ROLE)
+    # The pool runs the leader's work: bound to the leader term while this replica leads (libs/leader.py).
+    life.app[LEADER] = LeaderLock(settings.database_url, ROLE, holder=settings.instance_id, fenced=[pool])
     add_broker_check(life.app, amqp.connected.is_set)
 
 

@@ -35,7 +35,8 @@ def build(settings: Settings, config: ReconcilerConfig | None = None) -> web.App
                 group.create_task(scheduler.run(stop), name="reconcile-jobs")
                 group.create_task(consume_lifecycle(broker, topology, scheduler, stop), name="reconcile-lifecycle")
 
-        return lambda stop: LeaderLock(settings.database_url, "reconciler").run(stop, lead)
+        return lambda stop: LeaderLock(settings.database_url, "reconciler", holder=settings.instance_id,
+                                       fenced=[pool]).run(stop, lead)
 
     return SERVICE.worker_app(settings, start)
 

@@ -35,7 +35,8 @@ async def run_coordinator(settings: Settings, *, with_pump: bool = True) -> Asyn
     amqp = await mq_connect(settings.amqp_url, name="coordinator-under-test")
     coordinator = Coordinator(pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
                                                       instance_id="test-coordinator"), amqp)
-    leader = LeaderLock(settings.database_url, "dispatch-coordinator", retry_interval=0.2, check_interval=0.5)
+    leader = LeaderLock(settings.database_url, "dispatch-coordinator", retry_interval=0.2, check_interval=0.5,
+                        fenced=[pool])
     stop = asyncio.Event()
     tasks = [asyncio.create_task(leader.run(stop, coordinator.lead))]
     pump = None
