@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: install backends lint test test-unit test-integration test-e2e run observe migrate bench chaos soak clean
+.PHONY: install backends lint test test-unit test-integration test-e2e run observe migrate bench chaos faults soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,7 @@ lint: install
 
 test: install backends lint
 	bash scripts/ensure-promtool.sh
+	bash scripts/ensure-fault-tools.sh
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest
 
 test-unit: install
@@ -63,6 +64,12 @@ CHAOS_MINUTES ?= 15
 chaos: install backends
 	CHAOS_MINUTES=$(CHAOS_MINUTES) DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) \
 		$(BIN)/pytest -s tests/e2e/test_service_chaos.py
+
+# Infrastructure faults on real processes (tests/faults, part of `make test` too), with their figures printed:
+# a leader whose node goes silent (iptables drops its cgroup's packets). docs/reliability.md.
+faults: install backends
+	bash scripts/ensure-fault-tools.sh
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest -s tests/faults
 
 # The stack under steady work for SOAK_MINUTES (30), sampled every minute, with a growth verdict at the end.
 SOAK_MINUTES ?= 30

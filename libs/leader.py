@@ -170,16 +170,16 @@ class LeaderLock:
             deposed = not await self._renew_until_done(conn, stop, work)
         finally:
             leading_stop.set()
-            # A deposed leader stops at once: its sessions are fenced already, so its work could not commit.
-            grace = 0 if deposed else 30
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(work), grace)
+            # A deposed leader stops at once: its sessions are fenced already, so its work could not commit. Its
+            # cancelled queries may wait for psycopg's cancel timeout on a silent network: not waited for long.
+            await asyncio.wait({work}, timeout=1 if deposed else 30)
             if not work.done():
                 work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
+                await asyncio.wait({work}, timeout=1 if deposed else 30)
             log.info("stopped leading", extra={"role": self.role, "term": self.term, "deposed": deposed})
-        if work.done() and not work.cancelled() and work.exception() is not None:
+        if not work.done():
+            work.add_done_callback(lambda task: task.cancelled() or task.exception())
+        elif not work.cancelled() and work.exception() is not None:
             raise work.exception()  # type: ignore[misc]
 
     async def _renew_until_done(self, conn: Conn, stop: asyncio.Event, work: asyncio.Task[None]) -> bool:
@@ -191,12 +191,18 @@ class LeaderLock:
                 await asyncio.wait_for(asyncio.shield(stop.wait()), self._check)
             if stop.is_set() or work.done():
                 return True
-            try:
-                async with asyncio.timeout(max(0.1, renewed + self._renew_deadline - time.monotonic())):
-                    await conn.execute("SELECT 1")  # raises if the session (and so the lock) is gone
-            except (TimeoutError, psycopg.Error) as exc:
+            # Not asyncio.timeout: cancelling a query makes psycopg send a cancel request, which a silent network
+            # holds for psycopg's cancel timeout (30 s). Past the deadline the query is left to fail on the closed
+            # connection instead.
+            renewal = asyncio.ensure_future(conn.execute("SELECT 1"))  # fails if the session (the lock) is gone
+            done, _ = await asyncio.wait({renewal}, timeout=max(0.1, renewed + self._renew_deadline - time.monotonic()))
+            error = "renew deadline passed" if not done else renewal.exception()
+            if error is not None:
+                if not done:
+                    renewal.add_done_callback(lambda task: task.cancelled() or task.exception())
+                    await conn.close()
                 log.warning("leader renewal failed: stepping down",
-                            extra={"role": self.role, "term": self.term, "error": str(exc) or "deadline passed"})
+                            extra={"role": self.role, "term": self.term, "error": str(error)})
                 return False
             renewed = time.monotonic()
         return True

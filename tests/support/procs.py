@@ -57,8 +57,10 @@ def service_env(settings: Settings, **extra: str | int) -> dict[str, str]:
 
 class ServiceProcess:
     def __init__(self, name: str, env: dict[str, str], *, log_dir: Path, port: int | None = None,
-                 args: list[str] | None = None) -> None:
+                 args: list[str] | None = None, wrapper: list[str] | None = None) -> None:
+        """`wrapper`: a command the service is started through (a fault test's, moving it into a cgroup)."""
         self.name = name
+        self.wrapper = wrapper or []
         self.port = port or free_port()
         self.env = {**env, "HTTP_PORT": str(self.port), "HTTP_HOST": "127.0.0.1"}
         self.args = args or []
@@ -72,8 +74,8 @@ class ServiceProcess:
 
     def start(self, *, ready_path: str = "/readyz", timeout: float = 30.0) -> ServiceProcess:
         self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([str(BIN / self.name), *self.args], env=self.env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        self.proc = subprocess.Popen([*self.wrapper, str(BIN / self.name), *self.args], env=self.env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,0 +1,52 @@
+"""Infrastructure faults for tests/faults: a cgroup whose processes' packets can be dropped (a node gone silent)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() \
+    else Path("/sys/fs/cgroup")
+FAULT_CGROUP = "monitoring-fault"
+
+
+def have_iptables() -> bool:
+    return os.geteuid() == 0 and shutil.which("iptables") is not None and (CGROUP2 / "cgroup.procs").exists()
+
+
+def in_fault_cgroup() -> list[str]:
+    """A wrapper command (ServiceProcess(wrapper=...)) that starts a process in the fault cgroup: iptables matches
+    exactly the sockets that process opens."""
+    (CGROUP2 / FAULT_CGROUP).mkdir(exist_ok=True)
+    procs = CGROUP2 / FAULT_CGROUP / "cgroup.procs"
+    return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "in-fault-cgroup"]
+
+
+def _rules(ports: Sequence[int]) -> list[list[str]]:
+    return [["OUTPUT", "-o", "lo", "-p", "tcp", "--dport", str(port), "-m", "cgroup", "--path", FAULT_CGROUP,
+             "-j", "DROP"] for port in ports]
+
+
+@contextlib.contextmanager
+def silenced(ports: Sequence[int]) -> Iterator[None]:
+    """Every packet the fault cgroup's processes send to `ports` on loopback is dropped (no FIN, no RST: their
+    peers see silence, as when a node dies), until the block ends; the rules are deleted whatever happens."""
+    added: list[list[str]] = []
+    try:
+        for rule in _rules(ports):
+            subprocess.run(["iptables", "-I", *rule], check=True)
+            added.append(rule)
+        yield
+    finally:
+        for rule in added:
+            subprocess.run(["iptables", "-D", *rule], check=False)
+
+
+def leftover_rules() -> list[str]:
+    """Rules of the fault cgroup still in the OUTPUT chain (a fault test must leave none)."""
+    listing = subprocess.run(["iptables", "-S", "OUTPUT"], check=True, capture_output=True, text=True).stdout
+    return [line for line in listing.splitlines() if FAULT_CGROUP in line]

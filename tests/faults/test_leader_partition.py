@@ -1,0 +1,110 @@
+"""A leading dispatch-coordinator whose node goes silent (every packet it sends to Postgres and RabbitMQ dropped by
+iptables: no FIN, no RST), with a standby, the rest of the stack and a desktop client working. The standby must
+lead within the 15 s lease, a click made as the partition starts must reach the desktop within 20 s, the deposed
+leader must step down by itself, and no business task may be dispatched twice. `make faults`; needs root and
+iptables. Prints its figures (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import AsyncConnectionPool
+
+from libs.config import Settings
+from libs.db.pool import Conn
+from libs.demo import seed_demo
+from libs.dispatch_settings import set_setting
+from tests.faults.netfault import have_iptables, in_fault_cgroup, leftover_rules, silenced
+from tests.support.db import fetch as rows
+from tests.support.procs import ServiceProcess, service_env
+from tests.support.stack import running_stack
+from tests.support.wait import eventually
+from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
+
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(not have_iptables(),
+                                 reason="needs root, iptables (scripts/ensure-fault-tools.sh) and cgroup v2")]
+
+OPS_TOKEN = "fault-test-ops-token-0123456789abcdef"
+STACK = ("outbox-pump", "dispatch-hub", "collect-now-api", "ingest-shard-workers")
+HUB_ENV: dict[str, str | int] = {"HUB_HEARTBEAT_FLUSH_S": "0.3", "HUB_PING_INTERVAL_S": "1"}
+
+
+def _leading(proc: ServiceProcess) -> bool:
+    try:
+        with urllib.request.urlopen(proc.url + "/metrics", timeout=1) as resp:
+            return 'leader_is_active{role="dispatch-coordinator"} 1.0' in resp.read().decode()
+    except OSError:
+        return False
+
+
+async def _seed(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
+    async with pool.connection() as conn:
+        seed = await seed_demo(conn, tenants=1, brands=3, questions=2, clients=1, platforms=("openai",), due=False)
+        await conn.execute("UPDATE platform_settings SET max_concurrent = 20")
+        for key, value in {"cluster_dispatch_per_minute": 5000, "tenant_dispatch_per_minute": 5000}.items():
+            await set_setting(conn, key, value)
+    return seed
+
+
+async def test_a_silent_leader_is_replaced_within_the_lease(settings: Settings, pool: AsyncConnectionPool[Conn],
+                                                           tmp_path: Path) -> None:
+    seed = await _seed(pool)
+    tenant = seed["tenants"][0]
+    client = tenant["clients"][0]
+    brands = [b["brand_id"] for b in tenant["brands"]]
+    db_port = int(conninfo_to_dict(settings.database_url).get("port") or 5432)
+    amqp_port = urlsplit(settings.amqp_url).port or 5672
+    async with running_stack(settings, tmp_path, services=STACK, **HUB_ENV) as stack:
+        env = service_env(settings, OPS_API_TOKEN=OPS_TOKEN, DISPATCH_TICK_MS=200)
+        leader = ServiceProcess("dispatch-coordinator", env, log_dir=tmp_path, wrapper=in_fault_cgroup()).start()
+        standby = None
+        try:
+            await eventually(lambda: _leading(leader), timeout=20, message="the first coordinator leading")
+            standby = ServiceProcess("dispatch-coordinator", env, log_dir=tmp_path).start()
+            desktop = SimClient(SimOptions(hub_url=stack.hub_url, token=client["token"],
+                                           timings=TIMING_PROFILES["fast"], heartbeat_interval_s=1.0,
+                                           ws_ping_interval_s=2.0, idle_poll_s=1.0, seed=7))
+            async with desktop:
+                await eventually(desktop.connected.is_set, timeout=15, message="the desktop connected")
+                before = await stack.collect_now(tenant, brands[0])
+                await eventually(lambda: len(desktop.stats.event_arrivals) >= before["promoted_task_count"] > 0,
+                                 timeout=15, message=f"the first click delivered\n{stack.logs()}")
+                delivered_before = set(desktop.stats.event_arrivals)
+                with silenced((db_port, amqp_port)):
+                    partitioned_at = time.monotonic()
+                    clicked = await stack.collect_now(tenant, brands[1])
+                    await eventually(lambda: _leading(standby), timeout=30, interval=0.2,
+                                     message=f"the standby leading\n{standby.logs()[-3000:]}")
+                    standby_led_s = time.monotonic() - partitioned_at
+                    await eventually(lambda: len(set(desktop.stats.event_arrivals) - delivered_before)
+                                     >= clicked["promoted_task_count"], timeout=30, interval=0.1,
+                                     message=f"the partition's click delivered\n{stack.logs()}")
+                    delivered_s = time.monotonic() - partitioned_at
+                    await eventually(lambda: not _leading(leader), timeout=20, interval=0.2,
+                                     message="the deposed leader stepping down")
+                    stepped_down_s = time.monotonic() - partitioned_at
+                assert leftover_rules() == []
+                healed = await stack.collect_now(tenant, brands[2])
+                clicks = (before, clicked, healed)
+                await eventually(lambda: len(desktop.stats.event_arrivals)
+                                 >= sum(click["promoted_task_count"] for click in clicks), timeout=20,
+                                 message="a click after the partition healed delivered")
+            assert _leading(standby) and not _leading(leader), "the healed old leader must stay a standby"
+        finally:
+            leader.stop()
+            if standby is not None:
+                standby.stop()
+    twice = await rows(pool, "SELECT monitor_task_id, count(*) AS n FROM desktop_tasks WHERE lane = 'high' "
+                             "GROUP BY 1 HAVING count(*) > 1")
+    terms = await rows(pool, "SELECT term FROM leader_terms WHERE role = 'dispatch-coordinator'")
+    print(f"\nleader partition: standby leading after {standby_led_s:.1f} s, the click delivered after "
+          f"{delivered_s:.1f} s, the deposed leader stepped down after {stepped_down_s:.1f} s; "
+          f"terms taken {terms[0]['term']}, high tasks dispatched twice {len(twice)}")
+    assert twice == []
