@@ -86,9 +86,14 @@ def log_claimed(events: Sequence[ClaimedEvent], owner: str) -> None:
 
 
 class PublishError(Exception):
-    def __init__(self, kind: FailureKind, message: str) -> None:
+    """`broker_unavailable`: the broker could not take any message (not connected, blocked by a memory or disk
+    alarm, no confirm in time), which says nothing about this one: its claim's attempt is given back instead of
+    counted, so an outage or an alarm of any length holds the rows and never dead-letters them."""
+
+    def __init__(self, kind: FailureKind, message: str, *, broker_unavailable: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
+        self.broker_unavailable = broker_unavailable
 
 
 class Publisher(Protocol):
@@ -172,7 +177,7 @@ class AmqpPublisher:
         validate_payload(event)
         exchange = self._exchanges.get(event.exchange)
         if exchange is None or not self.ready():
-            raise PublishError("transient", "broker connection is not ready")
+            raise PublishError("transient", "broker connection is not ready", broker_unavailable=True)
         headers: dict[str, Any] = {k: v for k, v in event.headers.items() if isinstance(v, str | int | bool)}
         if traceparent:
             headers["traceparent"] = traceparent
@@ -196,10 +201,11 @@ class AmqpPublisher:
                                          properties=properties, mandatory=False, timeout=self._timeout)
         except aio_pika.exceptions.DeliveryError as exc:  # a nack (transient), or the message returned (permanent)
             raise PublishError(broker_failure_kind(exc), f"broker refused the message: {exc}") from exc
-        except TimeoutError as exc:
-            raise PublishError("transient", "no publisher confirm before the timeout") from exc
+        except TimeoutError as exc:  # a publisher blocked by a broker alarm waits here too
+            raise PublishError("transient", "no publisher confirm before the timeout",
+                               broker_unavailable=True) from exc
         except Exception as exc:  # connection and channel failures of any kind: retry later
-            raise PublishError("transient", f"{type(exc).__name__}: {exc}") from exc
+            raise PublishError("transient", f"{type(exc).__name__}: {exc}", broker_unavailable=True) from exc
 
 
 Outcome = Literal["published", "failed", "unattempted"]
@@ -230,7 +236,8 @@ class OutboxRelay:
             try:
                 await self._publisher.publish(event)
             except PublishError as exc:
-                outcomes[event.id] = ("failed", exc)
+                # A broker that takes nothing is not this message's failure: released with its attempt given back.
+                outcomes[event.id] = ("unattempted", None) if exc.broker_unavailable else ("failed", exc)
                 for rest in chain[index + 1:]:
                     outcomes[rest.id] = ("unattempted", None)
                 return
@@ -322,7 +329,8 @@ class OutboxRelay:
             log.info(TRANSITION_EVENT, extra=transition_fields(
                 "released", "running", "queued", owner=owner, source=event_source(by_id[row["id"]]),
                 attempts_after_release=row["attempts"],  # the claim's attempt given back: nothing was tried
-                reason="not attempted (an earlier event of its key failed, or the claimer stopped)"))
+                reason="not attempted (the broker took nothing, an earlier event of its key failed, or the claimer "
+                       "stopped)"))
         for event, decision, exc, mark in failed:
             error_type, error = error_summary(exc)
             if decision.status == "dead_letter":

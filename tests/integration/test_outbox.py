@@ -169,17 +169,23 @@ async def test_poison_event_is_dead_lettered_with_its_reason(pool, settings, top
 
 
 async def test_dead_letter_is_replayed_only_by_command(pool, settings, topology, amqp, database_url) -> None:
-    # An event that exhausted its attempts while the broker was unreachable.
+    # An event that exhausted its attempts: the pump holding its only attempt died (its claim's lease ran out). An
+    # unreachable broker alone never spends an attempt.
     async with pool.connection() as conn, conn.transaction():
         tenant_id = await make_tenant(conn)
         await enqueue(conn, exchange=LIFECYCLE, routing_key="client.online", message=lifecycle(tenant_id),
                       max_attempts=1)
     unreachable = AmqpPublisher("amqp://guest:guest@127.0.0.1:1/", topology, timeout=1, name="down")
-    pump = OutboxPump(pool, unreachable, PumpConfig(claimed_by="pump-down"))
-    await pump.run_once()
+    for _ in range(3):
+        await OutboxPump(pool, unreachable, PumpConfig(claimed_by="pump-down")).run_once()
+    row = (await outbox_rows(pool))[0]
+    assert (row["status"], row["attempts"]) == ("queued", 0)
+    dead = OutboxPump(pool, unreachable, PumpConfig(claimed_by="pump-dead", lease_seconds=0.2))
+    assert len(await dead.claim()) == 1
+    await eventually(dead.reclaim_expired, message="the dead pump's claim reclaimed")
     row = (await outbox_rows(pool))[0]
     assert row["status"] == "dead_letter"
-    assert "gave up after 1 attempts" in str(row["last_error"])
+    assert "claim lease expired" in str(row["last_error"])
 
     async with capture(amqp, topology.lifecycle_exchange) as cap, running_pump(
             pool, settings, topology, poll_interval_s=0.2):
@@ -190,7 +196,7 @@ async def test_dead_letter_is_replayed_only_by_command(pool, settings, topology,
         assert (await outbox_rows(pool))[0]["status"] == "dead_letter"
         env = {**os.environ, "DATABASE_URL": database_url}
         listed = await monitorctl(env, "--json", "outbox", "dead-letters")
-        assert str(row["id"]) in listed and "gave up" in listed
+        assert str(row["id"]) in listed and "claim lease expired" in listed
         done = await monitorctl(env, "outbox", "replay", str(row["id"]))
         assert f"replayed 1 event(s): [{row['id']}]" in done
         await asyncio.wait_for(cap.arrived.wait(), 10)
