@@ -50,3 +50,29 @@ def leftover_rules() -> list[str]:
     """Rules of the fault cgroup still in the OUTPUT chain (a fault test must leave none)."""
     listing = subprocess.run(["iptables", "-S", "OUTPUT"], check=True, capture_output=True, text=True).stdout
     return [line for line in listing.splitlines() if FAULT_CGROUP in line]
+
+
+def _rabbitmqctl(*args: str) -> str:
+    return subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, text=True, timeout=60).stdout
+
+
+def have_rabbitmqctl() -> bool:
+    return os.geteuid() == 0 and shutil.which("rabbitmqctl") is not None
+
+
+@contextlib.contextmanager
+def memory_alarm() -> Iterator[None]:
+    """The broker's memory alarm raised (its high watermark set far below its use: every publisher is blocked,
+    consumers keep consuming) until the block ends; the watermark it had is put back whatever happens."""
+    before = _rabbitmqctl("eval", "vm_memory_monitor:get_vm_memory_high_watermark().").strip()
+    try:
+        _rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+        yield
+    finally:
+        restore = before if before.replace(".", "", 1).isdigit() else "0.4"
+        subprocess.run(["rabbitmqctl", "set_vm_memory_high_watermark", restore], check=False, capture_output=True,
+                       timeout=60)
+
+
+def memory_alarm_raised() -> bool:
+    return "memory" in _rabbitmqctl("eval", "rabbit_alarm:get_alarms().")

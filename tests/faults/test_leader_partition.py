@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -18,9 +17,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
 from libs.db.pool import Conn
-from libs.demo import seed_demo
-from libs.dispatch_settings import set_setting
 from tests.faults.netfault import have_iptables, in_fault_cgroup, leftover_rules, silenced
+from tests.faults.world import HUB_ENV, OPS_TOKEN, seed_one_desktop
 from tests.support.db import fetch as rows
 from tests.support.procs import ServiceProcess, service_env
 from tests.support.stack import running_stack
@@ -31,9 +29,7 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not have_iptables(),
                                  reason="needs root, iptables (scripts/ensure-fault-tools.sh) and cgroup v2")]
 
-OPS_TOKEN = "fault-test-ops-token-0123456789abcdef"
 STACK = ("outbox-pump", "dispatch-hub", "collect-now-api", "ingest-shard-workers")
-HUB_ENV: dict[str, str | int] = {"HUB_HEARTBEAT_FLUSH_S": "0.3", "HUB_PING_INTERVAL_S": "1"}
 
 
 def _leading(proc: ServiceProcess) -> bool:
@@ -44,18 +40,9 @@ def _leading(proc: ServiceProcess) -> bool:
         return False
 
 
-async def _seed(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
-    async with pool.connection() as conn:
-        seed = await seed_demo(conn, tenants=1, brands=3, questions=2, clients=1, platforms=("openai",), due=False)
-        await conn.execute("UPDATE platform_settings SET max_concurrent = 20")
-        for key, value in {"cluster_dispatch_per_minute": 5000, "tenant_dispatch_per_minute": 5000}.items():
-            await set_setting(conn, key, value)
-    return seed
-
-
 async def test_a_silent_leader_is_replaced_within_the_lease(settings: Settings, pool: AsyncConnectionPool[Conn],
                                                            tmp_path: Path) -> None:
-    seed = await _seed(pool)
+    seed = await seed_one_desktop(pool)
     tenant = seed["tenants"][0]
     client = tenant["clients"][0]
     brands = [b["brand_id"] for b in tenant["brands"]]

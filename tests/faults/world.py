@@ -1,0 +1,24 @@
+"""The world the fault tests run in: one tenant, one desktop, three brands to click."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from libs.db.pool import Conn
+from libs.demo import seed_demo
+from libs.dispatch_settings import set_setting
+
+OPS_TOKEN = "fault-test-ops-token-0123456789abcdef"
+# The hub flushes heartbeats and pings sockets often, so a client's coming and going shows quickly.
+HUB_ENV: dict[str, str | int] = {"HUB_HEARTBEAT_FLUSH_S": "0.3", "HUB_PING_INTERVAL_S": "1"}
+
+
+async def seed_one_desktop(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
+    async with pool.connection() as conn:
+        seed = await seed_demo(conn, tenants=1, brands=3, questions=2, clients=1, platforms=("openai",), due=False)
+        await conn.execute("UPDATE platform_settings SET max_concurrent = 20")
+        for key, value in {"cluster_dispatch_per_minute": 5000, "tenant_dispatch_per_minute": 5000}.items():
+            await set_setting(conn, key, value)
+    return seed
