@@ -27,6 +27,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
         elif "/e2e/" in path:
             item.add_marker(pytest.mark.e2e)
+        elif "/faults/" in path:
+            item.add_marker(pytest.mark.faults)
+    # The infrastructure faults stop or alarm the shared servers: last, when nothing else runs beside them.
+    items.sort(key=lambda item: "/faults/" in str(item.path))
 
 
 @pytest.fixture(scope="session")

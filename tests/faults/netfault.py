@@ -76,3 +76,42 @@ def memory_alarm() -> Iterator[None]:
 
 def memory_alarm_raised() -> bool:
     return "memory" in _rabbitmqctl("eval", "rabbit_alarm:get_alarms().")
+
+
+def _cluster() -> list[str]:
+    """The local Postgres cluster (Debian's pg_ctlcluster), as `version name`."""
+    line = subprocess.run(["pg_lsclusters", "--no-header"], check=True, capture_output=True, text=True).stdout
+    version, name = line.split()[:2]
+    return [version, name]
+
+
+def have_pg_ctlcluster() -> bool:
+    return os.geteuid() == 0 and shutil.which("pg_ctlcluster") is not None
+
+
+def postgres(action: str, *options: str) -> None:
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *_cluster(), action, *options], check=True,
+                   capture_output=True, timeout=120)
+
+
+@contextlib.contextmanager
+def postgres_stopped(mode: str) -> Iterator[None]:
+    """The shared Postgres stopped (`-m fast`: sessions ended cleanly; `-m immediate`: as a crash, recovery at the
+    next start) for the block; started again whatever happens."""
+    postgres("stop", "-m", mode)
+    try:
+        yield
+    finally:
+        postgres("start")
+
+
+@contextlib.contextmanager
+def broker_stopped() -> Iterator[None]:
+    """The broker's application stopped (every connection dropped, nothing accepted) for the block; started again
+    whatever happens."""
+    _rabbitmqctl("stop_app")
+    try:
+        yield
+    finally:
+        subprocess.run(["rabbitmqctl", "start_app"], check=False, capture_output=True, timeout=120)
+        subprocess.run(["rabbitmqctl", "await_startup"], check=False, capture_output=True, timeout=120)
