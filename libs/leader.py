@@ -206,3 +206,22 @@ class LeaderLock:
                 return False
             renewed = time.monotonic()
         return True
+
+
+LEADER_STATES = """
+SELECT r.role, t.term, t.holder, t.taken_at,
+       EXISTS (SELECT 1 FROM pg_locks l
+               WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 AND l.database = (
+                   SELECT oid FROM pg_database WHERE datname = current_database())
+                 AND ((l.classid::bigint << 32) | l.objid::bigint) = r.lock_key) AS leading
+FROM unnest(%(roles)s::text[], %(keys)s::bigint[]) AS r (role, lock_key)
+LEFT JOIN leader_terms t ON t.role = r.role
+ORDER BY r.role
+"""
+
+
+async def leader_states(conn: Conn) -> list[dict[str, Any]]:
+    """Per leader-elected role: whether a replica holds its lock now, and the term and holder of the last takeover."""
+    cur = await conn.execute(LEADER_STATES, {"roles": list(LEADER_LOCKS), "keys": list(LEADER_LOCKS.values())})
+    return [{"role": r["role"], "leading": r["leading"], "term": r["term"], "holder": r["holder"],
+             "taken_at": r["taken_at"].isoformat() if r["taken_at"] else None} for r in await cur.fetchall()]

@@ -11,6 +11,7 @@ from psycopg.pq import TransactionStatus
 
 from libs.contracts.amqp import LifecycleEvent
 from libs.coordinator_state import read_coordinator_state
+from libs.db.migrate import load_migrations
 from libs.db.pool import Conn
 from libs.dispatch_settings import (
     CEILINGS,
@@ -25,6 +26,8 @@ from libs.dispatch_settings import (
 )
 from libs.domain.dispatch import window_start
 from libs.domain.platform_health import OverrideMode
+from libs.ingest.lag import ingest_lag_ms
+from libs.leader import leader_states
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
@@ -507,7 +510,22 @@ async def status(conn: Conn) -> dict[str, Any]:
     cur = await conn.execute(q.BUDGET_USED, {"window_start": start, "window_end": start + window})
     used = [dict(r) for r in await cur.fetchall()]
     state = await read_coordinator_state(conn)
+    leaders = await leader_states(conn)
+    cur = await conn.execute("SELECT coalesce(max(version), 0) AS version FROM schema_migrations")
+    applied = int((await cur.fetchone() or {"version": 0})["version"])
+    expected = max((m.version for m in load_migrations()), default=0)
+    lag_ms = await ingest_lag_ms(conn)
+    problems = [f"no {r['role']} replica holds the leader lock" for r in leaders if not r["leading"]]
+    if applied < expected:
+        problems.append(f"schema at version {applied}, the code expects {expected}: run monitorctl migrate")
+    if lag_ms > settings.ingest_lag_threshold_ms:
+        problems.append(f"ingest lag {lag_ms:.0f} ms over {settings.ingest_lag_threshold_ms} ms")
     return {
+        "healthy": not problems,
+        "problems": problems,
+        "schema": {"version": applied, "expected": expected},
+        "leaders": leaders,
+        "ingest_lag_ms": round(lag_ms),
         "platform_health": await platform_health(conn, settings),
         "lanes": lanes,
         "executions": executions,

@@ -17,7 +17,7 @@ from libs.dispatch_settings import load_settings
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from tests.support.collect_now import set_online
 from tests.support.desktop import insert_ready_task
-from tests.support.monitorctl import monitorctl_json
+from tests.support.monitorctl import monitorctl_json, monitorctl_status
 
 
 def held_platform(seed: dict[str, Any], code: str) -> int:
@@ -52,7 +52,7 @@ async def test_a_broken_login_holds_that_platforms_scheduled_work_only(settings:
     assert await _dispatched(pool) == {"gemini": 3}
     labels = {"tenant_id": str(tenant["tenant_id"]), "platform": "openai", "source": "health"}
     assert REGISTRY.get_sample_value("monitor_tenant_platform_paused", labels) == 1
-    status = await monitorctl_json(settings, "status")
+    _, status = await monitorctl_status(settings)
     assert {"tenant_id": tenant["tenant_id"], "platform": "openai", "clients_blocking": 1, "clients_eligible": 1,
             "paused": "health", "override": None, "override_reason": None} in status["platform_health"]
     async with pool.connection() as conn:
@@ -71,7 +71,7 @@ async def test_a_broken_login_holds_that_platforms_scheduled_work_only(settings:
     assert await _dispatched(pool) == {"gemini": 3, "openai": 3}
     await monitorctl_json(settings, "platform", "health-override", "openai", "--tenant", str(tenant["tenant_id"]),
                           "--clear")
-    status = await monitorctl_json(settings, "status")
+    _, status = await monitorctl_status(settings)
     assert [p["paused"] for p in status["platform_health"] if p["platform"] == "openai"] == ["health"]
 
 

@@ -26,6 +26,13 @@ async def monitorctl_json(settings: Settings, *args: str) -> Any:
     return msgspec.json.decode(done.stdout)
 
 
+async def monitorctl_status(settings: Settings) -> tuple[int, Any]:
+    """`monitorctl --json status`: its exit code (0 healthy, 1 a problem named) and its JSON."""
+    done = await asyncio.to_thread(run_monitorctl, settings, "status")
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, msgspec.json.decode(done.stdout)
+
+
 async def monitorctl_refused(settings: Settings, *args: str) -> str:
     """The error a refused command printed (exit code 2)."""
     done = await asyncio.to_thread(run_monitorctl, settings, *args)

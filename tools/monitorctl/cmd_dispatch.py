@@ -99,7 +99,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     explain.add_argument("task_id", help="business task id (or a monitor execution uuid)")
     explain.set_defaults(func=explain_run)
 
-    status = sub.add_parser("status", help="lane backlogs, clients online, outbox depth, dead letters")
+    status = sub.add_parser("status", help="leaders, schema version, ingest lag, lane backlogs, clients online, "
+                                           "outbox depth, dead letters; exits 1 when unhealthy")
     status.set_defaults(func=status_run)
 
 
@@ -274,5 +275,8 @@ def _explain_text(value: dict[str, Any]) -> str:
 
 
 async def status_run(args: argparse.Namespace, ctx: Context) -> int:
-    ctx.emit(await admin.status(await ctx.conn()))
-    return 0
+    """Exit 1 when the status names a problem (a role with no leader, the schema behind, ingest lagging), so a
+    script or a probe can act on it."""
+    status = await admin.status(await ctx.conn())
+    ctx.emit(status)
+    return 0 if status["healthy"] else 1
