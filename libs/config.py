@@ -56,6 +56,9 @@ class Settings:
 
     database_url: str = "postgresql://postgres@127.0.0.1:5432/monitoring"
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    # The AMQP heartbeat asked of the broker (unless AMQP_URL names one): a silent broker is declared dead after
+    # about three of them (libs/mq/connection.py).
+    amqp_heartbeat_s: int = 5
     # Prefix for every exchange and queue name; tests use a unique one per test.
     mq_prefix: str = ""
     # Allows what production must refuse: the built-in development gateway secret, a short or placeholder
@@ -202,8 +205,8 @@ class Settings:
                      "db_tcp_user_timeout_ms"):
             if getattr(settings, name) < 0:
                 raise ConfigError(f"{name.upper()} must not be negative")
-        for name in ("db_connect_timeout_s", "db_keepalives_idle_s", "db_keepalives_interval_s", "db_keepalives_count",
-                     "db_reconnect_max_delay_ms"):
+        for name in ("amqp_heartbeat_s", "db_connect_timeout_s", "db_keepalives_idle_s", "db_keepalives_interval_s",
+                     "db_keepalives_count", "db_reconnect_max_delay_ms"):
             if getattr(settings, name) < 1:
                 raise ConfigError(f"{name.upper()} must be at least 1")
         if settings.gateway_jwt_leeway_seconds < 0:

@@ -118,11 +118,12 @@ def add_pool_check(app: web.Application, pool: AsyncConnectionPool[Conn]) -> Non
 
 def add_consumer_check(app: web.Application, connection: AbstractRobustConnection, subscribed: asyncio.Event,
                        what: str) -> None:
-    """Ready when the broker connection is open and the consumer has subscribed to its queues."""
+    """Ready when the broker connection is up and the consumer has subscribed to its queues. A robust connection
+    is not `is_closed` while it reconnects (only once closed for good): `connected` is what says it is up."""
 
     async def check() -> None:
-        if connection.is_closed:
-            raise ConnectionError("broker connection closed")
+        if connection.is_closed or not connection.connected.is_set():
+            raise ConnectionError("broker connection lost")
         if not subscribed.is_set():
             raise ConnectionError(f"{what} not subscribed yet")
 
@@ -240,7 +241,8 @@ class Lifetime:
     ):
         """A robust RabbitMQ connection named `<service>-<instance_id>`; `declare` declares what it consumes
         (on a channel closed right after)."""
-        connection = await mq_connect(self.settings.amqp_url, name=self.instance_name)
+        connection = await mq_connect(self.settings.amqp_url, name=self.instance_name,
+                                      heartbeat_s=self.settings.amqp_heartbeat_s)
         self._stack.push_async_callback(connection.close)
         if declare is not None:
             async with connection.channel() as channel:

@@ -68,3 +68,10 @@ def test_the_pool_reconnects_on_a_capped_schedule_and_never_gives_up() -> None:
 def test_liveness_settings_must_be_positive(name: str) -> None:
     with pytest.raises(ConfigError, match=name):
         Settings.from_env(env={name: "0"})
+
+
+def test_broker_urls_ask_for_a_short_heartbeat_unless_they_name_one() -> None:
+    from libs.mq.connection import with_heartbeat
+
+    assert with_heartbeat("amqp://guest:guest@mq:5672/", 5) == "amqp://guest:guest@mq:5672/?heartbeat=5"
+    assert with_heartbeat("amqp://mq/vhost?heartbeat=30", 5) == "amqp://mq/vhost?heartbeat=30"
