@@ -14,10 +14,11 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import psycopg
 import uvloop
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from aiohttp import web
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from libs.config import ConfigError, Settings
 from libs.db.migrate import load_migrations
@@ -83,9 +84,22 @@ def base_app(settings: Settings, app: web.Application) -> web.Application:
 
 
 def pool_ready_check(pool: AsyncConnectionPool[Conn]) -> Callable[[], Awaitable[None]]:
-    async def check() -> None:
-        async with pool.connection(timeout=2.0) as conn:
+    """Postgres answers `SELECT 1` on a pooled connection. A pooled connection found dead (the database restarted or
+    failed over while it sat idle) has probably taken the pool's other idle ones with it: they are checked and
+    replaced, and the probe tries once more, so a database that is back answers ready at the first probe."""
+
+    async def select_one(timeout: float) -> None:
+        async with pool.connection(timeout=timeout) as conn:
             await conn.execute("SELECT 1")
+
+    async def check() -> None:
+        try:
+            await select_one(2.0)
+        except PoolTimeout:
+            raise  # no connection at all: the database is away (the pool keeps reconnecting)
+        except psycopg.OperationalError:
+            await pool.check()
+            await select_one(1.0)
 
     return check
 

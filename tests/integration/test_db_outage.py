@@ -86,6 +86,9 @@ async def test_a_pool_whose_connections_all_died_serves_the_next_request_at_once
     try:
         await proxy.cut()
         await proxy.restore()  # the connections are gone, the database is reachable again
+        await pool_ready_check(pool)()  # ready at the first probe: it replaces the dead connections and retries
+        await proxy.cut()
+        await proxy.restore()
         with pytest.raises(psycopg.OperationalError):
             async with pool.connection() as conn:
                 await conn.execute("SELECT 1")
