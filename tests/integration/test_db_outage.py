@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import aiohttp
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -17,6 +18,7 @@ from libs.config import Settings
 from libs.db.migrate import ensure_database
 from libs.db.pool import connect, make_pool, open_pool
 from libs.runtime import pool_ready_check
+from tests.support.desktop import running_hub
 from tests.support.tcpproxy import TcpProxy
 
 # Long enough that psycopg_pool's own schedule (1, 2, 4, 8, 16 s apart: attempts 1, 3, 7, 15, 31 s into the outage)
@@ -74,6 +76,30 @@ async def test_a_pool_and_its_readiness_are_back_within_seconds_of_a_long_outage
         assert time.monotonic() - restored < BACK_WITHIN_S
     finally:
         await pool.close()
+
+
+@pytest.mark.timeout(90)
+async def test_a_real_services_readiness_is_back_within_seconds_of_a_long_outage(settings: Settings,
+                                                                                 proxy: TcpProxy) -> None:
+    """The dispatch-hub app (in process, its pool through the proxy, its heartbeat flushes running): /readyz
+    answers 503 with `postgres` failing while the database is away for 20 s, and 200 within 5 s of its return."""
+
+    async def readyz(http: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, str]]:
+        async with http.get(url) as resp:
+            return resp.status, (await resp.json())["checks"]
+
+    async with running_hub(through(proxy, settings)) as hub, aiohttp.ClientSession() as http:
+        url = str(hub.make_url("/readyz"))
+        assert (await readyz(http, url))[0] == 200
+        await proxy.cut()
+        down_until = time.monotonic() + OUTAGE_S
+        while time.monotonic() < down_until:
+            status, checks = await readyz(http, url)
+            assert status == 503 and checks["postgres"] == "failing", "ready while the database is unreachable"
+        await proxy.restore()
+        restored = time.monotonic()
+        while (await readyz(http, url))[0] != 200:
+            assert time.monotonic() - restored < BACK_WITHIN_S, "/readyz not back within 5 s of the database"
 
 
 async def test_a_pool_whose_connections_all_died_serves_the_next_request_at_once(settings: Settings,
