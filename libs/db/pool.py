@@ -122,11 +122,13 @@ def server_keepalives(settings: Settings) -> str:
             f"-c tcp_user_timeout={settings.db_tcp_user_timeout_ms}")
 
 
-def connection_params(url: str, settings: Settings, *, server_keepalive: bool | None = None) -> dict[str, Any]:
+def connection_params(url: str, settings: Settings, *, server_keepalive: bool | None = None,
+                      with_session_timeouts: bool = True) -> dict[str, Any]:
     """The libpq parameters every connection gets on top of `url`: keepalives, `tcp_user_timeout`,
-    `connect_timeout`, and as `options` the session timeouts (and, unless `server_keepalive` is False, or None
-    and DB_SERVER_KEEPALIVE off, the server-side keepalives). A parameter `url` sets itself is left to it; its
-    `options` come after ours, so its `-c` settings win (Postgres applies them in order)."""
+    `connect_timeout`, and as `options` the session timeouts (unless `with_session_timeouts` is False) and the
+    server-side keepalives (unless `server_keepalive` is False, or None and DB_SERVER_KEEPALIVE off). A parameter
+    `url` sets itself is left to it; its `options` come after ours, so its `-c` settings win (Postgres applies
+    them in order)."""
     given = conninfo_to_dict(url)
     params: dict[str, Any] = {
         "keepalives": 1,
@@ -137,12 +139,13 @@ def connection_params(url: str, settings: Settings, *, server_keepalive: bool | 
         "connect_timeout": settings.db_connect_timeout_s,
     }
     params = {key: value for key, value in params.items() if key not in given}
-    options = [session_timeouts(settings)]
+    options = [session_timeouts(settings)] if with_session_timeouts else []
     if settings.db_server_keepalive if server_keepalive is None else server_keepalive:
         options.append(server_keepalives(settings))
     if given.get("options"):
         options.append(str(given["options"]))
-    params["options"] = " ".join(options)
+    if options:
+        params["options"] = " ".join(options)
     return params
 
 
@@ -179,14 +182,16 @@ async def open_pool(
 
 
 async def connect(url: str, *, autocommit: bool = True, name: str = "monitoring", settings: Settings | None = None,
-                  server_keepalive: bool | None = None) -> Conn:
+                  server_keepalive: bool | None = None, with_session_timeouts: bool = True) -> Conn:
     """One connection outside the pools (leader locks, LISTEN, migrations, monitorctl), with the same dead-peer
     detection and session timeouts as a pooled one (`connection_params`). `settings`: where those come from (the
     environment's, `Settings.from_env()`, when not given); `server_keepalive`: whether the server side of the session
     gets keepalives too (None: DB_SERVER_KEEPALIVE, on by default) -- a leader's session needs them, so that the
-    server ends it, and frees its advisory lock, when the leader's node goes silent."""
+    server ends it, and frees its advisory lock, when the leader's node goes silent. `with_session_timeouts=False`:
+    no statement, lock-wait or idle timeouts (migrations: an index build may take minutes, and a second migrator
+    waits for the first one's lock for as long as it takes)."""
     params = connection_params(url, Settings.from_env() if settings is None else settings,
-                               server_keepalive=server_keepalive)
+                               server_keepalive=server_keepalive, with_session_timeouts=with_session_timeouts)
     conn: Conn = await AsyncConnection.connect(
         url, autocommit=autocommit, row_factory=dict_row, application_name=name, **params
     )

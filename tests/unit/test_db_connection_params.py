@@ -75,3 +75,11 @@ def test_broker_urls_ask_for_a_short_heartbeat_unless_they_name_one() -> None:
 
     assert with_heartbeat("amqp://guest:guest@mq:5672/", 5) == "amqp://guest:guest@mq:5672/?heartbeat=5"
     assert with_heartbeat("amqp://mq/vhost?heartbeat=30", 5) == "amqp://mq/vhost?heartbeat=30"
+
+
+def test_migrations_can_do_without_the_session_timeouts() -> None:
+    params = connection_params(URL, Settings(), with_session_timeouts=False)
+    assert "statement_timeout" not in params["options"] and "tcp_keepalives_idle=4" in params["options"]
+    assert params["keepalives"] == 1
+    bare = connection_params(URL, Settings(), with_session_timeouts=False, server_keepalive=False)
+    assert "options" not in bare
