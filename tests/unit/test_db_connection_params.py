@@ -83,3 +83,16 @@ def test_migrations_can_do_without_the_session_timeouts() -> None:
     assert params["keepalives"] == 1
     bare = connection_params(URL, Settings(), with_session_timeouts=False, server_keepalive=False)
     assert "options" not in bare
+
+
+def test_the_psycopg_pool_internals_the_pool_overrides_are_still_there() -> None:
+    """LifoConnectionPool overrides two private methods of psycopg_pool (pinned in constraints.txt); an upgrade
+    that renames them would silently bring back FIFO hand-out and the uncapped backoff."""
+    import inspect
+
+    from psycopg_pool import AsyncConnectionPool
+    from psycopg_pool.base import AttemptWithBackoff
+
+    assert list(inspect.signature(AsyncConnectionPool._add_connection).parameters) == ["self", "attempt", "growing"]
+    assert list(inspect.signature(AsyncConnectionPool._get_ready_connection).parameters) == ["self", "timeout"]
+    assert {"update_delay", "time_to_give_up", "INITIAL_DELAY"} <= set(vars(AttemptWithBackoff))
