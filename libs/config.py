@@ -56,6 +56,9 @@ class Settings:
 
     database_url: str = "postgresql://postgres@127.0.0.1:5432/monitoring"
     amqp_url: str = "amqp://guest:guest@127.0.0.1:5672/"
+    # The AMQP heartbeat asked of the broker (unless AMQP_URL names one): a silent broker is declared dead after
+    # about three of them (libs/mq/connection.py).
+    amqp_heartbeat_s: int = 5
     # Prefix for every exchange and queue name; tests use a unique one per test.
     mq_prefix: str = ""
     # Allows what production must refuse: the built-in development gateway secret, a short or placeholder
@@ -80,6 +83,22 @@ class Settings:
     db_statement_timeout_ms: int = 30_000
     db_lock_timeout_ms: int = 10_000
     db_idle_in_transaction_timeout_ms: int = 60_000
+    # Every connection (pooled, LISTEN, leader, monitorctl) finds a dead peer in seconds, not after the kernel's
+    # two hours: libpq TCP keepalives (probe after KEEPALIVES_IDLE s of silence, every INTERVAL s, COUNT times:
+    # 4 + 2 * 3 = 10 s), TCP_USER_TIMEOUT for data sent and never acknowledged, and a deadline on connecting
+    # (per host of a multi-host DATABASE_URL). What DATABASE_URL sets itself wins over these.
+    db_connect_timeout_s: int = 5
+    db_keepalives_idle_s: int = 4
+    db_keepalives_interval_s: int = 2
+    db_keepalives_count: int = 3
+    db_tcp_user_timeout_ms: int = 10_000
+    # The same four on the server's side of each session (Postgres' per-session tcp_keepalives_* and
+    # tcp_user_timeout): the server ends the session of a client that went silent (a lost node) within ~10 s,
+    # and with it that session's locks (the leader's advisory lock) and open transaction.
+    db_server_keepalive: bool = True
+    # A pool that lost its database retries every connection at most this far apart (with jitter), for as long
+    # as the database is away: back within about this long of its return, never giving up.
+    db_reconnect_max_delay_ms: int = 1000
     # Each database writer's write health for the coordinator's auto slow-down (libs/db/write_health.py): the
     # window its p95 and conflict rate cover, the fewest writes that make them count, how often it publishes.
     write_health_window_s: float = 60.0
@@ -182,9 +201,14 @@ class Settings:
         settings = cls(**values)
         if "hub_ping_interval_s" not in values:
             settings = replace(settings, hub_ping_interval_s=max(settings.heartbeat_timeout_seconds / 3, 1.0))
-        for name in ("db_statement_timeout_ms", "db_lock_timeout_ms", "db_idle_in_transaction_timeout_ms"):
+        for name in ("db_statement_timeout_ms", "db_lock_timeout_ms", "db_idle_in_transaction_timeout_ms",
+                     "db_tcp_user_timeout_ms"):
             if getattr(settings, name) < 0:
                 raise ConfigError(f"{name.upper()} must not be negative")
+        for name in ("amqp_heartbeat_s", "db_connect_timeout_s", "db_keepalives_idle_s", "db_keepalives_interval_s",
+                     "db_keepalives_count", "db_reconnect_max_delay_ms"):
+            if getattr(settings, name) < 1:
+                raise ConfigError(f"{name.upper()} must be at least 1")
         if settings.gateway_jwt_leeway_seconds < 0:
             raise ConfigError("GATEWAY_JWT_LEEWAY_SECONDS must not be negative")
         if settings.ingest_shards <= 0:

@@ -14,10 +14,11 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import psycopg
 import uvloop
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from aiohttp import web
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from libs.config import ConfigError, Settings
 from libs.db.migrate import load_migrations
@@ -83,9 +84,22 @@ def base_app(settings: Settings, app: web.Application) -> web.Application:
 
 
 def pool_ready_check(pool: AsyncConnectionPool[Conn]) -> Callable[[], Awaitable[None]]:
-    async def check() -> None:
-        async with pool.connection(timeout=2.0) as conn:
+    """Postgres answers `SELECT 1` on a pooled connection. A pooled connection found dead (the database restarted or
+    failed over while it sat idle) has probably taken the pool's other idle ones with it: they are checked and
+    replaced, and the probe tries once more, so a database that is back answers ready at the first probe."""
+
+    async def select_one(timeout: float) -> None:
+        async with pool.connection(timeout=timeout) as conn:
             await conn.execute("SELECT 1")
+
+    async def check() -> None:
+        try:
+            await select_one(2.0)
+        except PoolTimeout:
+            raise  # no connection at all: the database is away (the pool keeps reconnecting)
+        except psycopg.OperationalError:
+            await pool.check()
+            await select_one(1.0)
 
     return check
 
@@ -118,11 +132,12 @@ def add_pool_check(app: web.Application, pool: AsyncConnectionPool[Conn]) -> Non
 
 def add_consumer_check(app: web.Application, connection: AbstractRobustConnection, subscribed: asyncio.Event,
                        what: str) -> None:
-    """Ready when the broker connection is open and the consumer has subscribed to its queues."""
+    """Ready when the broker connection is up and the consumer has subscribed to its queues. A robust connection
+    is not `is_closed` while it reconnects (only once closed for good): `connected` is what says it is up."""
 
     async def check() -> None:
-        if connection.is_closed:
-            raise ConnectionError("broker connection closed")
+        if connection.is_closed or not connection.connected.is_set():
+            raise ConnectionError("broker connection lost")
         if not subscribed.is_set():
             raise ConnectionError(f"{what} not subscribed yet")
 
@@ -240,7 +255,8 @@ class Lifetime:
     ):
         """A robust RabbitMQ connection named `<service>-<instance_id>`; `declare` declares what it consumes
         (on a channel closed right after)."""
-        connection = await mq_connect(self.settings.amqp_url, name=self.instance_name)
+        connection = await mq_connect(self.settings.amqp_url, name=self.instance_name,
+                                      heartbeat_s=self.settings.amqp_heartbeat_s)
         self._stack.push_async_callback(connection.close)
         if declare is not None:
             async with connection.channel() as channel:

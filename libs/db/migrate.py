@@ -67,7 +67,7 @@ async def migrate(database_url: str, directory: Path | None = None) -> list[Migr
     """Apply pending migrations; returns those applied (empty when nothing was pending)."""
     pending_applied: list[Migration] = []
     migrations = load_migrations(directory)
-    conn = await connect(database_url, name="migrate")
+    conn = await connect(database_url, name="migrate", with_session_timeouts=False)
     try:
         await conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK_KEY,))
         try:
@@ -103,7 +103,7 @@ async def ensure_database(database_url: str) -> bool:
     params = conninfo_to_dict(database_url)
     dbname = str(params.get("dbname") or "postgres")
     admin_url = make_conninfo(database_url, dbname="postgres")
-    conn = await connect(admin_url, name="migrate")
+    conn = await connect(admin_url, name="migrate", with_session_timeouts=False)
     try:
         cur = await conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,))
         if await cur.fetchone():

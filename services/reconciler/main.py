@@ -26,7 +26,8 @@ def build(settings: Settings, config: ReconcilerConfig | None = None) -> web.App
         # One connection per concurrently running job at most; jobs are short, so 4 is plenty.
         pool = await life.pool(min_size=1, max_size=4)
         broker = await life.broker()
-        add_broker_check(life.app, lambda: not broker.is_closed, "broker connection closed")
+        # `connected`, not `is_closed`: a robust connection is not closed while it reconnects.
+        add_broker_check(life.app, broker.connected.is_set, "broker connection lost")
 
         async def lead(stop: asyncio.Event) -> None:
             scheduler = JobScheduler(pool, jobs_config, JOBS.values())

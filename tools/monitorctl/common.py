@@ -26,7 +26,7 @@ class Context:
 
     async def conn(self) -> Conn:
         if self._conn is None:
-            self._conn = await connect(self.settings.database_url, name="monitorctl")
+            self._conn = await connect(self.settings.database_url, name="monitorctl", settings=self.settings)
         return self._conn
 
     async def close(self) -> None:
