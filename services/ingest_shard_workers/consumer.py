@@ -27,7 +27,7 @@ which must stay below the broker's `consumer_timeout` (30 min by default): a del
 the broker close the channel, which returns everything on it and counts a delivery anyway. When an outage
 outlasts the hold, the shard gives its deliveries back (one delivery counted) and holds the redelivered ones
 again, so results survive about `INGEST_DELIVERY_LIMIT` holds of database outage before the broker
-dead-letters them itself (at most once, carrying no reason).
+dead-letters them; those broker-side dead letters are counted too (`BrokerDeadLetterCounter`).
 
 A shard is never processed by two loops at once: handing it over (shutdown, yielding to another replica)
 closes its channel after the in-flight batch, which returns the unapplied deliveries to the head of the
@@ -63,6 +63,7 @@ from libs.telemetry import metrics as m
 from libs.telemetry import tracing
 from services.ingest_shard_workers import queries as q
 from services.ingest_shard_workers.apply import BatchOutcome, apply_batch
+from services.ingest_shard_workers.dead_letter_tally import BrokerDeadLetterCounter
 
 log = logging.getLogger("ingest.consumer")
 
@@ -373,7 +374,8 @@ class ShardConsumer:
         """Copy to the ingest DLQ, retried a little; True once the broker confirmed the copy."""
         for attempt, backoff in enumerate((*DEAD_LETTER_RETRIES, None)):
             try:
-                await self.dead_letters.publish(self.topology.ingest_dlq, message, reason)
+                await self.dead_letters.publish(self.topology.ingest_dlq, message, reason,
+                                                routing_key=self.topology.ingest_dlq_copy_key)
             except DeadLetterUnconfirmed as exc:
                 m.ingest_dead_letter_unconfirmed_count.inc()
                 log.error("dead letter not confirmed; the message is kept", extra={
@@ -451,6 +453,7 @@ class IngestWorker:
         settings = SettingsCache(pool, max_age_s=5.0)
         # Shared by the shards: dead letters are rare, and it publishes them one at a time anyway.
         self.dead_letters = DeadLetterPublisher(connection, topology)
+        self.broker_dead_letters = BrokerDeadLetterCounter(connection, topology)
         self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate,
                                      self.dead_letters, self.write_health) for k in range(topology.ingest_shards)]
         self.subscribed = asyncio.Event()
@@ -459,6 +462,7 @@ class IngestWorker:
     async def run(self, stop: asyncio.Event) -> None:
         for shard in self.shards:
             await shard.subscribe()
+        await self.broker_dead_letters.subscribe()
         # Join only once subscribed everywhere: peers yield shards to members that can take them.
         await self._heartbeat()
         self.subscribed.set()
@@ -474,6 +478,7 @@ class IngestWorker:
             await asyncio.gather(*loops, housekeeping, return_exceptions=True)
             for shard in self.shards:
                 await shard.close()
+            await self.broker_dead_letters.close()
             await self.dead_letters.close()
             with contextlib.suppress(Exception):
                 async with self.pool.connection() as conn:

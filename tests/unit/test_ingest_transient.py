@@ -1,4 +1,5 @@
-"""Which ingest failures hold the shard (transient) and which dead-letter a result, and the retry pacing."""
+"""Which ingest failures hold the shard (transient) and which dead-letter a result, the retry pacing, and how a
+broker-side dead letter is told from a consumer's own copy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 from psycopg import errors
 from psycopg_pool import PoolTimeout
 
+from libs.mq.dead_letter import REASON_HEADER, broker_dead_letter_reason
 from libs.mq.poison import is_transient
 from services.ingest_shard_workers.consumer import DB_RETRY_MAX_DELAY_S, db_retry_delay
 
@@ -36,3 +38,14 @@ def test_retries_are_paced_by_a_capped_delay_not_an_exponential_one() -> None:
     # 6 minutes of outage are ~360 attempts, one a second at the end.
     assert sum(delays) < 400
 
+
+def test_broker_dead_letters_are_told_from_the_consumers_copies() -> None:
+    assert broker_dead_letter_reason({"x-death": [{"reason": "delivery_limit", "count": 1}]}) == "delivery_limit"
+    assert broker_dead_letter_reason({"x-death": [{"reason": b"rejected"}]}) == "rejected"
+    assert broker_dead_letter_reason({}) is None
+    assert broker_dead_letter_reason(None) is None
+    # A consumer's copy keeps the original's headers (x-death of an earlier broker dead letter, too), and was
+    # counted when it was published.
+    assert broker_dead_letter_reason({REASON_HEADER: "malformed_json: x",
+                                      "x-death": [{"reason": "delivery_limit"}]}) is None
+    assert broker_dead_letter_reason({"x-death": "garbled"}) == "broker_unknown"
