@@ -7,8 +7,10 @@ The outage is the worker's alone: its pool reaches the test's database through a
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import date
 
@@ -55,8 +57,9 @@ def through(proxy: TcpProxy, settings: Settings) -> Settings:
                                                         dbname=params["dbname"]))
 
 
-async def test_results_are_held_through_a_database_outage_longer_than_the_delivery_limit_and_applied_once(
-        pool, settings, topology, amqp) -> None:
+@contextlib.asynccontextmanager
+async def proxied_pool(settings: Settings) -> AsyncIterator[tuple[TcpProxy, Settings, AsyncConnectionPool[Conn]]]:
+    """The worker's pool, reaching the test's database through a TCP proxy the test can cut."""
     params = conninfo_to_dict(settings.database_url)
     proxy = TcpProxy(str(params.get("host") or "127.0.0.1"), int(params.get("port") or 5432))
     await proxy.start()
@@ -68,13 +71,22 @@ async def test_results_are_held_through_a_database_outage_longer_than_the_delive
     worker_pool.timeout = 0.3
     worker_pool.reconnect_timeout = 1.0
     await worker_pool.open(wait=True)
+    try:
+        yield proxy, worker_settings, worker_pool
+    finally:
+        await proxy.close()
+        await worker_pool.close()
+
+
+async def test_results_are_held_through_a_database_outage_longer_than_the_delivery_limit_and_applied_once(
+        pool, settings, topology, amqp) -> None:
     async with pool.connection() as conn:
         world = await make_world(conn, brands=1, questions=3, platforms=2)
         ex = await make_executions(conn, world, business_date=DAY)
     results = [make_result(e, shards=topology.ingest_shards, answer=f"answer {i}") for i, e in enumerate(ex)]
     shard = results[0].shard
     dead_before, transient_before = dead_letters(), m.ingest_transient_error_count.value()
-    try:
+    async with proxied_pool(settings) as (proxy, worker_settings, worker_pool):
         async with running_ingest(worker_pool, worker_settings, topology):
             await publish(amqp, topology, [results[0]])
             await eventually(lambda: _applied(pool, 1), message="the first result applied before the outage")
@@ -100,15 +112,49 @@ async def test_results_are_held_through_a_database_outage_longer_than_the_delive
             resumed_s = time.monotonic() - back
             print(f"resumed {resumed_s:.2f} s after the database came back, outage {OUTAGE_S:.0f} s")
             assert resumed_s < 2.5
-    finally:
-        await proxy.close()
-        await worker_pool.close()
     assert sorted(map(str, await applied_ids(pool))) == sorted(str(r.result_id) for r in results)
     assert len(await fetch(pool, "SELECT 1 FROM question_monitor_runs")) == len(results)
     assert await queue_count(amqp, topology.ingest_dlq) == 0
     assert await queue_count(amqp, topology.ingest_dead_letter_tally) == 0
     assert await queue_count(amqp, topology.ingest_queue(shard)) == 0
     assert dead_letters() == dead_before
+
+
+async def test_an_outage_longer_than_the_hold_gives_the_deliveries_back_once_per_hold(
+        pool, settings, topology, amqp) -> None:
+    """With a 2 s hold, a 7 s outage returns the held deliveries about three times (each return one delivery of
+    the limit, as the broker's consumer_timeout would otherwise force), and the results are applied once after."""
+    async with pool.connection() as conn:
+        world = await make_world(conn, brands=1, questions=2, platforms=1)
+        ex = await make_executions(conn, world, business_date=DAY)
+    results = [make_result(e, shards=topology.ingest_shards) for e in ex]
+    deliveries: list[int] = []
+    async with proxied_pool(settings) as (proxy, worker_settings, worker_pool):
+        async with running_ingest(worker_pool, worker_settings, topology, db_outage_hold_s=2.0) as worker:
+            shard = worker.shards[results[0].shard]
+            receive = shard._on_message
+
+            async def counted(message: AbstractIncomingMessage) -> None:
+                count = (message.headers or {}).get("x-delivery-count")
+                deliveries.append(count if isinstance(count, int) else 0)
+                await receive(message)
+
+            shard._on_message = counted  # type: ignore[method-assign]
+            await shard.close()
+            await shard.subscribe()  # the consumer again, counting what it receives
+            await proxy.cut()
+            await publish(amqp, topology, list(results))
+            outage_ends = time.monotonic() + 7.0
+            await eventually(lambda: time.monotonic() >= outage_ends and len(deliveries) > 2, timeout=20,
+                             interval=0.2, message="the held deliveries given back after each hold")
+            await proxy.restore()
+            await eventually(lambda: _applied(pool, len(results)), timeout=20, message="applied after the outage")
+    assert sorted(map(str, await applied_ids(pool))) == sorted(str(r.result_id) for r in results)
+    assert await queue_count(amqp, topology.ingest_dlq) == 0
+    redeliveries = max(deliveries)
+    print(f"x-delivery-count of each delivery: {deliveries}")
+    # Given back once per 2 s hold (plus the pause before each requeue), never more: the limit of 5 is not reached.
+    assert 1 <= redeliveries < INGEST_DELIVERY_LIMIT, deliveries
 
 
 async def test_a_result_the_broker_dead_letters_is_counted_once_by_the_alerts_metric(
