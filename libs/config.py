@@ -170,6 +170,9 @@ class Settings:
     ingest_member_heartbeat_seconds: float = 2.0
     ingest_member_timeout_seconds: float = 10.0
     ingest_applied_retention_hours: int = 168
+    # Longest database outage a shard holds its unacked deliveries through before giving them back (one delivery
+    # of the quorum limit spent). Below RabbitMQ's consumer_timeout (30 min default), or the broker closes the channel.
+    ingest_db_outage_hold_seconds: float = 1200.0
     # projection-worker
     projection_concurrency: int = 2
     projection_sweep_interval_ms: int = 1000
@@ -213,6 +216,9 @@ class Settings:
             raise ConfigError("GATEWAY_JWT_LEEWAY_SECONDS must not be negative")
         if settings.ingest_shards <= 0:
             raise ConfigError("INGEST_SHARDS must be positive")
+        if not 0 < settings.ingest_db_outage_hold_seconds < 1800:
+            raise ConfigError("INGEST_DB_OUTAGE_HOLD_SECONDS must be above 0 and below 1800 (RabbitMQ's default "
+                              "consumer_timeout)")
         if settings.hub_max_sockets_per_client < 1:
             raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")
         if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 
 import aio_pika
 import aiormq
@@ -24,6 +25,21 @@ from libs.mq.topology import Topology
 log = logging.getLogger("mq.dead_letter")
 
 REASON_HEADER = "x-dead-letter-reason"
+
+
+def broker_dead_letter_reason(headers: Mapping[str, object] | None) -> str | None:
+    """Why the broker dead-lettered a message (its latest `x-death` reason: `delivery_limit`, `rejected`, ...), or
+    None for a copy a consumer published itself (it carries REASON_HEADER and was counted when published)."""
+    if not headers or REASON_HEADER in headers:
+        return None
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping):
+        reason = deaths[0].get("reason")
+        if isinstance(reason, bytes):
+            reason = reason.decode(errors="replace")
+        if isinstance(reason, str) and reason:
+            return reason
+    return "broker_unknown"
 
 
 class DeadLetterUnconfirmed(Exception):
@@ -55,8 +71,10 @@ class DeadLetterPublisher:
         self._channel: AbstractChannel | None = None
         self._lock = asyncio.Lock()
 
-    async def publish(self, dlq: str, message: AbstractIncomingMessage, reason: str) -> None:
-        """Copy `message` to `dlq` with `reason`; return once the broker confirmed it routed the copy.
+    async def publish(self, dlq: str, message: AbstractIncomingMessage, reason: str, *,
+                      routing_key: str | None = None) -> None:
+        """Copy `message` to `dlq` (by `routing_key` on the DLX, `dlq` itself by default) with `reason`; return once
+        the broker confirmed it routed the copy.
 
         Raises DeadLetterUnconfirmed when it was returned unroutable, nacked, not confirmed in time, or the
         channel or connection failed meanwhile."""
@@ -65,8 +83,8 @@ class DeadLetterPublisher:
                 async with asyncio.timeout(self._timeout):
                     channel = await self._open()
                     exchange = await channel.get_exchange(self._topology.dlx_exchange, ensure=False)
-                    confirmation = await exchange.publish(dead_letter_copy(message, reason), routing_key=dlq,
-                                                          mandatory=True)
+                    confirmation = await exchange.publish(dead_letter_copy(message, reason),
+                                                          routing_key=routing_key or dlq, mandatory=True)
             except (aiormq.exceptions.AMQPError, aio_pika.exceptions.ChannelInvalidStateError, OSError) as exc:
                 # TimeoutError is an OSError. The channel may be closed or hold a late confirm: start afresh.
                 await self._discard()

@@ -19,6 +19,7 @@ DLX = "monitor.dlx"
 LOGICAL_EXCHANGES = (DISPATCH, RESULT, PROJECTION, LIFECYCLE)
 
 INGEST_DELIVERY_LIMIT = 5
+TALLY_MAX_LENGTH = 100_000
 PROJECTION_DELIVERY_LIMIT = 5
 # What a hub's queue is bound to: every client's dispatch events (`monitor.<lane>.<client>`, `publish.<client>`);
 # the hub forwards those of the clients connected to it and drops the rest. Not one binding per connected client:
@@ -66,6 +67,18 @@ class Topology:
         return self.name("monitor.result.ingest.dlq")
 
     @property
+    def ingest_dlq_copy_key(self) -> str:
+        """The DLX routing key of the copies ingest dead-letters itself: bound to the DLQ only, so a copy the DLQ
+        cannot take is unroutable (refused), never "confirmed" by the tally alone."""
+        return f"copy.{self.ingest_dlq}"
+
+    @property
+    def ingest_dead_letter_tally(self) -> str:
+        """Beside the ingest DLQ on the broker's own dead-letter key: what the broker dead-letters from the shard
+        queues (the delivery limit) lands here too, to be counted (`ingest_dead_letter_count`) and dropped."""
+        return self.name("monitor.result.ingest.dlq.tally")
+
+    @property
     def projection_queue(self) -> str:
         return self.name("monitor.projection.rebuild")
 
@@ -92,7 +105,8 @@ class Topology:
 
     def all_queue_names(self) -> list[str]:
         names = [self.ingest_queue(k) for k in range(self.ingest_shards)]
-        names += [self.ingest_dlq, self.projection_queue, self.projection_dlq, self.hub_dlq]
+        names += [self.ingest_dlq, self.ingest_dead_letter_tally, self.projection_queue, self.projection_dlq,
+                  self.hub_dlq]
         for consumer in ("coordinator", "reconciler"):
             names += [self.lifecycle_queue(consumer), self.lifecycle_dlq(consumer)]
         return names
@@ -120,9 +134,14 @@ async def _declare_dlq(channel: AbstractChannel, topology: Topology, name: str) 
 
 
 async def declare_ingest(channel: AbstractChannel, topology: Topology) -> list[AbstractQueue]:
-    """Shard queues: quorum, single active consumer, delivery limit, dead letter to the ingest DLQ."""
+    """Shard queues: quorum, single active consumer, delivery limit, dead letter to the ingest DLQ (and its tally)."""
     await declare_exchanges(channel, topology)
-    await _declare_dlq(channel, topology, topology.ingest_dlq)
+    dlq = await _declare_dlq(channel, topology, topology.ingest_dlq)
+    await dlq.bind(topology.dlx_exchange, routing_key=topology.ingest_dlq_copy_key)
+    tally = await channel.declare_queue(topology.ingest_dead_letter_tally, durable=True, arguments={
+        # Bounded: with no ingest replica counting, the oldest entries go first (the DLQ itself keeps every message).
+        "x-queue-type": "quorum", "x-max-length": TALLY_MAX_LENGTH, "x-overflow": "drop-head"})
+    await tally.bind(topology.dlx_exchange, routing_key=topology.ingest_dlq)
     queues = []
     for shard in range(topology.ingest_shards):
         queue = await channel.declare_queue(

@@ -287,7 +287,8 @@ ingest_poison_fallback_count = ExactCounter(
     "ingest_poison_fallback_count",
     "Ingest batches refused by an error that is not transient, then applied one result per transaction.")
 ingest_transient_error_count = ExactCounter(
-    "ingest_transient_error_count", "Ingest batches that hit a transient database error (requeued).")
+    "ingest_transient_error_count",
+    "Transient database errors applying ingest batches (the deliveries are held and the batch retried).")
 ingest_shard_yield_count = ExactCounter(
     "ingest_shard_yield_count", "Shards this replica handed to the live member they are assigned to.")
 ingest_batch_size = Histogram(

@@ -14,11 +14,20 @@ cannot store, a trigger, a bug on one input) is applied again one result per tra
 the results that fail on their own are dead-lettered (reason `db_rejected: ...` or `apply_error: ...`, with
 the exception type, SQLSTATE and first line of the message) and every other result is applied exactly once:
 the refused batch was rolled back whole, and the applied-result ledger (`RECORD_APPLIED`, unique on
-result_id) turns any second apply of a result, in this fallback or on a redelivery, into a no-op. A transient
-error (connection lost, serialization failure, deadlock, lock timeout, admin shutdown: `is_transient`) is
-never a reason to dead-letter: it is retried in process, then everything outstanding on the shard's channel
-is requeued, with a growing back-off (past the quorum delivery limit the broker dead-letters such messages
-itself: the at-most-once backstop of an outage that outlasts every retry).
+result_id) turns any second apply of a result, in this fallback or on a redelivery, into a no-op.
+
+A transient error (connection lost or refused, pool timeout, serialization failure, deadlock, lock timeout,
+admin shutdown, too many connections: `is_transient`) is never a reason to dead-letter, and it does not spend
+the shard queue's delivery limit either: the shard stops taking work and holds its in-flight deliveries
+unacked while it retries the batch in process, every `db_retry_delay` (at most 1 s), until the database
+answers. Holding is the one wait that is free: on RabbitMQ 3.10 quorum queues every return of a delivery (a
+nack with requeue, a closed channel) adds to `x-delivery-count`, and past `INGEST_DELIVERY_LIMIT` the broker
+dead-letters the message itself. The hold is bounded by `db_outage_hold_s` (`INGEST_DB_OUTAGE_HOLD_SECONDS`),
+which must stay below the broker's `consumer_timeout` (30 min by default): a delivery unacked for longer makes
+the broker close the channel, which returns everything on it and counts a delivery anyway. When an outage
+outlasts the hold, the shard gives its deliveries back (one delivery counted) and holds the redelivered ones
+again, so results survive about `INGEST_DELIVERY_LIMIT` holds of database outage before the broker
+dead-letters them; those broker-side dead letters are counted too (`BrokerDeadLetterCounter`).
 
 A shard is never processed by two loops at once: handing it over (shutdown, yielding to another replica)
 closes its channel after the in-flight batch, which returns the unapplied deliveries to the head of the
@@ -54,10 +63,16 @@ from libs.telemetry import metrics as m
 from libs.telemetry import tracing
 from services.ingest_shard_workers import queries as q
 from services.ingest_shard_workers.apply import BatchOutcome, apply_batch
+from services.ingest_shard_workers.dead_letter_tally import BrokerDeadLetterCounter
 
 log = logging.getLogger("ingest.consumer")
 
-TRANSIENT_RETRIES = (0.2, 0.5, 1.0)
+# The first pause after a transient error, and the longest one: a database that comes back is used again within
+# about a second (a capped delay, not an exponential one that overshoots the outage).
+DB_RETRY_FIRST_DELAY_S = 0.2
+DB_RETRY_MAX_DELAY_S = 1.0
+# How long a retry during an outage waits for a pooled connection (the pool's own wait is 10 s).
+DB_OUTAGE_POOL_WAIT_S = 1.0
 # Pauses between attempts to dead-letter one message before it is given back to the queue.
 DEAD_LETTER_RETRIES = (0.2, 1.0)
 BROKER_ERRORS = (AMQPError, ChannelInvalidStateError, ConnectionError, asyncio.TimeoutError)
@@ -71,6 +86,8 @@ class IngestConfig:
     member_heartbeat_s: float = 2.0
     member_timeout_s: float = 10.0
     retention_hours: int = 168
+    # Longest continuous database outage a shard holds its deliveries through (below the broker's consumer_timeout).
+    db_outage_hold_s: float = 1200.0
 
 
 class WriteRate:
@@ -133,6 +150,8 @@ class ShardConsumer:
         self.yield_requested = False
         self._subscriptions = 0
         self._stop = asyncio.Event()
+        # When the current run of transient errors began (monotonic), or None while the database answers.
+        self._outage_since: float | None = None
 
     @property
     def queue_name(self) -> str:
@@ -287,35 +306,50 @@ class ShardConsumer:
             return await self._apply_one_by_one(results)
 
     async def _retrying(self, apply: Callable[[], Awaitable[BatchOutcome]]) -> BatchOutcome:
-        """`apply()`, retried in process on transient errors, then _Requeue; any other error propagates."""
-        for attempt, backoff in enumerate((*TRANSIENT_RETRIES, None)):
+        """`apply()`, retried in process on transient errors while holding the deliveries (no delivery counted),
+        every `db_retry_delay` seconds; _Requeue once the outage outlasts `db_outage_hold_s` or on shutdown. Any
+        other error propagates."""
+        attempt = 0
+        while True:
             try:
-                return await apply()
+                outcome = await apply()
             except Exception as exc:
                 if not is_transient(exc):
                     raise
-                # Requeued after the retries, so the quorum delivery limit bounds it: never a crash loop.
+                attempt += 1
+                now = time.monotonic()
+                if self._outage_since is None:
+                    self._outage_since = now
                 m.ingest_transient_error_count.inc()
-                log.warning("transient error applying results", exc_info=not isinstance(exc, psycopg.Error | OSError),
-                            extra={"shard": self.shard, "attempt": attempt + 1, "error": describe_failure(exc)})
-                if backoff is None:
+                log.warning("transient error applying results; holding the shard's deliveries and retrying",
+                            exc_info=not isinstance(exc, psycopg.Error | OSError),
+                            extra={"shard": self.shard, "attempt": attempt, "error": describe_failure(exc),
+                                   "outage_s": round(now - self._outage_since, 1)})
+                delay = db_retry_delay(attempt)
+                if self._stop.is_set() or now + delay - self._outage_since > self.config.db_outage_hold_s:
+                    # Given back before the broker's consumer_timeout would: the redelivery starts a new hold.
+                    self._outage_since = None
                     raise _Requeue from exc
-                await self._pause(backoff)
-        raise AssertionError("unreachable")
+                await self._pause(delay)
+                continue
+            self._outage_since = None
+            return outcome
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stop.wait(), timeout=seconds)
 
     async def _apply(self, results: list[MonitorResult]) -> BatchOutcome:
-        async with self.write_health.timed(), self.pool.connection() as conn:
+        # During an outage, a short wait for a connection: the retry, not the pool's queue, paces the attempts.
+        wait = DB_OUTAGE_POOL_WAIT_S if self._outage_since is not None else None
+        async with self.write_health.timed(), self.pool.connection(timeout=wait) as conn:
             return await apply_batch(conn, results, applied_by=self.config.instance_id, settings=self.settings)
 
     async def _apply_one_by_one(self, results: list[MonitorResult]) -> BatchOutcome:
         """Isolate the results that cannot be applied: each in its own transaction, in delivery order.
 
-        A transient error still retries (that one result) and then requeues the batch: the results applied
-        so far stay committed, and their redelivery is a no-op (ledger)."""
+        A transient error holds and retries that one result as it would the batch (`_retrying`); past the hold the
+        batch is requeued: the results applied so far stay committed, and their redelivery is a no-op (ledger)."""
         total = BatchOutcome()
         for r in results:
             try:
@@ -340,7 +374,8 @@ class ShardConsumer:
         """Copy to the ingest DLQ, retried a little; True once the broker confirmed the copy."""
         for attempt, backoff in enumerate((*DEAD_LETTER_RETRIES, None)):
             try:
-                await self.dead_letters.publish(self.topology.ingest_dlq, message, reason)
+                await self.dead_letters.publish(self.topology.ingest_dlq, message, reason,
+                                                routing_key=self.topology.ingest_dlq_copy_key)
             except DeadLetterUnconfirmed as exc:
                 m.ingest_dead_letter_unconfirmed_count.inc()
                 log.error("dead letter not confirmed; the message is kept", extra={
@@ -365,8 +400,8 @@ class ShardConsumer:
     async def _requeue_outstanding(self, last: AbstractIncomingMessage) -> None:
         """Return the batch and everything buffered behind it, in order, for a later delivery.
 
-        Backs off first (longer for messages already redelivered), so a database outage spends the
-        delivery limit over tens of seconds rather than in a burst.
+        Backs off first (longer for messages already redelivered), so an outage that outlasts the hold, or a bug
+        outside applying, spends the delivery limit slowly rather than in a burst.
         """
         await self._pause(_requeue_backoff(last))
         while not self.buffer.empty():
@@ -389,7 +424,12 @@ class ShardConsumer:
 
 
 class _Requeue(Exception):
-    """Transient failure that outlived the in-process retries."""
+    """A transient failure that outlasted the hold (or met a shutdown): the deliveries go back to the queue."""
+
+
+def db_retry_delay(attempt: int) -> float:
+    """Seconds before retrying after the `attempt`-th transient error in a row: doubling from 0.2 s, capped at 1 s."""
+    return min(DB_RETRY_FIRST_DELAY_S * 2.0 ** (attempt - 1), DB_RETRY_MAX_DELAY_S)
 
 
 def _requeue_backoff(message: AbstractIncomingMessage) -> float:
@@ -413,6 +453,7 @@ class IngestWorker:
         settings = SettingsCache(pool, max_age_s=5.0)
         # Shared by the shards: dead letters are rare, and it publishes them one at a time anyway.
         self.dead_letters = DeadLetterPublisher(connection, topology)
+        self.broker_dead_letters = BrokerDeadLetterCounter(connection, topology)
         self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate,
                                      self.dead_letters, self.write_health) for k in range(topology.ingest_shards)]
         self.subscribed = asyncio.Event()
@@ -421,6 +462,7 @@ class IngestWorker:
     async def run(self, stop: asyncio.Event) -> None:
         for shard in self.shards:
             await shard.subscribe()
+        await self.broker_dead_letters.subscribe()
         # Join only once subscribed everywhere: peers yield shards to members that can take them.
         await self._heartbeat()
         self.subscribed.set()
@@ -436,6 +478,7 @@ class IngestWorker:
             await asyncio.gather(*loops, housekeeping, return_exceptions=True)
             for shard in self.shards:
                 await shard.close()
+            await self.broker_dead_letters.close()
             await self.dead_letters.close()
             with contextlib.suppress(Exception):
                 async with self.pool.connection() as conn:

@@ -26,6 +26,7 @@ async def start(life: Lifetime) -> Worker:
         member_heartbeat_s=settings.ingest_member_heartbeat_seconds,
         member_timeout_s=settings.ingest_member_timeout_seconds,
         retention_hours=settings.ingest_applied_retention_hours,
+        db_outage_hold_s=settings.ingest_db_outage_hold_seconds,
     ), write_health=(health := writer_health(settings, "ingest")))
     return await life.consume(connection, worker, "shard queues", health, pool)
 

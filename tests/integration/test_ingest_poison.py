@@ -166,8 +166,9 @@ async def test_a_dead_letter_the_broker_cannot_route_keeps_the_original(pool, se
     async with running_ingest(pool, settings, topology):
         async with amqp.channel() as channel:
             dlq = await channel.get_queue(topology.ingest_dlq, ensure=False)
-            # Nothing routes to the DLQ any more: a dead letter published now vanishes unless it is refused.
-            await dlq.unbind(topology.dlx_exchange, routing_key=topology.ingest_dlq)
+            # Nothing routes the consumer's copies to the DLQ any more: a dead letter published now vanishes unless
+            # it is refused.
+            await dlq.unbind(topology.dlx_exchange, routing_key=topology.ingest_dlq_copy_key)
         await publish(amqp, topology, [ok, b"{not json"], shard=ok.shard)
         await eventually(lambda: _n_applied(pool, 1), message="the good result applied")
         # A delivery tries its dead letter three times, then gives the original back: a fourth refusal is
@@ -176,7 +177,7 @@ async def test_a_dead_letter_the_broker_cannot_route_keeps_the_original(pool, se
                          message="the dead letter refused on the redelivery too")
         async with amqp.channel() as channel:
             dlq = await channel.get_queue(topology.ingest_dlq, ensure=False)
-            await dlq.bind(topology.dlx_exchange, routing_key=topology.ingest_dlq)
+            await dlq.bind(topology.dlx_exchange, routing_key=topology.ingest_dlq_copy_key)
         letters: list[tuple[dict[str, object], bytes]] = []
 
         async def dead_lettered() -> bool:

@@ -227,12 +227,14 @@ def shard_of(execution: Execution, shards: int) -> int:
 @contextlib.asynccontextmanager
 async def running_ingest(pool: AsyncConnectionPool[Conn], settings: Settings, topology: Topology,
                          instance_id: str = "ingest-a", batch_size: int = 50,
-                         write_health: WriterHealth | None = None) -> AsyncIterator[IngestWorker]:
+                         write_health: WriterHealth | None = None,
+                         db_outage_hold_s: float = 1200.0) -> AsyncIterator[IngestWorker]:
     connection = await connect(settings.amqp_url, name=instance_id)
     async with connection.channel() as channel:
         await declare_ingest(channel, topology)
-    worker = IngestWorker(connection, topology, pool, IngestConfig(instance_id=instance_id, batch_size=batch_size,
-                                                                   prefetch=2 * batch_size), write_health=write_health)
+    worker = IngestWorker(connection, topology, pool, IngestConfig(
+        instance_id=instance_id, batch_size=batch_size, prefetch=2 * batch_size, db_outage_hold_s=db_outage_hold_s),
+        write_health=write_health)
     async with running_worker(connection, worker):
         yield worker
 
