@@ -17,11 +17,10 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from tests.faults.netfault import broker_stopped, have_rabbitmqctl, memory_alarm, memory_alarm_raised
-from tests.faults.world import HUB_ENV, OPS_TOKEN, seed_one_desktop
+from tests.faults.world import HUB_ENV, OPS_TOKEN, one_desktop, seed_one_desktop
 from tests.support.db import fetch as rows
 from tests.support.stack import DISPATCH_SERVICES, running_stack
 from tests.support.wait import eventually
-from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
 ALARM_SECONDS = float(os.environ.get("FAULT_ALARM_SECONDS", "20"))
 pytestmark = [pytest.mark.timeout(ALARM_SECONDS + 180),
@@ -48,9 +47,7 @@ async def test_the_broker_away_holds_the_outbox_and_drains_when_it_returns(
     brands = [b["brand_id"] for b in tenant["brands"]]
     async with running_stack(settings, tmp_path, services=DISPATCH_SERVICES, OPS_API_TOKEN=OPS_TOKEN,
                              OUTBOX_PUBLISH_TIMEOUT_SECONDS=2, COORDINATOR_RELAY_LEASE_SECONDS=2, **HUB_ENV) as stack:
-        desktop = SimClient(SimOptions(hub_url=stack.hub_url, token=tenant["clients"][0]["token"],
-                                       timings=TIMING_PROFILES["fast"], heartbeat_interval_s=1.0,
-                                       ws_ping_interval_s=2.0, idle_poll_s=1.0, seed=7))
+        desktop = one_desktop(stack, tenant["clients"][0]["token"])
         async with desktop:
             await eventually(desktop.connected.is_set, timeout=15, message="the desktop connected")
             with FAULTS[kind]():

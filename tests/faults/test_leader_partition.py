@@ -18,12 +18,11 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from tests.faults.netfault import have_iptables, in_fault_cgroup, leftover_rules, silenced
-from tests.faults.world import HUB_ENV, OPS_TOKEN, seed_one_desktop
+from tests.faults.world import HUB_ENV, OPS_TOKEN, one_desktop, seed_one_desktop
 from tests.support.db import fetch as rows
 from tests.support.procs import ServiceProcess, service_env
 from tests.support.stack import running_stack
 from tests.support.wait import eventually
-from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.skipif(not have_iptables(),
@@ -55,9 +54,7 @@ async def test_a_silent_leader_is_replaced_within_the_lease(settings: Settings, 
         try:
             await eventually(lambda: _leading(leader), timeout=20, message="the first coordinator leading")
             standby = ServiceProcess("dispatch-coordinator", env, log_dir=tmp_path).start()
-            desktop = SimClient(SimOptions(hub_url=stack.hub_url, token=client["token"],
-                                           timings=TIMING_PROFILES["fast"], heartbeat_interval_s=1.0,
-                                           ws_ping_interval_s=2.0, idle_poll_s=1.0, seed=7))
+            desktop = one_desktop(stack, client["token"])
             async with desktop:
                 await eventually(desktop.connected.is_set, timeout=15, message="the desktop connected")
                 before = await stack.collect_now(tenant, brands[0])

@@ -15,10 +15,9 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from tests.faults.netfault import have_pg_ctlcluster, postgres_stopped
-from tests.faults.world import HUB_ENV, OPS_TOKEN, seed_one_desktop
+from tests.faults.world import HUB_ENV, OPS_TOKEN, one_desktop, seed_one_desktop
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 from tests.support.wait import eventually
-from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
 OUTAGE_SECONDS = float(os.environ.get("FAULT_PG_OUTAGE_SECONDS", "20"))
 pytestmark = [pytest.mark.timeout(OUTAGE_SECONDS + 240),
@@ -38,9 +37,7 @@ async def test_postgres_back_the_first_click_reaches_its_desktop(
     brands = [b["brand_id"] for b in tenant["brands"]]
     async with running_stack(settings, tmp_path, services=DISPATCH_SERVICES, OPS_API_TOKEN=OPS_TOKEN,
                              **HUB_ENV) as stack:
-        desktop = SimClient(SimOptions(hub_url=stack.hub_url, token=tenant["clients"][0]["token"],
-                                       timings=TIMING_PROFILES["fast"], heartbeat_interval_s=1.0,
-                                       ws_ping_interval_s=2.0, idle_poll_s=1.0, seed=7))
+        desktop = one_desktop(stack, tenant["clients"][0]["token"])
         async with desktop:
             await eventually(desktop.connected.is_set, timeout=15, message="the desktop connected")
             with postgres_stopped(mode):

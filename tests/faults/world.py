@@ -9,6 +9,8 @@ from psycopg_pool import AsyncConnectionPool
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
+from tests.support.stack import Stack
+from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
 OPS_TOKEN = "fault-test-ops-token-0123456789abcdef"
 # The hub flushes heartbeats and pings sockets often, so a client's coming and going shows quickly.
@@ -22,3 +24,9 @@ async def seed_one_desktop(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
         for key, value in {"cluster_dispatch_per_minute": 5000, "tenant_dispatch_per_minute": 5000}.items():
             await set_setting(conn, key, value)
     return seed
+
+
+def one_desktop(stack: Stack, token: str) -> SimClient:
+    """The world's desktop on the stack's hub: fast timings, a heartbeat a second (start it with `async with`)."""
+    return SimClient(SimOptions(hub_url=stack.hub_url, token=token, timings=TIMING_PROFILES["fast"],
+                                heartbeat_interval_s=1.0, ws_ping_interval_s=2.0, idle_poll_s=1.0, seed=7))
