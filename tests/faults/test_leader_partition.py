@@ -31,10 +31,10 @@ pytestmark = [pytest.mark.timeout(240),
 STACK = ("outbox-pump", "dispatch-hub", "collect-now-api", "ingest-shard-workers")
 
 
-def _leading(proc: ServiceProcess) -> bool:
+def _leading(proc: ServiceProcess, role: str = "dispatch-coordinator") -> bool:
     try:
         with urllib.request.urlopen(proc.url + "/metrics", timeout=1) as resp:
-            return 'leader_is_active{role="dispatch-coordinator"} 1.0' in resp.read().decode()
+            return f'leader_is_active{{role="{role}"}} 1.0' in resp.read().decode()
     except OSError:
         return False
 
@@ -92,3 +92,35 @@ async def test_a_silent_leader_is_replaced_within_the_lease(settings: Settings, 
           f"{delivered_s:.1f} s, the deposed leader stepped down after {stepped_down_s:.1f} s; "
           f"terms taken {terms[0]['term']}, high tasks dispatched twice {len(twice)}")
     assert twice == []
+
+
+async def test_a_silent_reconciler_leader_is_replaced_within_the_lease(settings: Settings,
+                                                                       pool: AsyncConnectionPool[Conn],
+                                                                       tmp_path: Path) -> None:
+    """The reconciler's election is the same code: a silent leader is replaced, steps down, and stays a standby."""
+    db_port = int(conninfo_to_dict(settings.database_url).get("port") or 5432)
+    amqp_port = urlsplit(settings.amqp_url).port or 5672
+    env = service_env(settings)
+    leader = ServiceProcess("reconciler", env, log_dir=tmp_path, wrapper=in_fault_cgroup()).start()
+    standby = None
+    try:
+        await eventually(lambda: _leading(leader, "reconciler"), timeout=20, message="the first reconciler leading")
+        standby = ServiceProcess("reconciler", env, log_dir=tmp_path).start()
+        with silenced((db_port, amqp_port)):
+            partitioned_at = time.monotonic()
+            await eventually(lambda: _leading(standby, "reconciler"), timeout=30, interval=0.2,
+                             message=f"the standby reconciler leading\n{standby.logs()[-3000:]}")
+            standby_led_s = time.monotonic() - partitioned_at
+            await eventually(lambda: not _leading(leader, "reconciler"), timeout=20, interval=0.2,
+                             message="the deposed reconciler stepping down")
+            stepped_down_s = time.monotonic() - partitioned_at
+        assert leftover_rules() == []
+        assert _leading(standby, "reconciler") and not _leading(leader, "reconciler")
+    finally:
+        leader.stop()
+        if standby is not None:
+            standby.stop()
+    terms = await rows(pool, "SELECT term FROM leader_terms WHERE role = 'reconciler'")
+    print(f"\nreconciler partition: standby leading after {standby_led_s:.1f} s, the deposed leader stepped down "
+          f"after {stepped_down_s:.1f} s; terms taken {terms[0]['term']}")
+    assert terms[0]["term"] == 2
