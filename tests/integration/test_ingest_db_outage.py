@@ -8,6 +8,7 @@ The outage is the worker's alone: its pool reaches the test's database through a
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,9 +31,10 @@ from tests.support.wait import eventually
 DAY = date(2026, 3, 18)
 # Longer than the old behaviour took to spend the quorum delivery limit with this pool (4 attempts of 0.3 s pool
 # wait and 1.7 s of pauses, then 1, 2, 4, 8, 15 s before each requeue: ~50 s to the sixth delivery's return).
-OUTAGE_S = 60.0
+# INGEST_OUTAGE_SECONDS=360 is the six-minute run (docs/reliability.md).
+OUTAGE_S = float(os.environ.get("INGEST_OUTAGE_SECONDS", "60"))
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(OUTAGE_S + 120)
 
 
 async def applied_ids(pool: AsyncConnectionPool[Conn]) -> list[uuid.UUID]:
