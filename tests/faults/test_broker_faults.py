@@ -1,5 +1,5 @@
-"""The broker away for FAULT_ALARM_SECONDS (20 s here, `FAULT_ALARM_SECONDS=600` for the 10-minute run): a memory
-alarm that blocks every publisher, or the broker stopped. Clicks are still accepted, the outbox holds its rows
+"""The broker away for 20 s (`make faults-long`: 10 minutes): a memory alarm that blocks every publisher, or the
+broker stopped. Clicks are still accepted, the outbox holds its rows
 without dead-lettering any, and once the broker is back everything drains and the clicks reach the desktop. Prints
 how long the drain took."""
 
@@ -22,8 +22,10 @@ from tests.support.db import fetch as rows
 from tests.support.stack import DISPATCH_SERVICES, running_stack
 from tests.support.wait import eventually
 
-ALARM_SECONDS = float(os.environ.get("FAULT_ALARM_SECONDS", "20"))
-pytestmark = [pytest.mark.timeout(ALARM_SECONDS + 180),
+# How long each fault lasts: FAULT_ALARM_SECONDS=600 and FAULT_BROKER_STOP_SECONDS=45 are `make faults-long`'s.
+SECONDS = {"memory_alarm": float(os.environ.get("FAULT_ALARM_SECONDS", "20")),
+           "stopped": float(os.environ.get("FAULT_BROKER_STOP_SECONDS", "20"))}
+pytestmark = [pytest.mark.timeout(max(SECONDS.values()) + 180),
               pytest.mark.skipif(not have_rabbitmqctl(), reason="needs root and rabbitmqctl (the local broker)")]
 
 
@@ -42,6 +44,7 @@ async def _fault_in_force(kind: str) -> bool:
 @pytest.mark.parametrize("kind", list(FAULTS))
 async def test_the_broker_away_holds_the_outbox_and_drains_when_it_returns(
         kind: str, settings: Settings, pool: AsyncConnectionPool[Conn], tmp_path: Path) -> None:
+    away_s = SECONDS[kind]
     seed = await seed_one_desktop(pool)
     tenant = seed["tenants"][0]
     brands = [b["brand_id"] for b in tenant["brands"]]
@@ -54,7 +57,7 @@ async def test_the_broker_away_holds_the_outbox_and_drains_when_it_returns(
                 await eventually(lambda: _fault_in_force(kind), timeout=30, message=f"the broker fault {kind}")
                 raised_at = time.monotonic()
                 clicks = [await stack.collect_now(tenant, brand) for brand in brands]
-                await eventually(lambda: time.monotonic() - raised_at >= ALARM_SECONDS, timeout=ALARM_SECONDS + 5,
+                await eventually(lambda: time.monotonic() - raised_at >= away_s, timeout=away_s + 5,
                                  interval=1.0, message="the alarm's time")
                 held = await _outbox_states(pool)
                 assert held.get("dead_letter", 0) == 0, held
@@ -71,6 +74,6 @@ async def test_the_broker_away_holds_the_outbox_and_drains_when_it_returns(
 
             await eventually(drained, timeout=60, interval=0.2, message="the outbox drained")
             drained_s = time.monotonic() - cleared_at
-    print(f"\nbroker {kind} for {ALARM_SECONDS:.0f} s: {len(clicks)} clicks accepted during it, held rows "
+    print(f"\nbroker {kind} for {away_s:.0f} s: {len(clicks)} clicks accepted during it, held rows "
           f"{held}, dead letters 0; clicks delivered {delivered_s:.1f} s and the outbox drained {drained_s:.1f} s "
           "after the broker was back")
