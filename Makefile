@@ -32,7 +32,6 @@ lint: install
 
 test: install backends lint
 	bash scripts/ensure-promtool.sh
-	bash scripts/ensure-fault-tools.sh
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest
 
 test-unit: install
@@ -65,8 +64,9 @@ chaos: install backends
 	CHAOS_MINUTES=$(CHAOS_MINUTES) DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) \
 		$(BIN)/pytest -s tests/e2e/test_service_chaos.py
 
-# Infrastructure faults on real processes (tests/faults, part of `make test` too), with their figures printed:
-# a leader whose node goes silent (iptables drops its cgroup's packets). docs/reliability.md.
+# Infrastructure faults on real processes (tests/faults, ~3 minutes; not in `make test`: they stop and alarm the
+# shared servers), with their figures printed: a leader whose node goes silent (iptables drops its cgroup's packets),
+# Postgres stopped fast and immediate, the broker alarmed and stopped. docs/reliability.md.
 faults: install backends
 	bash scripts/ensure-fault-tools.sh
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest -s tests/faults

@@ -1,7 +1,7 @@
 """Postgres stopped for FAULT_PG_OUTAGE_SECONDS (20 s here, 75 for the issue's run), `-m fast` and `-m immediate`
 (a crash), with the stack and a desktop working: clicks are answered 503 while it is away, every service stays up,
 and once it is back the first click is accepted and reaches the desktop. Prints how long after the return.
-It stops the shared server: it runs alone (tests/faults is the last directory `make test` runs)."""
+It stops the shared server: it runs alone, in `make faults`."""
 
 from __future__ import annotations
 
