@@ -16,6 +16,7 @@ import msgspec
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
+from libs.domain.rollout import DEFAULT_RAMP, RampError, parse_ramp
 
 log = logging.getLogger("dispatch_settings")
 
@@ -81,6 +82,14 @@ class DispatchSettings:
     client_max_concurrent_ceiling: int = 4
     client_max_queue_depth_ceiling: int = 40
     platform_max_concurrent_ceiling: int = 2
+    # The guarded rollout ramp (§16.2.2, libs/domain/rollout.py): its steps and dwells, and the gates each step
+    # must hold for its dwell before `monitorctl rollout advance` takes the next one.
+    rollout_ramp: str = DEFAULT_RAMP
+    rollout_gate_preempt_success_min: float = 0.95
+    rollout_gate_min_preemptions: int = 10
+    rollout_gate_ingest_lag_ms: int = 30_000
+    rollout_gate_max_reconcile_fixes: int = 0
+    rollout_gate_max_orphans: int = 0
 
 
 _TYPES = {f.name: f.type for f in fields(DispatchSettings)}
@@ -151,6 +160,11 @@ def coerce(key: str, value: Any) -> Any:
             if bad:
                 raise SettingError(f"{key}: unknown lane(s) {bad}; lanes are {LANES}")
             return lanes
+        if key == "rollout_ramp":
+            parse_ramp(str(value))
+            return str(value)
+    except RampError as exc:
+        raise SettingError(str(exc)) from None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, SettingError):
             raise

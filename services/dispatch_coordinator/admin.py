@@ -202,6 +202,9 @@ async def set_budget(conn: Conn, key: str, value: Any) -> Any:
     """`monitorctl budgets set`: any dispatch setting but a ceiling, a budget never above its ceiling."""
     if key in CEILINGS:
         raise SettingError(f"{key} is a ceiling; change it with `monitorctl budgets set-ceiling {key} VALUE`")
+    if key == "rollout_percentage":  # the ramp's gates and the tenant movement report belong to its own commands
+        raise SettingError("rollout_percentage changes with `monitorctl rollout advance` (the guarded ramp) or "
+                           "`monitorctl rollout set PCT [--force]`")
     async with conn.transaction():
         await conn.execute(CEILING_LOCK)
         check_ceiling(await load_settings(conn), key, coerce(key, value))
@@ -304,13 +307,18 @@ async def rollout_preview(conn: Conn, percentage: int) -> dict[str, Any]:
     return {**await _tenant_movement(conn, before, after), "applied": False}
 
 
-async def set_rollout(conn: Conn, percentage: int) -> dict[str, Any]:
+async def set_rollout(conn: Conn, percentage: int, *, force: bool = False) -> dict[str, Any]:
     """`monitorctl rollout set`: store the percentage (the scanner and collect-now read it for the tasks they
-    create from now on) and report the tenants that moved, in one transaction."""
+    create from now on) and report the tenants that moved, in one transaction. Raising it skips the ramp's gates
+    (`rollout advance`), so it needs `force`; lowering it is the safe direction and does not."""
     after = int(coerce("rollout_percentage", percentage))
     async with conn.transaction():
         await conn.execute(ROLLOUT_LOCK)
         before = (await load_settings(conn)).rollout_percentage
+        if after > before and not force:
+            raise SettingError(f"raising the rollout {before}% -> {after}% skips the ramp's gates: "
+                               "`monitorctl rollout advance` takes the next step when they held, "
+                               f"`monitorctl rollout set {after} --force` jumps deliberately")
         await set_setting(conn, "rollout_percentage", after)
         movement = await _tenant_movement(conn, before, after)
     return {**movement, "applied": True}
