@@ -121,6 +121,31 @@ def check_ceiling(settings: DispatchSettings, what: str, value: int) -> None:
                            f"step of its own: `monitorctl budgets set-ceiling {ceiling_key} {value}`")
 
 
+def check_budget_coupling(settings: DispatchSettings) -> None:
+    """§9.2's coupling rule "cluster budget > sum of tenant budgets", as `budgets set` can hold it: the cluster's
+    per-window budget must stay above the sum of the budgets of the tenants that can reach it at once. Read literally
+    over every tenant, the rule would cap the installation at cluster / tenant tenants (10 with the defaults), so it is
+    held for the one tenant a `budgets set` always knows about: a single tenant's budget is strictly below the
+    cluster's, so no one tenant ever exhausts the cluster window and leaves nothing for the others or for
+    collect-now. Across many busy tenants the cluster budget is the one that binds (`budget_sum_warning`)."""
+    if settings.tenant_dispatch_per_minute >= settings.cluster_dispatch_per_minute:
+        raise SettingError(
+            f"tenant_dispatch_per_minute = {settings.tenant_dispatch_per_minute} must stay below "
+            f"cluster_dispatch_per_minute = {settings.cluster_dispatch_per_minute} (§9.2: the cluster budget exceeds "
+            "the sum of the tenant budgets; one tenant alone must not be able to use the whole cluster window)")
+
+
+def budget_sum_warning(settings: DispatchSettings, active_tenants: int) -> str | None:
+    """The literal §9.2 sum over the tenants that dispatched lately: when their budgets add up past the cluster's,
+    say so (not an error: the cluster budget then binds, shared round-robin, with the high reserve kept)."""
+    total = settings.tenant_dispatch_per_minute * active_tenants
+    if active_tenants > 1 and total >= settings.cluster_dispatch_per_minute:
+        return (f"{active_tenants} tenants dispatched in the last two budget windows; their budgets sum to {total} "
+                f">= cluster_dispatch_per_minute {settings.cluster_dispatch_per_minute}: the cluster budget binds "
+                f"first (about {settings.cluster_dispatch_per_minute // active_tenants} a tenant when all are busy)")
+    return None
+
+
 def check_new_ceiling(settings: DispatchSettings, ceiling_key: str, value: int) -> None:
     """A ceiling may be lowered, but not below what its budget is set to now (lower the budget first)."""
     if ceiling_key not in CEILINGS:

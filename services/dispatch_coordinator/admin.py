@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,6 +19,8 @@ from libs.dispatch_settings import (
     DispatchSettings,
     SettingError,
     as_dict,
+    budget_sum_warning,
+    check_budget_coupling,
     check_ceiling,
     check_new_ceiling,
     coerce,
@@ -207,8 +210,27 @@ async def set_budget(conn: Conn, key: str, value: Any) -> Any:
                            "`monitorctl rollout set PCT [--force]`")
     async with conn.transaction():
         await conn.execute(CEILING_LOCK)
-        check_ceiling(await load_settings(conn), key, coerce(key, value))
+        current = await load_settings(conn)
+        check_ceiling(current, key, coerce(key, value))
+        if key in BUDGET_KEYS:
+            check_budget_coupling(replace(current, **{key: coerce(key, value)}))
         return await set_setting(conn, key, value)
+
+
+BUDGET_KEYS = ("cluster_dispatch_per_minute", "tenant_dispatch_per_minute")
+# Tenants with scheduled (non-high) dispatches counted in the last two budget windows.
+_ACTIVE_TENANTS = f"""
+SELECT count(DISTINCT d.tenant_id) AS n FROM dispatch_budget_rows d
+WHERE d.kind = 'monitor' AND d.lane <> 'high' AND d.created_at >= now() - make_interval(secs => %(window_s)s * 2)
+  AND {q.COUNTS_AGAINST_BUDGET}
+"""
+
+
+async def budget_warning(conn: Conn) -> str | None:
+    """§9.2's sum of tenant budgets over the tenants dispatching lately, when it passes the cluster's."""
+    settings = await load_settings(conn)
+    row = await (await conn.execute(_ACTIVE_TENANTS, {"window_s": max(1, settings.budget_window_seconds)})).fetchone()
+    return budget_sum_warning(settings, int(row["n"]) if row else 0)
 
 
 async def set_ceiling(conn: Conn, key: str, value: Any) -> Any:

@@ -129,7 +129,12 @@ async def budgets_set(args: argparse.Namespace, ctx: Context) -> int:
         value = await admin.set_budget(await ctx.conn(), args.key, _parse_value(args.value))
     except SettingError as exc:
         return fail(str(exc))
-    ctx.emit({"key": args.key, "value": value}, f"{args.key} = {json.dumps(value)}")
+    result: dict[str, Any] = {"key": args.key, "value": value}
+    warning = await admin.budget_warning(await ctx.conn()) if args.key in admin.BUDGET_KEYS else None
+    if warning:
+        result["warning"] = warning
+        print(f"monitorctl: warning: {warning}", file=sys.stderr)
+    ctx.emit(result, f"{args.key} = {json.dumps(value)}")
     return 0
 
 
