@@ -90,6 +90,10 @@ class DispatchSettings:
     rollout_gate_ingest_lag_ms: int = 30_000
     rollout_gate_max_reconcile_fixes: int = 0
     rollout_gate_max_orphans: int = 0
+    # §10.5 bounds on the measured safe points: a client's samples count once it has this many, and a platform is
+    # tuned from the median of its clients' P95s only with this many such clients (libs/domain/safe_points.py).
+    safe_point_min_client_samples: int = 20
+    safe_point_min_clients: int = 3
 
 
 _TYPES = {f.name: f.type for f in fields(DispatchSettings)}

@@ -46,8 +46,9 @@ _PLATFORMS = """
 SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
        coalesce(s.interrupt_soft_timeout_ms, 15000) AS interrupt_soft_timeout_ms,
        coalesce(s.interrupt_hard_timeout_ms, 45000) AS interrupt_hard_timeout_ms, coalesce(s.paused, false) AS paused,
-       coalesce(s.timeouts_dynamic, false) AS timeouts_dynamic, s.timeouts_tuned_at,
+       coalesce(s.timeouts_dynamic, true) AS timeouts_dynamic, s.timeouts_tuned_at,
        s.safe_point_p95_ms AS measured_safe_point_p95_ms, s.safe_point_samples AS measured_samples,
+       s.safe_point_clients AS measured_clients,
        s.safe_point_measured_at AS measured_at, s.updated_at
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE %(code)s::text IS NULL OR p.code = %(code)s
@@ -74,7 +75,10 @@ INSERT INTO platform_settings (ai_platform_id, max_concurrent, interrupt_soft_ti
                                paused, timeouts_dynamic, updated_at)
 SELECT p.id, coalesce(%(max_concurrent)s, s.max_concurrent, 1),
        coalesce(%(soft)s, s.interrupt_soft_timeout_ms, 15000), coalesce(%(hard)s, s.interrupt_hard_timeout_ms, 45000),
-       coalesce(%(paused)s, s.paused, false), coalesce(%(dynamic)s, s.timeouts_dynamic, false), now()
+       coalesce(%(paused)s, s.paused, false),
+       -- fixed values given make the platform static (the tuner would overwrite them); none: dynamic by default
+       coalesce(%(dynamic)s, CASE WHEN %(soft)s::int IS NOT NULL OR %(hard)s::int IS NOT NULL THEN false END,
+                s.timeouts_dynamic, true), now()
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE p.code = %(code)s
 ON CONFLICT (ai_platform_id) DO UPDATE

@@ -181,10 +181,11 @@ WHERE id = ANY(%(ids)s) AND connected_hub = %(hub)s AND online
 RETURNING id, tenant_id
 """
 
-# A flush of safe-point intervals into this hour's histogram rows ([{"platform_id", "le_ms", "n"}], sorted).
+# A flush of safe-point intervals into this hour's per-client histogram rows
+# ([{"platform_id", "client_id", "le_ms", "n"}], sorted).
 RECORD_SAFE_POINTS = """
-INSERT INTO safe_point_histogram (ai_platform_id, hour, le_ms, n)
-SELECT r.platform_id, date_trunc('hour', now()), r.le_ms, r.n
-FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(platform_id bigint, le_ms int, n bigint)
-ON CONFLICT (ai_platform_id, hour, le_ms) DO UPDATE SET n = safe_point_histogram.n + EXCLUDED.n
+INSERT INTO safe_point_client_histogram (ai_platform_id, client_id, hour, le_ms, n)
+SELECT r.platform_id, r.client_id, date_trunc('hour', now()), r.le_ms, r.n
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(platform_id bigint, client_id uuid, le_ms int, n bigint)
+ON CONFLICT (ai_platform_id, hour, client_id, le_ms) DO UPDATE SET n = safe_point_client_histogram.n + EXCLUDED.n
 """
