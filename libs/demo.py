@@ -20,6 +20,15 @@ PLATFORM_INTERRUPT_TIMEOUTS_MS: dict[str, tuple[int, int]] = {
     "perplexity": (45_000, 120_000),
 }
 DEFAULT_INTERRUPT_TIMEOUTS_MS = (15_000, 45_000)
+# Per-mode values for platforms that run questions in more than one mode (§10.5; migration 063 has the same).
+PLATFORM_MODE_TIMEOUTS_MS: dict[str, dict[str, tuple[int, int]]] = {
+    "openai": {"quick": (15_000, 45_000), "deep_reasoning": (60_000, 180_000)},
+}
+_INSERT_MODE_SETTINGS = """
+INSERT INTO platform_mode_settings (ai_platform_id, mode, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms)
+VALUES (%(id)s, %(mode)s, %(soft)s, %(hard)s)
+ON CONFLICT (ai_platform_id, mode) DO NOTHING
+"""
 
 PLATFORM_NAMES = {"openai": "OpenAI ChatGPT", "gemini": "Google Gemini", "perplexity": "Perplexity"}
 
@@ -92,6 +101,9 @@ async def ensure_platforms(conn: Conn, codes: Sequence[str]) -> list[dict[str, A
         soft, hard = PLATFORM_INTERRUPT_TIMEOUTS_MS.get(code, DEFAULT_INTERRUPT_TIMEOUTS_MS)
         await conn.execute(_INSERT_PLATFORM_SETTINGS, {"id": row["id"], "soft": soft, "hard": hard,
                                                        "dynamic": code not in PLATFORM_INTERRUPT_TIMEOUTS_MS})
+        for mode, (mode_soft, mode_hard) in PLATFORM_MODE_TIMEOUTS_MS.get(code, {}).items():
+            await conn.execute(_INSERT_MODE_SETTINGS, {"id": row["id"], "mode": mode, "soft": mode_soft,
+                                                       "hard": mode_hard})
         platforms.append({"ai_platform_id": int(row["id"]), "code": code})
     return platforms
 

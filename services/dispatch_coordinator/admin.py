@@ -280,9 +280,48 @@ async def set_lane_paused(conn: Conn, lane: str, paused: bool) -> list[str]:
     return list(stored)
 
 
+_PLATFORM_MODES = """
+SELECT ai_platform_id, mode, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms FROM platform_mode_settings
+ORDER BY ai_platform_id, mode
+"""
+_UPSERT_MODE = """
+INSERT INTO platform_mode_settings (ai_platform_id, mode, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms)
+SELECT p.id, %(mode)s, %(soft)s, %(hard)s FROM ai_platforms p WHERE p.code = %(code)s
+ON CONFLICT (ai_platform_id, mode) DO UPDATE
+SET interrupt_soft_timeout_ms = EXCLUDED.interrupt_soft_timeout_ms,
+    interrupt_hard_timeout_ms = EXCLUDED.interrupt_hard_timeout_ms, updated_at = now()
+RETURNING ai_platform_id
+"""
+
+
 async def get_platforms(conn: Conn, code: str | None = None) -> list[dict[str, Any]]:
+    """Each platform's settings, with its per-mode interrupt timeouts (`modes`, §10.5)."""
     cur = await conn.execute(_PLATFORMS, {"code": code})
-    return list(await cur.fetchall())
+    rows = [dict(r) for r in await cur.fetchall()]
+    modes: dict[int, dict[str, dict[str, int]]] = {}
+    for m in await (await conn.execute(_PLATFORM_MODES)).fetchall():
+        modes.setdefault(int(m["ai_platform_id"]), {})[m["mode"]] = {
+            "interrupt_soft_timeout_ms": m["interrupt_soft_timeout_ms"],
+            "interrupt_hard_timeout_ms": m["interrupt_hard_timeout_ms"]}
+    for row in rows:
+        row["modes"] = modes.get(int(row["ai_platform_id"]), {})
+    return rows
+
+
+async def set_platform_mode(conn: Conn, code: str, mode: str, *, soft_timeout_ms: int | None,
+                            hard_timeout_ms: int | None) -> dict[str, Any]:
+    """`monitorctl platform set CODE --mode M --soft-timeout-ms S --hard-timeout-ms H`: one mode's timeouts."""
+    if soft_timeout_ms is None or hard_timeout_ms is None:
+        raise AdminError("--mode needs both --soft-timeout-ms and --hard-timeout-ms")
+    if not 0 < soft_timeout_ms <= hard_timeout_ms:
+        raise AdminError("a mode's timeouts need 0 < --soft-timeout-ms <= --hard-timeout-ms")
+    if not mode or len(mode) > 40:
+        raise AdminError("--mode must be 1..40 characters")
+    cur = await conn.execute(_UPSERT_MODE, {"code": code, "mode": mode, "soft": soft_timeout_ms,
+                                            "hard": hard_timeout_ms})
+    if await cur.fetchone() is None:
+        raise AdminError(f"no platform with code {code!r}")
+    return (await get_platforms(conn, code))[0]
 
 
 async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = None, soft_timeout_ms: int | None = None,

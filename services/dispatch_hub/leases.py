@@ -233,7 +233,8 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             interrupt_generation=int(row["interrupt_generation"]), business_date=row["business_date"],
             brand=BrandRef(brand_id=int(row["brand_id"]), name=row["brand_name"]),
             question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
-            platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
+            platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"],
+                                 mode=row["platform_mode"]),
             lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False)),
             execution_owner=row["execution_owner"]))
     tracing.set_attributes(leased=len(tasks), task_id=tasks[0].task_id if len(tasks) == 1 else None,

@@ -42,7 +42,8 @@ PICK_QUEUED = f"""
 SELECT d.id, d.monitor_task_id, d.lane, d.lane_weight, d.priority, d.lease_epoch, d.interrupt_generation,
        d.business_date, d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags, d.enqueued_at,
        b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
-       p.code AS platform_code, 'desktop_tasks' AS execution_owner
+       p.code AS platform_code, {fragments.platform_mode_sql("d.monitor_task_id")} AS platform_mode,
+       'desktop_tasks' AS execution_owner
 FROM desktop_tasks d
 JOIN brands b ON b.id = d.brand_id
 JOIN monitoring_questions q ON q.id = d.question_id

@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pset.add_argument("--max-concurrent", type=int, help="active executions per (tenant, platform)")
     pset.add_argument("--soft-timeout-ms", type=int, help="interrupt soft timeout")
     pset.add_argument("--hard-timeout-ms", type=int, help="interrupt hard timeout")
+    pset.add_argument("--mode", help="set the two timeouts of one mode the platform runs questions in (e.g. "
+                                     "deep_reasoning) instead of the platform's own")
     group = pset.add_mutually_exclusive_group()
     group.add_argument("--pause", dest="paused", action="store_const", const=True, help="stop dispatching to it")
     group.add_argument("--resume", dest="paused", action="store_const", const=False, help="dispatch to it again")
@@ -165,6 +167,11 @@ async def platform_get(args: argparse.Namespace, ctx: Context) -> int:
 
 async def platform_set(args: argparse.Namespace, ctx: Context) -> int:
     try:
+        if args.mode is not None:
+            ctx.emit(await admin.set_platform_mode(await ctx.conn(), args.code, args.mode,
+                                                   soft_timeout_ms=args.soft_timeout_ms,
+                                                   hard_timeout_ms=args.hard_timeout_ms))
+            return 0
         row = await admin.set_platform(await ctx.conn(), args.code, max_concurrent=args.max_concurrent,
                                        soft_timeout_ms=args.soft_timeout_ms, hard_timeout_ms=args.hard_timeout_ms,
                                        paused=args.paused, dynamic=args.dynamic)
