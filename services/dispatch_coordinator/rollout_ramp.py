@@ -97,8 +97,3 @@ async def advance(conn: Conn, *, dry_run: bool = False) -> dict[str, Any]:
             await set_setting(conn, "rollout_percentage", verdict.target)
             return _report(verdict, settings, applied=True, dry_run=False)
     return _report(verdict, settings, applied=False, dry_run=dry_run)
-
-
-async def gates(conn: Conn) -> dict[str, Any]:
-    """The current step's gates as `advance` would judge them, changing nothing (for `rollout status`)."""
-    return await advance(conn, dry_run=True)
