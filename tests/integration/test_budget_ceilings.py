@@ -177,13 +177,16 @@ async def test_budgets_set_holds_the_cluster_above_the_tenant_budgets(
 
     async with pool.connection() as conn:
         seed: dict[str, Any] = await seed_demo(conn, tenants=2, brands=1, questions=1, clients=1, due=False)
-    assert await monitorctl_json(settings, "budgets", "set", "cluster_dispatch_per_minute", "60") == {
-        "key": "cluster_dispatch_per_minute", "value": 60}  # nobody dispatched: no warning
-    refused = await monitorctl_refused(settings, "budgets", "set", "tenant_dispatch_per_minute", "60")
-    assert "must stay below cluster_dispatch_per_minute = 60" in refused, refused
-    assert "must stay below" in await monitorctl_refused(settings, "budgets", "set", "cluster_dispatch_per_minute",
-                                                         "30")
     async with pool.connection() as conn:
+        assert await admin.set_budget(conn, "cluster_dispatch_per_minute", 60) == 60
+        assert await admin.budget_warning(conn) is None  # nobody dispatched
+        for key, value in (("tenant_dispatch_per_minute", 60), ("cluster_dispatch_per_minute", 30)):
+            try:
+                await admin.set_budget(conn, key, value)
+            except SettingError as exc:
+                assert "must stay below cluster_dispatch_per_minute" in str(exc), exc
+            else:
+                raise AssertionError(f"{key} = {value} was accepted")
         for tenant in seed["tenants"]:
             await dispatch_execution(conn, tenant=tenant, platform_id=int(seed["platforms"][0]["ai_platform_id"]),
                                      client_id=tenant["clients"][0]["client_id"])

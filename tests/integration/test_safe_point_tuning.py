@@ -15,6 +15,7 @@ from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
+from services.dispatch_coordinator import admin
 from services.dispatch_hub.leases import SafePointStats
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.jobs import JOBS
@@ -22,6 +23,12 @@ from services.reconciler.runner import run_job
 from tests.support.monitorctl import monitorctl_json
 
 CLIENTS = [uuid.UUID(int=i) for i in range(1, 6)]
+
+
+async def _platforms(pool: AsyncConnectionPool[Conn], code: str) -> list[dict[str, Any]]:
+    """What `monitorctl platform get CODE` prints (in process: the CLI itself is run by the other tests here)."""
+    async with pool.connection() as conn:
+        return await admin.get_platforms(conn, code)
 
 
 async def _tune(pool: AsyncConnectionPool[Conn]) -> dict[str, int]:
@@ -110,7 +117,7 @@ async def test_one_client_cannot_move_a_platforms_timeouts(settings: Settings,
         seed: dict[str, Any] = await seed_demo(conn, tenants=1, clients=1, due=False, platforms=("kimi",))
         await set_setting(conn, "safe_point_min_samples", 50)
     platform = seed["platforms"][0]["ai_platform_id"]
-    (kimi,) = await monitorctl_json(settings, "platform", "get", "kimi")
+    (kimi,) = await _platforms(pool, "kimi")
     assert kimi["timeouts_dynamic"] is True  # no fixed values: measured by default
     hub = SafePointStats()
     flood = uuid.UUID(int=99)
@@ -118,13 +125,13 @@ async def test_one_client_cannot_move_a_platforms_timeouts(settings: Settings,
         hub.observe(platform, "kimi", 170_000, flood)  # one client: safe points three minutes apart
     await hub.flush(pool)
     assert (await _tune(pool)).get("too_few_clients") == 1  # one client alone tunes nothing
-    assert (await monitorctl_json(settings, "platform", "get", "kimi"))[0]["interrupt_soft_timeout_ms"] == 15_000
+    assert (await _platforms(pool, "kimi"))[0]["interrupt_soft_timeout_ms"] == 15_000
     for client in CLIENTS[:3]:
         for _ in range(30):
             hub.observe(platform, "kimi", 18_000, client)  # bucket (15000, 20000]
     await hub.flush(pool)
     assert (await _tune(pool))["timeouts_tuned"] == 1
-    (tuned,) = await monitorctl_json(settings, "platform", "get", "kimi")
+    (tuned,) = await _platforms(pool, "kimi")
     # four clients: P95s about 19,700 (x3) and 120,000+ (the flood); the lower median is an honest client's
     assert tuned["measured_clients"] == 4 and 19_000 < tuned["measured_safe_point_p95_ms"] <= 20_000, tuned
     assert abs(tuned["interrupt_soft_timeout_ms"] - tuned["measured_safe_point_p95_ms"] * 1.5) <= 1
