@@ -22,6 +22,26 @@ from libs.contracts.common import (
     TaskKind,
 )
 
+# The desktop protocol's version (docs/desktop-protocol.md, Versioning). Within a major every change is additive (a
+# new field with a default, a new message type or control a client may ignore); MINOR counts those changes.
+# A client names the majors it speaks as WebSocket subprotocols `monitor.desktop.v{major}`.
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 2
+PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+SUBPROTOCOL_PREFIX = "monitor.desktop.v"
+# The majors this hub serves; a newer major is refused at the upgrade, an older one is served while listed.
+SUPPORTED_MAJORS: tuple[int, ...] = (1,)
+# What each minor added (the AsyncAPI document marks each field with `x-since`).
+FIELDS_SINCE: dict[str, dict[str, str]] = {
+    "TaskAvailable": {"traceparent": "1.1"},
+    "TaskControl": {"traceparent": "1.1"},
+    "Hello": {"protocol_version": "1.2"},
+}
+
+
+def subprotocol(major: int) -> str:
+    return f"{SUBPROTOCOL_PREFIX}{major}"
+
 
 class TaskAvailable(msgspec.Struct, tag="task_available", tag_field="type", kw_only=True):
     kind: TaskKind
@@ -67,6 +87,9 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True):
     interrupt_generation: int
     replayed_available: int = 0
     replayed_controls: int = 0
+    # "MAJOR.MINOR" the hub speaks on this socket (docs/desktop-protocol.md, Versioning); a hello without it
+    # came from a hub older than 1.2.
+    protocol_version: str = "1.0"
 
 
 class HeartbeatAck(msgspec.Struct, tag="heartbeat_ack", tag_field="type", kw_only=True):

@@ -22,7 +22,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind
-from libs.contracts.wire import Hello, TaskAvailable, dispatch_decoder
+from libs.contracts.wire import PROTOCOL_VERSION, Hello, TaskAvailable, dispatch_decoder
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
@@ -230,7 +230,7 @@ class Gateway:
                       server_time=datetime.now(UTC),
                       heartbeat_interval_s=announced_heartbeat_interval(self.heartbeat_interval_s),
                       interrupt_generation=generation, replayed_available=available,
-                      replayed_controls=len(replay) - available)
+                      replayed_controls=len(replay) - available, protocol_version=PROTOCOL_VERSION)
         log.info("client connected", extra={"client_id": str(client_id), "tenant_id": principal.tenant_id,
                                             "replayed": len(replay)})
         return [msgspec.json.encode(hello).decode(), *replay]

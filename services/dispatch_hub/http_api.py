@@ -16,7 +16,14 @@ from aiohttp import WSMsgType, web
 
 from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import CancelRequest, ExtendRequest, LeaseRequest, ResultRequest
-from libs.contracts.wire import ErrorEvent, Heartbeat, HeartbeatAck, client_message_decoder
+from libs.contracts.wire import (
+    SUPPORTED_MAJORS,
+    ErrorEvent,
+    Heartbeat,
+    HeartbeatAck,
+    client_message_decoder,
+    subprotocol,
+)
 from libs.http import ApiError, json_response, mark_upgraded, read_body
 from libs.telemetry import metrics
 from services.dispatch_hub import leases
@@ -24,7 +31,7 @@ from services.dispatch_hub.auth import ClientAuthenticator, ClientPrincipal
 from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.leases import HubContext
-from services.dispatch_hub.logic import IPNetwork, TokenBuckets, address_bucket, client_address
+from services.dispatch_hub.logic import IPNetwork, TokenBuckets, address_bucket, choose_protocol, client_address
 from services.dispatch_hub.openapi import openapi_document
 
 log = logging.getLogger("hub.http")
@@ -136,6 +143,11 @@ def _error_event(exc: ContractError | None = None, *, code: str = "", message: s
 async def websocket_handler(request: web.Request) -> web.StreamResponse:
     limits = request.app[UPGRADE_LIMITS]
     limits.check(limits.by_address, limits.address_of(request), "address")
+    protocol = choose_protocol(request.headers.getall("Sec-WebSocket-Protocol", ()))
+    if protocol.major is None:  # before the token lookup: a refused version costs no query
+        raise ApiError(400, "unsupported_protocol_version", "this hub speaks the desktop protocol as the WebSocket "
+                       f"subprotocol(s) {', '.join(map(subprotocol, SUPPORTED_MAJORS))}; offer one of them (or none: "
+                       "major 1)", field="Sec-WebSocket-Protocol")
     principal = await _principal(request)  # 401 JSON before the upgrade
     limits.check(limits.by_client, str(principal.client_id), "client")
     gateway = request.app[GATEWAY]
@@ -143,7 +155,9 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
         raise ApiError(503, "shutting_down", "this hub is shutting down; reconnect")
     # autoping off: pings and pongs reach this loop, so both count as heartbeats.
     # aiohttp refuses a message of max_msg_size bytes or more (1009); the cap is "at most MAX_WS_FRAME", hence + 1.
-    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_FRAME + 1)
+    # The chosen subprotocol is echoed in the 101 (none when the client offered none).
+    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_FRAME + 1,
+                               protocols=(protocol.subprotocol,) if protocol.subprotocol else ())
     try:
         await ws.prepare(request)
     except ConnectionResetError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import math
+import re
 import secrets
 import uuid
 from collections import deque
@@ -14,6 +15,7 @@ from enum import Enum
 
 from libs.auth import hash_token
 from libs.contracts.common import NOT_STARTED_PHASES
+from libs.contracts.wire import SUBPROTOCOL_PREFIX, SUPPORTED_MAJORS, subprotocol
 from libs.tasks.statuses import EndReason
 
 LEASE_TOKEN_PREFIX = "lt1"
@@ -255,3 +257,30 @@ def client_address(peer: str | None, forwarded_for: Iterable[str], trusted: Sequ
             break
         address = hop
     return str(address)
+
+
+_SUBPROTOCOL = re.compile(re.escape(SUBPROTOCOL_PREFIX) + r"([1-9][0-9]{0,3})", re.ASCII)
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolChoice:
+    """The outcome of a WebSocket upgrade's version negotiation (docs/desktop-protocol.md, Versioning): the major
+    to speak and the subprotocol to echo in the 101 (None: the client offered none), or a refusal (`major` None)."""
+
+    major: int | None
+    subprotocol: str | None = None
+
+
+def choose_protocol(offered_headers: Iterable[str], supported: Sequence[int] = SUPPORTED_MAJORS) -> ProtocolChoice:
+    """The highest supported major among the `Sec-WebSocket-Protocol` values a client offered. No header at all is
+    a client from before versioning: major 1, nothing echoed. A header naming only majors this hub does not serve
+    (a newer client) or only foreign subprotocols is refused: RFC 6455 has the client fail a handshake whose answer
+    echoes none of its offers, so the hub says why before the upgrade instead."""
+    offered = [token.strip() for header in offered_headers for token in header.split(",") if token.strip()]
+    if not offered:
+        return ProtocolChoice(major=1)
+    majors = {int(match.group(1)) for match in map(_SUBPROTOCOL.fullmatch, offered) if match}
+    served = sorted(majors & set(supported))
+    if not served:
+        return ProtocolChoice(major=None)
+    return ProtocolChoice(major=served[-1], subprotocol=subprotocol(served[-1]))
