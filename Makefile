@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: install backends lint test test-unit test-integration test-e2e run observe migrate bench chaos faults faults-long faults-down soak clean
+.PHONY: asyncapi install backends lint test test-unit test-integration test-e2e run observe migrate bench chaos faults faults-long faults-down soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,7 @@ lint: install
 
 test: install backends lint
 	bash scripts/ensure-promtool.sh
+	bash scripts/ensure-node-tools.sh
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest
 
 test-unit: install
@@ -92,3 +93,10 @@ soak: install backends
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The desktop protocol's AsyncAPI document, generated from the msgspec contracts (docs/desktop-protocol.md); a unit
+# test fails while the committed one is stale, and validates it with @asyncapi/parser (contracts/).
+asyncapi: install
+	$(BIN)/python -m services.dispatch_hub.asyncapi
+	bash scripts/ensure-node-tools.sh
+	cd contracts && node validate-asyncapi.mjs asyncapi/desktop.json

@@ -4,8 +4,11 @@ every change since 1.0 is additive (an old client still decodes what the hub sen
 
 from __future__ import annotations
 
+import json
+import subprocess
 import uuid
 from datetime import UTC, date, datetime
+from pathlib import Path
 from typing import Literal, get_args
 
 import msgspec
@@ -18,6 +21,7 @@ from tests.support import protocol_v1
 from tests.support.protocol_compat import compatibility_problems
 
 CURRENT_SERVER = tuple(get_args(wire.ServerEvent))
+CONTRACTS = asyncapi.COMMITTED.parents[1]
 
 
 def test_committed_asyncapi_document_is_what_the_contracts_generate() -> None:
@@ -26,8 +30,8 @@ def test_committed_asyncapi_document_is_what_the_contracts_generate() -> None:
         "contracts/asyncapi/desktop.json is stale: run `make asyncapi` and commit it")
 
 
-def test_the_check_command_fails_on_a_stale_document(tmp_path: pytest.TempPathFactory) -> None:
-    stale = tmp_path / "desktop.json"  # type: ignore[operator]
+def test_the_check_command_fails_on_a_stale_document(tmp_path: Path) -> None:
+    stale = tmp_path / "desktop.json"
     stale.write_text(asyncapi.COMMITTED.read_text().replace('"1.2.0"', '"1.1.0"'))
     assert asyncapi.main(["--check", str(stale)]) == 1
     assert asyncapi.main(["--check", str(asyncapi.COMMITTED)]) == 0
@@ -146,3 +150,20 @@ def test_the_hub_understands_a_1_0_heartbeat() -> None:
                                 local_queue_depth=2, active_task_id=uuid.uuid4(), execution_phase="WAITING")
     decoded = wire.client_message_decoder.decode(msgspec.json.encode(old))
     assert decoded.platform_health == {"openai": "healthy"} and decoded.execution_phase == "WAITING"
+
+
+def test_the_committed_document_passes_the_asyncapi_validator_and_a_broken_one_does_not(tmp_path: Path) -> None:
+    """@asyncapi/parser (what `asyncapi validate` runs), installed by scripts/ensure-node-tools.sh."""
+    if not (CONTRACTS / "node_modules" / "@asyncapi" / "parser").is_dir():
+        pytest.fail("the AsyncAPI validator is not installed: run `bash scripts/ensure-node-tools.sh`")
+    broken = json.loads(asyncapi.COMMITTED.read_text())
+    broken["operations"]["sendHello"]["action"] = "publish"  # AsyncAPI 2's word: 3.0 says send or receive
+    del broken["components"]["schemas"]["Hello"]  # a dangling $ref
+    broken_path = tmp_path / "broken.json"
+    broken_path.write_text(json.dumps(broken))
+    run = subprocess.run(["node", "validate-asyncapi.mjs", str(asyncapi.COMMITTED), str(broken_path)],
+                         cwd=CONTRACTS, capture_output=True, text=True, timeout=120, check=False)
+    reports = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["valid"] for r in reports] == [True, False], run.stdout + run.stderr
+    assert run.returncode == 1
+    assert reports[0]["problems"] == []
