@@ -209,6 +209,9 @@ export class DesktopClient extends EventEmitter {
       this.socket = ws;
       this.connects += 1;
       ws.on('unexpected-response', (request, response) => {
+        // Node's global agent keeps connections alive: once the refusal is read its socket would idle in the pool
+        // until the hub's keep-alive timeout (holding the process open); it is closed instead.
+        const socket = response.socket;
         const chunks: Buffer[] = [];
         response.on('data', (chunk: Buffer) => chunks.push(chunk));
         response.on('end', () => {
@@ -218,6 +221,7 @@ export class DesktopClient extends EventEmitter {
           settle({ kind: 'refused', status: response.statusCode ?? 0, body,
                    retryAfterS: Number.isFinite(retryAfter) && retryAfter >= 0 ? retryAfter : null });
           request.destroy();
+          socket?.destroy();
         });
       });
       ws.on('message', (data, isBinary) => {
