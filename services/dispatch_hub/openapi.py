@@ -81,7 +81,9 @@ def _websocket_operation() -> dict[str, Any]:
                    "256 KiB is answered by an `error` event `frame_too_large`, one over 256 KiB closes the "
                    "socket with 1009). The handshake answers 101.",
         "responses": {"101": {"description": "Switching protocols"},
-                      **_errors(400, 429, 503, s400="Not a WebSocket handshake (no `Upgrade: websocket`).",
+                      **_errors(400, 429, 503, s400="Not a WebSocket handshake (no `Upgrade: websocket`), or "
+                                     "`unsupported_protocol_version`: the `Sec-WebSocket-Protocol` offers name no "
+                                     "protocol major this hub serves (docs/desktop-protocol.md).",
                                 s429="Too many connection attempts from this address or client "
                                      "(`rate_limited`); `retry_after_s` says when to try again.",
                                 s503="This hub is shutting down; connect to another.")},
