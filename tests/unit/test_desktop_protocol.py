@@ -167,3 +167,10 @@ def test_the_committed_document_passes_the_asyncapi_validator_and_a_broken_one_d
     assert [r["valid"] for r in reports] == [True, False], run.stdout + run.stderr
     assert run.returncode == 1
     assert reports[0]["problems"] == []
+
+
+def test_the_protocol_page_lists_every_close_code() -> None:
+    page = (CONTRACTS.parent / "docs" / "desktop-protocol.md").read_text()
+    table = page[page.index("## Close codes"):]
+    missing = [c.code for c in asyncapi.CLOSE_CODES if f"\n| {c.code} |" not in table]
+    assert missing == [], f"docs/desktop-protocol.md's close code table lacks {missing}"
