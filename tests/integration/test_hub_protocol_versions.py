@@ -50,8 +50,14 @@ def _url(hub: TestServer) -> str:
     return str(hub.make_url("/api/desktop/ws"))
 
 
-async def test_a_1_0_client_decodes_hello_replay_and_acks_with_1_0_structs(hub: TestServer,
-                                                                          client: dict[str, Any]) -> None:
+async def test_versions_on_the_real_hub(hub: TestServer, client: dict[str, Any]) -> None:
+    """One hub and database for all three cases (each one costs a hub and a database otherwise)."""
+    await _a_1_0_client_decodes_hello_replay_and_acks_with_1_0_structs(hub, client)
+    await _the_highest_served_major_is_echoed_and_an_unserved_one_refused_before_the_upgrade(hub, client)
+
+
+async def _a_1_0_client_decodes_hello_replay_and_acks_with_1_0_structs(hub: TestServer,
+                                                                       client: dict[str, Any]) -> None:
     async with aiohttp.ClientSession() as http, http.ws_connect(
             _url(hub), headers={"Authorization": f"Bearer {client['token']}"}) as ws:
         assert ws.protocol is None  # nothing offered, nothing echoed
@@ -73,7 +79,7 @@ async def test_a_1_0_client_decodes_hello_replay_and_acks_with_1_0_structs(hub: 
         assert isinstance(ack, protocol_v1.HeartbeatAck)
 
 
-async def test_the_highest_served_major_is_echoed_and_an_unserved_one_refused_before_the_upgrade(
+async def _the_highest_served_major_is_echoed_and_an_unserved_one_refused_before_the_upgrade(
         hub: TestServer, client: dict[str, Any]) -> None:
     auth = {"Authorization": f"Bearer {client['token']}"}
     async with aiohttp.ClientSession() as http:

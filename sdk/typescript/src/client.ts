@@ -70,6 +70,7 @@ interface ActiveTask {
   lastSafePointAt: number;
   startedAt: Date;
   traceparent?: string;
+  keepAlive?: NodeJS.Timeout;
 }
 
 type SocketOutcome =
@@ -375,7 +376,9 @@ export class DesktopClient extends EventEmitter {
     };
     this.active.set(task.task_id, active);
     this.emit('leased', task);
+    this.keepLeaseAlive(active);
     const running = this.execute(active).finally(() => {
+      clearInterval(active.keepAlive);
       this.running.delete(running);
       this.active.delete(task.task_id);
       this.pump();  // straight on to the next (best) task
@@ -445,6 +448,24 @@ export class DesktopClient extends EventEmitter {
       }
       throw error;
     }
+  }
+
+  /** A phase can outlast the lease (waiting on a slow platform): extend, with the phase unchanged, every third of
+   * the lease's time (at least every 5 s, at most every 60 s) between checkpoints. */
+  private keepLeaseAlive(active: ActiveTask): void {
+    const ttlMs = Date.parse(active.task.lease_expires_at) - Date.now();
+    const everyMs = Math.min(60_000, Math.max(5_000, ttlMs / 3));
+    active.keepAlive = setInterval(() => {
+      if (active.ended) return;
+      this.http.extend(active.task.task_id, { lease_token: active.task.lease_token, execution_phase: active.phase },
+                       active.traceparent).then((response) => {
+        if (response.interrupt_requested && this.accepts(active.task.task_id, response.interrupt_generation ?? 0)) {
+          active.interruptRequested = true;
+        }
+      }, (error: unknown) => {
+        if (error instanceof HubHttpError && error.fenced) this.end(active, 'fenced');
+      });
+    }, everyMs);
   }
 
   /** Acknowledge the interrupt with cancel (reason collect_now_preempt, the generation seen); a newer generation on
