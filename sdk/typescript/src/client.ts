@@ -150,6 +150,7 @@ export class DesktopClient extends EventEmitter {
     for (const active of this.active.values()) this.end(active, 'stopped');
     this.socket?.close(1000, 'client stopping');
     await this.loop;
+    await this.pumping;
     await Promise.allSettled([...this.running]);
     this.http.close();
   }
@@ -353,6 +354,7 @@ export class DesktopClient extends EventEmitter {
     let free = this.options.maxConcurrent - this.active.size;
     while (free > 0 && !this.stopping.signal.aborted && this.refusal === null) {
       const { tasks } = await this.http.lease({ max_tasks: free });
+      if (this.stopping.signal.aborted) return;  // stopped meanwhile: these leases expire on the hub
       if (tasks.length === 0) {
         this.known.clear();
         return;
