@@ -145,6 +145,8 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     limits.check(limits.by_address, limits.address_of(request), "address")
     protocol = choose_protocol(request.headers.getall("Sec-WebSocket-Protocol", ()))
     if protocol.major is None:  # before the token lookup: a refused version costs no query
+        log.info("websocket upgrade refused: no protocol major this hub serves was offered",
+                 extra={"offered": ",".join(request.headers.getall("Sec-WebSocket-Protocol", ()))[:200]})
         raise ApiError(400, "unsupported_protocol_version", "this hub speaks the desktop protocol as the WebSocket "
                        f"subprotocol(s) {', '.join(map(subprotocol, SUPPORTED_MAJORS))}; offer one of them (or none: "
                        "major 1)", field="Sec-WebSocket-Protocol")
