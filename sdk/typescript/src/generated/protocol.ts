@@ -152,6 +152,7 @@ text: string
 export interface PlatformRef {
 ai_platform_id: number
 code: string
+mode?: (string | null)
 }
 /**
  * A desktop HTTP body (the dispatch-hub OpenAPI document is authoritative).
