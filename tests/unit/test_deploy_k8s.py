@@ -45,6 +45,18 @@ HTTP_SERVICES = {"collect-now-api", "dispatch-hub"}
 LEADER_ELECTED = {"dispatch-coordinator", "reconciler"}
 AUTOSCALED = {"collect-now-api", "dispatch-hub", "ingest-shard-workers", "projection-worker", "outbox-pump"}
 SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN"}
+# Least privilege: each service's Secret holds only what it uses (deploy/k8s/README.md, "Secrets").
+SECRET_KEYS_OF = {
+    "collect-now-api": {"DATABASE_URL", "GATEWAY_JWT_SECRET"},  # no broker user: it never touches RabbitMQ
+    "dispatch-hub": {"DATABASE_URL", "AMQP_URL"},  # internet-facing: no gateway secret, no ops token
+    "dispatch-coordinator": {"DATABASE_URL", "AMQP_URL", "OPS_API_TOKEN"},
+    "outbox-pump": {"DATABASE_URL", "AMQP_URL"},
+    "ingest-shard-workers": {"DATABASE_URL", "AMQP_URL"},
+    "projection-worker": {"DATABASE_URL", "AMQP_URL"},
+    "reconciler": {"DATABASE_URL", "AMQP_URL"},
+    "migrate": {"DATABASE_URL"},  # the migration role
+}
+MIGRATION_CONNECTIONS = 1  # the migration Job's one session while it runs
 CONFIG = "monitoring-dispatch-config"
 # deploy/k8s/README.md: the production Postgres must allow this many connections.
 POSTGRES_MAX_CONNECTIONS = 200
@@ -390,7 +402,7 @@ def test_resources_and_security(service: str) -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
     sources = {re.sub(r"-[a-z0-9]{10}$", "", next(iter(s.values()))["name"]) for s in container["envFrom"]}
-    assert sources == {CONFIG, "monitoring-dispatch-secrets"}
+    assert sources == {CONFIG, f"{service}-secrets"}
 
 
 def test_services_select_their_deployments() -> None:
@@ -437,24 +449,54 @@ def test_postgres_connection_budget_at_full_scale() -> None:
         pool = int(_env(_container(deployment))["DB_POOL_MAX"])
         assert 1 <= pool <= 6, "a service uses at most 6 pooled connections"
         total += pods * (pool + DEDICATED_CONNECTIONS_PER_POD)
-    assert total <= POSTGRES_MAX_CONNECTIONS - POSTGRES_RESERVED - OPERATOR_HEADROOM
+    assert total + MIGRATION_CONNECTIONS <= POSTGRES_MAX_CONNECTIONS - POSTGRES_RESERVED - OPERATOR_HEADROOM
     assert f"max_connections >= {POSTGRES_MAX_CONNECTIONS}" in (K8S / "README.md").read_text()
 
 
+def _secret_templates() -> dict[str, dict[str, str]]:
+    """The per-service Secret templates of secret.example.yaml, by their `<service>-secrets` name's service."""
+    secrets = _load(BASE / "secret.example.yaml")
+    assert {s["kind"] for s in secrets} == {"Secret"}
+    return {s["metadata"]["name"].removesuffix("-secrets"): s["stringData"] for s in secrets}
+
+
 def _secret_template() -> dict[str, str]:
-    secret = _load(BASE / "secret.example.yaml")
-    assert len(secret) == 1 and secret[0]["kind"] == "Secret"
-    data: dict[str, str] = secret[0]["stringData"]
-    return data
+    """Every key of every template (a key's placeholder is the same wherever it appears)."""
+    merged: dict[str, str] = {}
+    for data in _secret_templates().values():
+        merged.update(data)
+    return merged
 
 
 def test_secret_template_and_configmap_split() -> None:
-    data = _secret_template()
-    assert set(data) == SECRET_KEYS
-    assert all("REPLACE_ME" in value for value in data.values())
+    templates = _secret_templates()
+    assert {name: set(data) for name, data in templates.items()} == SECRET_KEYS_OF
+    assert all("REPLACE_ME" in value for data in templates.values() for value in data.values())
     config = _configmap()
     assert not SECRET_KEYS & set(config)
     assert int(config["INGEST_SHARDS"]) > 0
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
+def test_each_service_loads_only_its_own_secret(service: str) -> None:
+    pod = _by_kind("Deployment")[service]["spec"]["template"]["spec"]
+    refs = {source["secretRef"]["name"] for container in pod.get("initContainers", []) + pod["containers"]
+            for source in container.get("envFrom", []) if "secretRef" in source}
+    refs |= {env["valueFrom"]["secretKeyRef"]["name"] for container in pod["containers"]
+             for env in container.get("env", []) if "secretKeyRef" in env.get("valueFrom", {})}
+    refs |= {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    assert refs == {f"{service}-secrets"}
+    if service != "collect-now-api":
+        assert "GATEWAY_JWT_SECRET" not in _secret_templates()[service], "only collect-now-api verifies gateway JWTs"
+    if service != "dispatch-coordinator":
+        assert "OPS_API_TOKEN" not in _secret_templates()[service], "only the coordinator serves /api/ops/*"
+
+
+def test_database_urls_verify_the_server_certificate() -> None:
+    for name, data in _secret_templates().items():
+        assert "sslmode=verify-full" in data["DATABASE_URL"], name
+        if "AMQP_URL" in data:
+            assert data["AMQP_URL"].startswith("amqps://"), name
 
 
 def test_placeholder_gateway_secret_never_starts_a_service() -> None:
@@ -505,18 +547,34 @@ def test_no_manifest_sets_dev_mode() -> None:
 
 
 @pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
-def test_every_pod_migrates_the_schema_before_its_service_starts(service: str) -> None:
+def test_no_service_migrates_the_schema(service: str) -> None:
     pod = _by_kind("Deployment")[service]["spec"]["template"]["spec"]
-    (init,) = pod["initContainers"]
-    main = _container(_by_kind("Deployment")[service])
-    assert init["command"] == ["monitorctl", "migrate"]
+    assert "initContainers" not in pod, "the migration Job migrates; a service's credentials hold DML only"
+    assert "monitorctl" not in json.dumps(pod)
+
+
+def test_one_migration_job_migrates_then_grants_with_the_migration_role() -> None:
+    jobs = _by_kind("Job")
+    assert set(jobs) == {"migrate"}
+    job = jobs["migrate"]
+    annotations = job["metadata"]["annotations"]
+    assert annotations["argocd.argoproj.io/hook"] == "PreSync"
+    assert "pre-upgrade" in annotations["helm.sh/hook"] and "pre-install" in annotations["helm.sh/hook"]
+    assert int(annotations["argocd.argoproj.io/sync-wave"]) < 0
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (migrate,), (grant,) = pod["initContainers"], pod["containers"]
+    assert migrate["command"] == ["monitorctl", "migrate"] and grant["command"] == ["monitorctl", "db-roles"]
     assert "monitorctl" in _console_scripts()
-    assert init["image"] == main["image"], "the migrations of the image about to run"
-    assert init["envFrom"] == main["envFrom"]
-    assert init["securityContext"] == main["securityContext"]
-    assert init["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
-    assert _cpu(init["resources"]["requests"]["cpu"]) <= _cpu(init["resources"]["limits"]["cpu"])
-    assert not [d for d in _objects() if d["kind"] == "Job"], "no migration Job: each pod's init container migrates"
+    image = _container(_by_kind("Deployment")["dispatch-hub"])["image"]
+    for container in (migrate, grant):
+        assert container["image"] == image, "the migrations of the image about to run"
+        secrets = {s["secretRef"]["name"] for s in container["envFrom"] if "secretRef" in s}
+        assert secrets == {"migrate-secrets"}
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert _env(grant)["DB_ROLE_PREFIX"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
 
 
 # --- scraping --------------------------------------------------------------------------------------
