@@ -44,6 +44,13 @@ PROM_SCHEMAS = SCHEMAS / "prometheus-operator"
 HTTP_SERVICES = {"collect-now-api", "dispatch-hub"}
 LEADER_ELECTED = {"dispatch-coordinator", "reconciler"}
 AUTOSCALED = {"collect-now-api", "dispatch-hub", "ingest-shard-workers", "projection-worker", "outbox-pump"}
+# KEDA ScaledObjects on the signal that binds each (deploy/k8s/README.md, "Autoscaling"); the rest scale on CPU.
+KEDA_SIGNALS = {
+    "dispatch-hub": ("desktop_websocket_connections", "AverageValue"),  # connections per pod
+    "ingest-shard-workers": ("monitor_result_ingest_lag_ms", "Value"),  # result lag
+    "outbox-pump": ("outbox_oldest_pending_age_ms", "Value"),  # the oldest pending outbox row
+    "collect-now-api": ("http_requests_total", "AverageValue"),  # request rate per pod
+}
 SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN"}
 # Least privilege: each service's Secret holds only what it uses (deploy/k8s/README.md, "Secrets").
 SECRET_KEYS_OF = {
@@ -241,6 +248,17 @@ def test_schema_validation_catches_mistakes() -> None:
     assert any("for_" in e for e in _errors(rule))
     del rule["spec"]["groups"][0]["rules"][0]["expr"]
     assert any("expr" in e for e in _errors(rule))
+    # KEDA's CRD schema (v2.20.2): a misspelt field, a trigger without its type, a wrong type.
+    scaled = copy.deepcopy(_by_kind("ScaledObject")["dispatch-hub"])
+    assert _errors(scaled) == []
+    scaled["spec"]["maxReplicas"] = 4
+    assert any("maxReplicas" in e for e in _errors(scaled))
+    scaled = copy.deepcopy(_by_kind("ScaledObject")["dispatch-hub"])
+    del scaled["spec"]["triggers"][0]["type"]
+    assert any("type" in e for e in _errors(scaled))
+    scaled = copy.deepcopy(_by_kind("ScaledObject")["dispatch-hub"])
+    scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 2500
+    assert _errors(scaled), "trigger metadata values are strings"
 
 
 def test_the_base_lists_every_manifest_but_the_secret_template() -> None:
@@ -307,6 +325,7 @@ def test_dev_differs_from_production_only_where_its_overlay_says() -> None:
         for old, new in (("monitoring-dispatch-dev", "NAMESPACE"), ("monitoring-dispatch-production", "NAMESPACE"),
                          ("monitoring-dispatch:dev", "IMAGE"), ("monitoring-dispatch:0.1.0", "IMAGE")):
             text = text.replace(old, new)
+        text = text.replace('namespace=\\"monitoring-dispatch\\"', 'namespace=\\"NAMESPACE\\"')
         docs = json.loads(text.replace('"monitoring-dispatch"', '"NAMESPACE"'))
         for doc in docs:
             if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == CONFIG:
@@ -329,12 +348,21 @@ def test_one_deployment_per_service_running_its_console_script() -> None:
         assert not container.get("args")
 
 
+def _scaling(overlay: str = PRODUCTION) -> dict[str, tuple[int, int]]:
+    """(minimum, maximum) pods of every autoscaled Deployment, from its HPA or its KEDA ScaledObject."""
+    out = {name: (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
+           for name, hpa in _by_kind("HorizontalPodAutoscaler", overlay).items()}
+    for name, scaled in _by_kind("ScaledObject", overlay).items():
+        assert name not in out, f"{name}: an HPA beside a ScaledObject (KEDA makes its own HPA: two would fight)"
+        out[name] = (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"])
+    return out
+
+
 def _replicas(name: str) -> int:
-    """The pods a Deployment runs at least: its HPA's minimum, else its `replicas`."""
-    hpas = _by_kind("HorizontalPodAutoscaler")
-    if name in hpas:
-        minimum: int = hpas[name]["spec"]["minReplicas"]
-        return minimum
+    """The pods a Deployment runs at least: its autoscaler's minimum, else its `replicas`."""
+    scaling = _scaling()
+    if name in scaling:
+        return scaling[name][0]
     replicas: int = _by_kind("Deployment")[name]["spec"]["replicas"]
     return replicas
 
@@ -419,17 +447,64 @@ def test_services_select_their_deployments() -> None:
 
 
 def test_autoscalers() -> None:
-    hpas = _by_kind("HorizontalPodAutoscaler")
     deployments = _by_kind("Deployment")
-    assert set(hpas) == AUTOSCALED
-    for name, hpa in hpas.items():
-        ref = hpa["spec"]["scaleTargetRef"]
-        assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", name)
-        # The HPA owns the count: a `replicas:` in the manifest would reset it on every apply.
+    targets = {**_by_kind("HorizontalPodAutoscaler"), **_by_kind("ScaledObject")}
+    assert set(targets) == AUTOSCALED
+    for name, scaler in targets.items():
+        ref = scaler["spec"]["scaleTargetRef"]
+        assert (ref.get("apiVersion", "apps/v1"), ref.get("kind", "Deployment"), ref["name"]) == (
+            "apps/v1", "Deployment", name)
+        # The autoscaler owns the count: a `replicas:` in the manifest would reset it on every apply.
         assert "replicas" not in deployments[name]["spec"], name
-        assert hpa["spec"]["minReplicas"] >= 2
-        assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
-        assert hpa["spec"]["metrics"], "an HPA needs a metric"
+    for name, (low, high) in _scaling().items():
+        assert 2 <= low < high, name
+    assert _by_kind("HorizontalPodAutoscaler")["projection-worker"]["spec"]["metrics"]
+
+
+def _metric_names() -> set[str]:
+    from libs.telemetry import metrics
+
+    names = set(metrics.EXACT_COUNTER_NAMES)  # counters exposed under exactly their name
+    for value in vars(metrics).values():
+        describe = getattr(value, "describe", None)
+        if callable(describe) and hasattr(value, "_name"):
+            for family in describe():
+                names |= {family.name, f"{family.name}_total"} if family.type == "counter" else {family.name}
+    return names
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_keda_scales_each_service_on_the_signal_that_binds_it_with_cpu_as_a_floor(overlay: str) -> None:
+    scaled = _by_kind("ScaledObject", overlay)
+    assert set(scaled) == set(KEDA_SIGNALS)
+    namespace = next(d for d in _objects(overlay) if d["kind"] == "Namespace")["metadata"]["name"]
+    exported = _metric_names()
+    for name, (metric, metric_type) in KEDA_SIGNALS.items():
+        signal, cpu = scaled[name]["spec"]["triggers"]
+        assert signal["type"] == "prometheus" and signal["metricType"] == metric_type, name
+        query = signal["metadata"]["query"]
+        assert re.search(rf"\b{metric}\b", query) and metric in exported, (name, query)
+        # This overlay's pods only: its namespace, and the scrape job of the service's ServiceMonitor.
+        assert f'namespace="{namespace}"' in query and f'job="{name}"' in query, query
+        assert signal["metadata"]["serverAddress"].startswith("http"), name
+        assert float(signal["metadata"]["threshold"]) > 0
+        assert signal["metadata"]["ignoreNullValues"] == "false", "a missing signal is not an idle service"
+        assert (cpu["type"], cpu["metricType"], cpu["metadata"]["value"]) == ("cpu", "Utilization", "70")
+        assert _container(_by_kind("Deployment", overlay)[name])["resources"]["requests"]["cpu"], "CPU needs requests"
+        behavior = scaled[name]["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300, "scale in slowly"
+
+
+def test_ingest_never_has_more_replicas_than_shards() -> None:
+    for overlay in OVERLAYS:
+        shards = int(_configmap(overlay)["INGEST_SHARDS"])
+        assert _scaling(overlay)["ingest-shard-workers"][1] <= shards, overlay
+
+
+def test_the_signal_check_catches_a_query_on_a_metric_nobody_exports() -> None:
+    exported = _metric_names()
+    assert {"desktop_websocket_connections", "http_requests_total", "outbox_oldest_pending_age_ms"} <= exported
+    assert "desktop_websocket_connection_count" not in exported
 
 
 def test_disruption_budgets_keep_one_pod_per_service() -> None:
@@ -442,10 +517,10 @@ def test_disruption_budgets_keep_one_pod_per_service() -> None:
 
 
 def test_postgres_connection_budget_at_full_scale() -> None:
-    hpas = _by_kind("HorizontalPodAutoscaler")
+    scaling = _scaling()
     total = 0
     for name, deployment in _by_kind("Deployment").items():
-        pods = hpas[name]["spec"]["maxReplicas"] if name in hpas else deployment["spec"]["replicas"]
+        pods = scaling[name][1] if name in scaling else deployment["spec"]["replicas"]
         pool = int(_env(_container(deployment))["DB_POOL_MAX"])
         assert 1 <= pool <= 6, "a service uses at most 6 pooled connections"
         total += pods * (pool + DEDICATED_CONNECTIONS_PER_POD)
