@@ -668,10 +668,36 @@ def test_a_service_monitor_scrapes_every_service_on_its_metrics_port(service: st
     (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
     assert port["port"] == SERVICE_PORTS[service]
     assert endpoint["path"] == "/metrics"
-    assert endpoint["honorLabels"] is True, "the RED metrics' `service` and reconcile jobs' `job` labels stay"
+    assert endpoint.get("honorLabels", False) is False, "a metric's label must never overwrite the scrape's `job`"
+    assert endpoint["metricRelabelings"] == [{"action": "labeldrop", "regex": "exported_service"}]
     assert endpoint["interval"] == "30s"
     # kube-prometheus-stack selects ServiceMonitors and rules by its release label.
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+# The labels the Prometheus Operator puts on every series of a ServiceMonitor's targets.
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint"}
+
+
+def _metric_labels() -> dict[str, set[str]]:
+    from libs.telemetry import metrics
+
+    found: dict[str, set[str]] = {}
+    for value in vars(metrics).values():
+        names = getattr(value, "_labelnames", None) or getattr(value, "labelnames", None)
+        name = getattr(value, "_name", None) or getattr(value, "name", None)
+        if isinstance(name, str) and names:
+            found[name] = set(names)
+    return found
+
+
+def test_no_metric_label_collides_with_a_target_label_but_the_red_service() -> None:
+    labels = _metric_labels()
+    assert "reconcile_job" in labels["reconciler_job_runs_count"], "the check reads the metrics' labels"
+    collisions = {name: names & TARGET_LABELS for name, names in labels.items() if names & TARGET_LABELS}
+    # `service` on the RED metrics has the target's value (dropped as exported_service); nothing else may collide.
+    assert {name: names - {"service"} for name, names in collisions.items()} == {n: set() for n in collisions}
+    assert {"http_requests_total", "http_request_duration_seconds"} <= set(collisions)
 
 
 def test_the_prometheus_rule_is_selected_and_links_its_runbooks() -> None:
@@ -682,7 +708,7 @@ def test_the_prometheus_rule_is_selected_and_links_its_runbooks() -> None:
         base_url = links["data"]["baseUrl"]
         assert not base_url.endswith("/")
         for group in rule["spec"]["groups"]:
-            for r in group["rules"]:
+            for r in (r for r in group["rules"] if "alert" in r):
                 assert r["annotations"]["runbook_url"] == f"{base_url}/docs/runbooks/{r['alert']}.md"
         # The local-config ConfigMap only feeds the replacement.
         assert not [d for d in _objects(overlay) if d["metadata"]["name"] == links["metadata"]["name"]]

@@ -152,15 +152,31 @@ def test_every_runbook_belongs_to_an_alert() -> None:
     assert runbooks - alerts == set()
 
 
-def test_every_service_has_a_service_down_rule_and_target_down_covers_it() -> None:
+def test_every_service_has_a_service_down_rule_and_scrape_failing_covers_it() -> None:
     rules = alerting_rules()
     down = {r["labels"]["service"]: r for r in rules if r["alert"] == "ServiceDown"}
     assert set(down) == set(SERVICE_PORTS)
     for service, rule in down.items():
         assert rule["expr"] == f'absent(up{{job="{service}"}} == 1)'
-    (target_down,) = [r for r in rules if r["alert"] == "TargetDown"]
-    (jobs,) = re.findall(r'up\{job=~"([^"]+)"\} == 0', target_down["expr"])
+    (scrape_failing,) = [r for r in rules if r["alert"] == "DispatchPodScrapeFailing"]
+    (jobs,) = re.findall(r'up\{job=~"([^"]+)"\} == 0', scrape_failing["expr"])
     assert set(jobs.split("|")) == set(SERVICE_PORTS)
+
+
+# Alerts kube-prometheus-stack ships (its default rules): an alert of ours with one of these names would be
+# grouped, silenced and inhibited together with theirs (TargetDown's inhibition of its own kind, say).
+KUBE_PROMETHEUS_ALERTS = {
+    "TargetDown", "Watchdog", "InfoInhibitor", "PrometheusDown", "AlertmanagerDown", "KubePodCrashLooping",
+    "KubePodNotReady", "KubeDeploymentReplicasMismatch", "KubeDeploymentRolloutStuck", "KubeHpaMaxedOut",
+    "KubeHpaReplicasMismatch", "KubeJobFailed", "KubeJobNotCompleted", "KubeContainerWaiting", "NodeDown",
+    "CPUThrottlingHigh", "KubeQuotaExceeded", "PrometheusRuleFailures", "PrometheusTargetSyncFailure",
+}
+
+
+def test_no_alert_takes_a_name_of_kube_prometheus() -> None:
+    names = {r["alert"] for r in alerting_rules()}
+    assert names & KUBE_PROMETHEUS_ALERTS == set()
+    assert "TargetDown" in KUBE_PROMETHEUS_ALERTS and "DispatchPodScrapeFailing" in names
 
 
 def test_every_leader_role_has_a_leader_missing_rule() -> None:
