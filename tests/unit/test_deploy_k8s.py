@@ -27,6 +27,7 @@ import yaml
 from referencing import Registry, Resource
 
 from libs.config import SERVICE_PORTS, ConfigError, Settings
+from libs.telemetry import tracing
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -330,11 +331,14 @@ def test_dev_differs_from_production_only_where_its_overlay_says() -> None:
         for doc in docs:
             if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == CONFIG:
                 doc["data"].pop("LOG_LEVEL")
+                doc["data"].pop("OTEL_TRACES_SAMPLER_ARG")
         return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
     assert normalised("dev") == normalised(PRODUCTION)
     assert _configmap("dev")["LOG_LEVEL"] == "DEBUG"
     assert _configmap(PRODUCTION)["LOG_LEVEL"] == "INFO"
+    assert float(_configmap("dev")["OTEL_TRACES_SAMPLER_ARG"]) == 1.0
+    assert float(_configmap(PRODUCTION)["OTEL_TRACES_SAMPLER_ARG"]) <= 0.1, "production samples its own roots"
 
 
 def test_one_deployment_per_service_running_its_console_script() -> None:
@@ -588,7 +592,8 @@ def test_placeholder_ops_token_never_starts_the_coordinator() -> None:
 
 def test_every_setting_in_the_manifests_is_a_settings_field() -> None:
     known = {f.name.upper() for f in dataclasses.fields(Settings)}
-    assert set(_configmap()) <= known
+    # OTEL_* are read by the OpenTelemetry SDK itself (libs/telemetry/tracing.py), not by Settings.
+    assert {key for key in _configmap() if not key.startswith("OTEL_")} <= known
     assert set(_secret_template()) <= known
     for name, deployment in _by_kind("Deployment").items():
         env_names = {e["name"] for e in _container(deployment).get("env", [])}
@@ -722,6 +727,7 @@ NAMESPACE_NAME = "kubernetes.io/metadata.name"  # the label Kubernetes sets on e
 WORKERS = {"outbox-pump", "ingest-shard-workers", "projection-worker", "reconciler"}
 DENY_ALL = "default-deny"
 BACKEND_EGRESS = "egress-dns-and-backends"
+OTLP_EGRESS = "egress-otlp-collector"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -838,8 +844,55 @@ def can_connect(policies: list[dict[str, Any]], source: Endpoint, target: Endpoi
             and _direction_allows(policies, "Egress", source, target, port, protocol, target))
 
 
-def _policies() -> list[dict[str, Any]]:
-    return list(_by_kind("NetworkPolicy").values())
+def _policies(overlay: str = PRODUCTION) -> list[dict[str, Any]]:
+    return list(_by_kind("NetworkPolicy", overlay).values())
+
+
+def _collector(overlay: str = PRODUCTION) -> Endpoint:
+    """The OpenTelemetry Collector's pods as the overlay describes them (otel-collector.yaml)."""
+    (config,) = _load(OVERLAYS[overlay] / "otel-collector.yaml")
+    return Endpoint(config["data"]["namespace"], {NAME: config["data"]["podName"]})
+
+
+def _tracing_pods(overlay: str) -> dict[str, tuple[Endpoint, int]]:
+    """Every pod whose environment turns tracing on, with the port its OTLP endpoint names."""
+    config = _configmap(overlay)
+    out = {}
+    for kind in ("Deployment", "Job"):
+        for name, doc in _by_kind(kind, overlay).items():
+            pod = doc["spec"]["template"]
+            env = dict(config)
+            for container in pod["spec"]["containers"]:
+                env.update(_env(container))
+            if not tracing.exporter_names(env):
+                continue
+            url = urlsplit(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+            assert url.port is not None, url
+            out[name] = (Endpoint(doc["metadata"]["namespace"], pod["metadata"]["labels"]), url.port)
+    return out
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_every_pod_with_tracing_on_reaches_the_collector(overlay: str) -> None:
+    pods = _tracing_pods(overlay)
+    assert set(SERVICE_PORTS) <= set(pods), "every service exports traces"
+    collector = _collector(overlay)
+    (config,) = _load(OVERLAYS[overlay] / "otel-collector.yaml")
+    endpoint = urlsplit(_configmap(overlay)["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    # The endpoint is the collector's Service in the collector's namespace.
+    assert endpoint.geturl() == config["data"]["endpoint"]
+    assert (endpoint.hostname or "").split(".")[1] == collector.namespace
+    for name, (pod, port) in pods.items():
+        assert can_connect(_policies(overlay), pod, collector, port), f"{overlay}: {name} cannot reach the collector"
+
+
+def test_the_collector_check_catches_a_policy_that_forgets_the_collector() -> None:
+    pods = _tracing_pods(PRODUCTION)
+    pod, port = pods["dispatch-hub"]
+    policies = [p for p in _policies() if p["metadata"]["name"] != OTLP_EGRESS]
+    assert not can_connect(policies, pod, _collector(), port)
+    moved = Endpoint("elsewhere", _collector().labels)
+    assert not can_connect(_policies(), pod, moved, port), "a collector in another namespace is not reachable"
 
 
 def _workload_pods() -> dict[str, Endpoint]:
@@ -907,6 +960,9 @@ def test_egress_is_dns_and_the_backends_only(pod: str) -> None:
         assert can_connect(policies, source, OUTSIDE, port), port
     for port in (80, 443, 4317, 4318, 6379):
         assert not can_connect(policies, source, OUTSIDE, port), port
+    for port in (4317, 4318):  # OTLP to the collector only
+        assert can_connect(policies, source, _collector(), port), port
+        assert not can_connect(policies, source, Endpoint(_collector().namespace, {NAME: "jaeger"}), port)
     coordinator = pods["dispatch-coordinator"]
     expected = pod == "ops tooling"
     assert can_connect(policies, source, coordinator, SERVICE_PORTS["dispatch-coordinator"]) is expected
@@ -921,8 +977,8 @@ def test_a_default_deny_isolates_every_pod_both_ways() -> None:
 
 
 def test_each_pod_is_selected_by_exactly_the_expected_policies() -> None:
-    expected = {name: {DENY_ALL, BACKEND_EGRESS, name} for name in SERVICE_PORTS}
-    expected["ops tooling"] = {DENY_ALL, BACKEND_EGRESS, "ops-tooling"}
+    expected = {name: {DENY_ALL, BACKEND_EGRESS, OTLP_EGRESS, name} for name in SERVICE_PORTS}
+    expected["ops tooling"] = {DENY_ALL, BACKEND_EGRESS, OTLP_EGRESS, "ops-tooling"}
     policies, sources = _by_kind("NetworkPolicy"), _sources(_workload_pods())
     for pod, policy_names in expected.items():
         selecting = {name for name, policy in policies.items()
