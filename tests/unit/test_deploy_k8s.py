@@ -163,7 +163,7 @@ def _schema_key(doc: dict[str, Any]) -> str:
 
 
 # Kinds the tests validate that an overlay may not render (test_schema_validation_catches_mistakes).
-K8S_KINDS_CHECKED = {"deployment-apps-v1", "networkpolicy-networking-v1"}
+K8S_KINDS_CHECKED = {"deployment-apps-v1", "networkpolicy-networking-v1", "ingress-networking-v1"}
 
 
 def _schema_registry() -> tuple[Registry, dict[str, dict[str, Any]]]:
@@ -435,6 +435,44 @@ def test_resources_and_security(service: str) -> None:
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
     sources = {re.sub(r"-[a-z0-9]{10}$", "", next(iter(s.values()))["name"]) for s in container["envFrom"]}
     assert sources == {CONFIG, f"{service}-secrets"}
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
+def test_replicas_spread_over_zones_then_nodes(service: str) -> None:
+    constraints = _by_kind("Deployment")[service]["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert [c["topologyKey"] for c in constraints] == ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+    for constraint in constraints:
+        assert constraint["labelSelector"] == {"matchLabels": {NAME: service}}
+        assert constraint["whenUnsatisfiable"] == "ScheduleAnyway", "a single-zone cluster must still schedule"
+
+
+EXAMPLES = K8S / "examples"
+
+
+def test_the_hub_edge_examples_keep_websockets_open_and_reach_the_hub() -> None:
+    service = _by_kind("Service")["dispatch-hub"]
+    (port,) = service["spec"]["ports"]
+    ping_s = Settings().hub_ping_interval_s
+    (ingress,) = _load(EXAMPLES / "hub-ingress.yaml")
+    assert _errors(ingress) == []
+    annotations = ingress["metadata"]["annotations"]
+    for timeout in ("proxy-read-timeout", "proxy-send-timeout"):
+        assert int(annotations[f"nginx.ingress.kubernetes.io/{timeout}"]) >= 60 * ping_s, timeout
+    (rule,) = ingress["spec"]["rules"]
+    (path,) = rule["http"]["paths"]
+    assert path["backend"]["service"] == {"name": "dispatch-hub", "port": {"name": port["name"]}}
+    assert ingress["spec"]["ingressClassName"] == "nginx", "the controller the dispatch-hub NetworkPolicy admits"
+    (route,) = _load(EXAMPLES / "hub-httproute.yaml")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1" and route["kind"] == "HTTPRoute"
+    (route_rule,) = route["spec"]["rules"]
+    assert route_rule["timeouts"] == {"request": "0s"}, "a request timeout would cut every WebSocket session"
+    assert route_rule["backendRefs"] == [{"name": "dispatch-hub", "port": port["port"]}]
+    for doc in (ingress, route):
+        assert doc["metadata"]["namespace"] == NAMESPACE
+    # Behind either, the hub needs HUB_TRUSTED_PROXIES to see each client's address: both examples say so.
+    for example in ("hub-ingress.yaml", "hub-httproute.yaml"):
+        assert "HUB_TRUSTED_PROXIES" in (EXAMPLES / example).read_text()
+    assert "HUB_TRUSTED_PROXIES" in _configmap()
 
 
 def test_services_select_their_deployments() -> None:
