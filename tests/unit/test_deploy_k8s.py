@@ -749,7 +749,7 @@ def test_the_prometheus_rule_is_selected_and_links_its_runbooks() -> None:
         assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         (links,) = [d for d in _load(folder / "runbook-links.yaml")]
         base_url = links["data"]["baseUrl"]
-        assert not base_url.endswith("/")
+        assert base_url.startswith("https://") and not base_url.endswith("/")
         for group in rule["spec"]["groups"]:
             for r in (r for r in group["rules"] if "alert" in r):
                 assert r["annotations"]["runbook_url"] == f"{base_url}/docs/runbooks/{r['alert']}.md"
