@@ -12,11 +12,14 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
+from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
+from libs.db.migrate import ensure_database, load_migrations, migrate
 from libs.db.pool import Conn
 from libs.db.roles import GRANTS, SERVICES, apply_roles, drop_roles, role_name
+from tests.support.env import Backends
 
 
 @pytest.fixture
@@ -80,3 +83,31 @@ def test_role_names_carry_the_prefix_and_refuse_a_bad_one() -> None:
             role_name(bad, "dispatch-hub")
     with pytest.raises(ValueError):
         role_name("md_", "tenant-api")
+
+
+async def test_the_migration_job_needs_no_superuser(backend: Backends) -> None:
+    """What the migration Job does, as the role it runs with: a non-superuser owning the database (CREATEROLE for
+    the group roles) applies every migration from an empty database, then sets the services' grants."""
+    unique = uuid.uuid4().hex[:8]
+    migrator, database, prefix = f"lpm{unique}_migrator", f"mon_t_lpm{unique}", f"lpm{unique}_"
+    admin = make_conninfo(backend.database_url, dbname="postgres")
+    async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
+        await conn.execute(sql.SQL("CREATE ROLE {} LOGIN CREATEROLE NOSUPERUSER").format(sql.Identifier(migrator)))
+        await conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(database),
+                                                                        sql.Identifier(migrator)))
+    url = make_conninfo(backend.database_url, dbname=database, user=migrator)
+    try:
+        assert not await ensure_database(url)
+        applied = await migrate(url)
+        assert applied and applied[-1].version == max(m.version for m in load_migrations())
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True, row_factory=dict_row) as conn:
+            granted = await apply_roles(conn, prefix)
+            assert set(granted) == set(SERVICES)
+            cur = await conn.execute("SELECT tableowner FROM pg_tables WHERE tablename = 'desktop_tasks'")
+            assert (await cur.fetchone()) == {"tableowner": migrator}
+    finally:
+        async with await psycopg.AsyncConnection.connect(admin, autocommit=True) as conn:
+            await conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
+            for service in SERVICES:
+                await conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role_name(prefix, service))))
+            await conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(migrator)))
