@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: install backends lint test test-unit test-integration test-e2e run observe migrate bench chaos faults faults-long soak clean
+.PHONY: install backends lint test test-unit test-integration test-e2e test-deploy run observe migrate bench chaos faults faults-long soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
