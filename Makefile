@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: asyncapi install backends lint test test-unit test-integration test-e2e run observe migrate bench chaos faults faults-long faults-down soak clean
+.PHONY: asyncapi install backends lint test test-unit test-integration test-e2e test-deploy run observe migrate bench chaos faults faults-long faults-down soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-integration: install backends
 
 test-e2e: install backends
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest tests/e2e
+
+# Every service process under its own Postgres role and RabbitMQ user (~40 s; needs root for rabbitmqctl):
+# tests/deploy. The grants alone are checked in `make test` (tests/integration/test_db_roles.py).
+test-deploy: install backends
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest tests/deploy
 
 migrate: install backends
 	$(BIN)/monitorctl migrate

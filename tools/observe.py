@@ -4,7 +4,7 @@
 
 The scrape jobs are named after the services, as the ServiceMonitors name them in a cluster, so the shipped
 rules (deploy/k8s/base/prometheusrule.yaml, rule groups unchanged) and the dashboard queries work as they are;
-`honor_labels` as in the ServiceMonitors (the reconciler's per-job series carry a `job` label of their own).
+no `honor_labels`, as in the ServiceMonitors (no metric label collides with `job` or `instance`).
 scripts/observe.sh runs Prometheus on this configuration and the local trace sink next to it.
 """
 
@@ -39,7 +39,7 @@ def prometheus_config(rules_file: str, host: str = "127.0.0.1",
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "rule_files": [rules_file],
         "scrape_configs": [
-            {"job_name": service, "honor_labels": True, "metrics_path": "/metrics",
+            {"job_name": service, "honor_labels": False, "metrics_path": "/metrics",
              "static_configs": [{"targets": [f"{host}:{port}"], "labels": {"namespace": "local"}}]}
             for service, port in sorted((ports or SERVICE_PORTS).items())
         ],

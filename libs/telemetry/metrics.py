@@ -251,14 +251,16 @@ leader_is_active = Gauge("leader_is_active", "1 when this replica holds the lead
 
 # ---- reconciler -------------------------------------------------------------------------------
 reconciler_job_runs_count = ExactCounter(
-    "reconciler_job_runs_count", "Reconcile job runs by outcome (ok | error).", ["job", "outcome"])
-reconciler_job_duration_ms = _hist("reconciler_job_duration_ms", "Duration of one reconcile job run (ms).", ["job"])
+    "reconciler_job_runs_count", "Reconcile job runs by outcome (ok | error).", ["reconcile_job", "outcome"])
+reconciler_job_duration_ms = _hist("reconciler_job_duration_ms", "Duration of one reconcile job run (ms).",
+                                   ["reconcile_job"])
 reconciler_job_rows_fixed_count = ExactCounter(
-    "reconciler_job_rows_fixed_count", "Rows changed by reconcile job runs.", ["job"])
+    "reconciler_job_rows_fixed_count", "Rows changed by reconcile job runs.", ["reconcile_job"])
 reconciler_job_last_rows_fixed = Gauge(
-    "reconciler_job_last_rows_fixed", "Rows changed by the last run of each reconcile job.", ["job"])
+    "reconciler_job_last_rows_fixed", "Rows changed by the last run of each reconcile job.", ["reconcile_job"])
 reconciler_job_last_success_timestamp = Gauge(
-    "reconciler_job_last_success_timestamp", "Unix time of the last successful run of each reconcile job.", ["job"])
+    "reconciler_job_last_success_timestamp", "Unix time of the last successful run of each reconcile job.",
+    ["reconcile_job"])
 collect_request_no_dispatch_warning_count = ExactCounter(
     "collect_request_no_dispatch_warning_count",
     "Collect-now requests still accepted without any dispatch after the warning delay (docs/architecture.md §10.6).")

@@ -32,16 +32,17 @@ async def run_job(job: Job, conn: Conn, config: ReconcilerConfig,
     try:
         result = await job.run(JobContext(conn=conn, settings=settings, config=config))
     except Exception:
-        metrics.reconciler_job_runs_count.inc(job=job.name, outcome="error")
-        metrics.reconciler_job_duration_ms.labels(job=job.name).observe((time.perf_counter() - started) * 1000)
+        metrics.reconciler_job_runs_count.inc(reconcile_job=job.name, outcome="error")
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        metrics.reconciler_job_duration_ms.labels(reconcile_job=job.name).observe(elapsed_ms)
         raise
     duration_ms = (time.perf_counter() - started) * 1000
-    metrics.reconciler_job_duration_ms.labels(job=job.name).observe(duration_ms)
-    metrics.reconciler_job_runs_count.inc(job=job.name, outcome="ok")
-    metrics.reconciler_job_last_rows_fixed.labels(job=job.name).set(result.fixed)
-    metrics.reconciler_job_last_success_timestamp.labels(job=job.name).set(time.time())
+    metrics.reconciler_job_duration_ms.labels(reconcile_job=job.name).observe(duration_ms)
+    metrics.reconciler_job_runs_count.inc(reconcile_job=job.name, outcome="ok")
+    metrics.reconciler_job_last_rows_fixed.labels(reconcile_job=job.name).set(result.fixed)
+    metrics.reconciler_job_last_success_timestamp.labels(reconcile_job=job.name).set(time.time())
     if result.fixed:
-        metrics.reconciler_job_rows_fixed_count.inc(result.fixed, job=job.name)
+        metrics.reconciler_job_rows_fixed_count.inc(result.fixed, reconcile_job=job.name)
         if job.phase2_consistency:
             metrics.phase2_reconcile_fixed_count.inc(result.fixed, check=job.name)
     level = logging.INFO if result.fixed or any(result.details.values()) else logging.DEBUG

