@@ -56,6 +56,7 @@ from libs.db.pool import Conn
 from libs.db.write_health import WriterHealth
 from libs.dispatch_settings import SettingsCache
 from libs.ingest.shards import assign_shards, lag_ms
+from libs.ingest.write_rate import WriteRateGauge
 from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
 from libs.mq.poison import describe_failure, is_transient
 from libs.mq.topology import Topology
@@ -88,23 +89,8 @@ class IngestConfig:
     retention_hours: int = 168
     # Longest continuous database outage a shard holds its deliveries through (below the broker's consumer_timeout).
     db_outage_hold_s: float = 1200.0
-
-
-class WriteRate:
-    """Rows written per second over a sliding window (monitoring_pg_write_qps)."""
-
-    def __init__(self, window_s: float = 5.0) -> None:
-        self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
-
-    def add(self, rows: int) -> None:
-        self._events.append((time.monotonic(), rows))
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        while self._events and now - self._events[0][0] > self.window_s:
-            self._events.popleft()
-        return sum(rows for _, rows in self._events) / self.window_s
+    # How often the lag gauges are recomputed from what each shard holds (no I/O): a stuck batch keeps raising them.
+    lag_refresh_s: float = 1.0
 
 
 def _alive(message: AbstractIncomingMessage) -> bool:
@@ -134,7 +120,7 @@ class ShardConsumer:
 
     def __init__(self, shard: int, connection: AbstractRobustConnection, topology: Topology,
                  pool: AsyncConnectionPool[Conn], config: IngestConfig, settings: SettingsCache,
-                 write_rate: WriteRate, dead_letters: DeadLetterPublisher, write_health: WriterHealth) -> None:
+                 dead_letters: DeadLetterPublisher, write_health: WriterHealth) -> None:
         self.shard = shard
         self.write_health = write_health
         self.connection = connection
@@ -142,10 +128,14 @@ class ShardConsumer:
         self.pool = pool
         self.config = config
         self.settings = settings
-        self.write_rate = write_rate
         self.dead_letters = dead_letters
         self.channel: AbstractChannel | None = None
+        # Deliveries not taken into a batch yet, and beside them (same order) the wall-clock time, epoch ms, each
+        # reached this replica: asyncio.Queue has no peek, and the lag gauge needs the head's age.
         self.buffer: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        self._arrivals: deque[float] = deque()
+        # The hub's receive time (epoch ms) of the oldest result in the batch being applied; None between batches.
+        self._held_since_ms: float | None = None
         self.last_delivery_at = 0.0
         self.yield_requested = False
         self._subscriptions = 0
@@ -170,7 +160,22 @@ class ShardConsumer:
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         self.last_delivery_at = time.monotonic()
+        self._arrivals.append(time.time() * 1000)
         self.buffer.put_nowait(message)
+
+    def _take(self) -> AbstractIncomingMessage:
+        message = self.buffer.get_nowait()
+        self._arrivals.popleft()
+        return message
+
+    def lag_ms(self, now_epoch_ms: float) -> float:
+        """Age of the oldest result this shard holds and has not applied: the batch being applied (its oldest
+        result's receive time at the hub), else the oldest buffered delivery (its arrival here). Read on a timer
+        (`IngestWorker._refresh_lag`), so a batch that is stuck keeps raising it."""
+        oldest = self._held_since_ms
+        if oldest is None and self._arrivals:
+            oldest = self._arrivals[0]
+        return lag_ms(now_epoch_ms, oldest)
 
     async def close(self) -> None:
         """Closing the channel returns every unacked delivery to the head of the queue."""
@@ -179,7 +184,8 @@ class ShardConsumer:
             with contextlib.suppress(Exception):
                 await channel.close()
         while not self.buffer.empty():
-            self.buffer.get_nowait()
+            self._take()
+        self._held_since_ms = None
         m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(0)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -195,7 +201,7 @@ class ShardConsumer:
                 continue
             batch = [first]
             while len(batch) < self.config.batch_size and not self.buffer.empty():
-                batch.append(self.buffer.get_nowait())
+                batch.append(self._take())
             batch = [message for message in batch if _alive(message)]
             if batch:
                 try:
@@ -210,12 +216,13 @@ class ShardConsumer:
                     # A bug outside applying (which sorts its own errors): the batch goes back, the loop lives on.
                     log.exception("unexpected error handling a batch; requeued", extra={"shard": self.shard})
                     await self._requeue_outstanding(batch[-1])
-            if self.buffer.empty():
-                lag.set(0)
+                finally:
+                    self._held_since_ms = None
+            lag.set(self.lag_ms(time.time() * 1000))
 
     async def _next(self, stop: asyncio.Event) -> AbstractIncomingMessage | None:
         if not self.buffer.empty():
-            return self.buffer.get_nowait()
+            return self._take()
         getter = asyncio.ensure_future(self.buffer.get())
         stopper = asyncio.ensure_future(stop.wait())
         try:
@@ -226,6 +233,7 @@ class ShardConsumer:
             if not getter.done():
                 getter.cancel()
         if getter in done and not getter.cancelled():
+            self._arrivals.popleft()
             return getter.result()
         return None
 
@@ -259,8 +267,8 @@ class ShardConsumer:
             else:
                 decoded.append((message, value))
         if decoded:
-            oldest = min(r.received_at.timestamp() for _, r in decoded) * 1000
-            m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(lag_ms(time.time() * 1000, oldest))
+            self._held_since_ms = min(r.received_at.timestamp() for _, r in decoded) * 1000
+            m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(self.lag_ms(time.time() * 1000))
         try:
             outcome = await self._apply_with_retries([r for _, r in decoded])
         except _Requeue:
@@ -405,7 +413,7 @@ class ShardConsumer:
         """
         await self._pause(_requeue_backoff(last))
         while not self.buffer.empty():
-            queued = self.buffer.get_nowait()
+            queued = self._take()
             if _alive(queued):
                 last = queued
         with contextlib.suppress(*BROKER_ERRORS):
@@ -420,7 +428,6 @@ class ShardConsumer:
             m.collect_now_first_result_latency_ms.observe(latency)
         m.ingest_batch_size.observe(delivered)
         m.ingest_batch_duration_ms.observe(elapsed_s * 1000)
-        self.write_rate.add(outcome.rows_written)
 
 
 class _Requeue(Exception):
@@ -448,14 +455,14 @@ class IngestWorker:
         self.topology = topology
         self.pool = pool
         self.config = config
-        self.write_rate = WriteRate()
+        self.write_rate = WriteRateGauge()
         self.write_health = write_health or WriterHealth("ingest", config.instance_id)
         settings = SettingsCache(pool, max_age_s=5.0)
         # Shared by the shards: dead letters are rare, and it publishes them one at a time anyway.
         self.dead_letters = DeadLetterPublisher(connection, topology)
         self.broker_dead_letters = BrokerDeadLetterCounter(connection, topology)
-        self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate,
-                                     self.dead_letters, self.write_health) for k in range(topology.ingest_shards)]
+        self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.dead_letters,
+                                     self.write_health) for k in range(topology.ingest_shards)]
         self.subscribed = asyncio.Event()
         self._assigned: dict[int, str] = {}
 
@@ -468,14 +475,15 @@ class IngestWorker:
         self.subscribed.set()
         loops = [asyncio.create_task(shard.run(stop), name=f"shard-{shard.shard}") for shard in self.shards]
         housekeeping = asyncio.create_task(self._housekeeping(stop), name="ingest-housekeeping")
+        lag = asyncio.create_task(self._refresh_lag(stop), name="ingest-lag")
         try:
-            done, _ = await asyncio.wait([*loops, housekeeping], return_when=asyncio.FIRST_EXCEPTION)
+            done, _ = await asyncio.wait([*loops, housekeeping, lag], return_when=asyncio.FIRST_EXCEPTION)
             for task in done:
                 if task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
         finally:
             stop.set()
-            await asyncio.gather(*loops, housekeeping, return_exceptions=True)
+            await asyncio.gather(*loops, housekeeping, lag, return_exceptions=True)
             for shard in self.shards:
                 await shard.close()
             await self.broker_dead_letters.close()
@@ -498,13 +506,25 @@ class IngestWorker:
                     last_purge = time.monotonic()
                     async with self.pool.connection() as conn:
                         await conn.execute(q.PURGE_APPLIED, {"hours": self.config.retention_hours, "limit": 10_000})
+                async with self.pool.connection() as conn:
+                    rate = await self.write_rate.update(conn)
+                if rate is not None:
+                    m.monitoring_pg_write_qps.set(rate)
             except (psycopg.Error, OSError) as exc:
                 log.warning("ingest housekeeping failed; retrying", extra={"error": str(exc)[:300]})
-            m.monitoring_pg_write_qps.set(self.write_rate.rate())
             recent = time.monotonic() - 5.0
             m.ingest_active_shards.set(sum(1 for s in self.shards if s.last_delivery_at > recent))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.member_heartbeat_s)
+
+    async def _refresh_lag(self, stop: asyncio.Event) -> None:
+        """Every `lag_refresh_s`, each shard's lag from what it holds now, not from when its batch started."""
+        while not stop.is_set():
+            now_ms = time.time() * 1000
+            for shard in self.shards:
+                m.monitor_result_ingest_lag_ms.labels(shard=str(shard.shard)).set(shard.lag_ms(now_ms))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.config.lag_refresh_s)
 
     async def _rebalance(self) -> None:
         """Heartbeat, then yield the shards that are assigned to another live member (once per change)."""
