@@ -55,6 +55,7 @@ from libs.contracts.amqp import MonitorResult, result_decoder
 from libs.db.pool import Conn
 from libs.db.write_health import WriterHealth
 from libs.dispatch_settings import SettingsCache
+from libs.ingest.routing import Routing, RoutingState, RoutingStore, may_consume
 from libs.ingest.shards import assign_shards, lag_ms
 from libs.ingest.write_rate import WriteRateGauge
 from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
@@ -120,8 +121,12 @@ class ShardConsumer:
 
     def __init__(self, shard: int, connection: AbstractRobustConnection, topology: Topology,
                  pool: AsyncConnectionPool[Conn], config: IngestConfig, settings: SettingsCache,
-                 dead_letters: DeadLetterPublisher, write_health: WriterHealth) -> None:
+                 dead_letters: DeadLetterPublisher, write_health: WriterHealth, epoch: int = 0) -> None:
         self.shard = shard
+        self.epoch = epoch
+        # The gauges' `shard` label: the shard number in epoch 0, `<epoch>.<shard>` after a reshard.
+        self.label = str(shard) if epoch == 0 else f"{epoch}.{shard}"
+        self.subscribed_at = 0.0
         self.write_health = write_health
         self.connection = connection
         self.topology = topology
@@ -136,6 +141,8 @@ class ShardConsumer:
         self._arrivals: deque[float] = deque()
         # The hub's receive time (epoch ms) of the oldest result in the batch being applied; None between batches.
         self._held_since_ms: float | None = None
+        self._busy = False
+        self._channel_lock = asyncio.Lock()
         self.last_delivery_at = 0.0
         self.yield_requested = False
         self._subscriptions = 0
@@ -145,18 +152,35 @@ class ShardConsumer:
 
     @property
     def queue_name(self) -> str:
-        return self.topology.ingest_queue(self.shard)
+        return self.topology.ingest_queue(self.shard, self.epoch)
+
+    @property
+    def subscribed(self) -> bool:
+        return self.channel is not None and not self.channel.is_closed
+
+    def idle(self, quiet_s: float) -> bool:
+        """Holding nothing (no buffered delivery, no batch being applied), and no delivery for `quiet_s`."""
+        return (self.buffer.empty() and self._held_since_ms is None and not self._busy
+                and time.monotonic() - max(self.last_delivery_at, self.subscribed_at) > quiet_s)
 
     async def subscribe(self) -> None:
+        """Open the shard's channel and consume (a no-op when subscribed): serialized with `close`, since the loop
+        (handing over) and the worker (resharding) both call them, and two channels would be two consumers."""
+        async with self._channel_lock:
+            if not self.subscribed:
+                await self._subscribe()
+
+    async def _subscribe(self) -> None:
         channel = await self.connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=self.config.prefetch)
         # Declared (passively), not just named: only a queue declared on the robust channel is restored with its
         # consumer when the connection comes back; `ensure=False` would leave the shard without a consumer for good.
         queue = await channel.get_queue(self.queue_name)
         self._subscriptions += 1
-        await queue.consume(self._on_message, consumer_tag=f"{self.config.instance_id}.s{self.shard}."
+        await queue.consume(self._on_message, consumer_tag=f"{self.config.instance_id}.e{self.epoch}.s{self.shard}."
                                                            f"{self._subscriptions}")
         self.channel = channel
+        self.subscribed_at = time.monotonic()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         self.last_delivery_at = time.monotonic()
@@ -179,18 +203,19 @@ class ShardConsumer:
 
     async def close(self) -> None:
         """Closing the channel returns every unacked delivery to the head of the queue."""
-        channel, self.channel = self.channel, None
-        if channel is not None and not channel.is_closed:
-            with contextlib.suppress(Exception):
-                await channel.close()
+        async with self._channel_lock:
+            channel, self.channel = self.channel, None
+            if channel is not None and not channel.is_closed:
+                with contextlib.suppress(Exception):
+                    await channel.close()
         while not self.buffer.empty():
             self._take()
         self._held_since_ms = None
-        m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(0)
+        m.monitor_result_ingest_lag_ms.labels(shard=self.label).set(0)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
-        lag = m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard))
+        lag = m.monitor_result_ingest_lag_ms.labels(shard=self.label)
         lag.set(0)
         while not stop.is_set():
             if self.yield_requested:
@@ -200,6 +225,7 @@ class ShardConsumer:
             if first is None:
                 continue
             batch = [first]
+            self._busy = True
             while len(batch) < self.config.batch_size and not self.buffer.empty():
                 batch.append(self._take())
             batch = [message for message in batch if _alive(message)]
@@ -218,6 +244,7 @@ class ShardConsumer:
                     await self._requeue_outstanding(batch[-1])
                 finally:
                     self._held_since_ms = None
+            self._busy = False
             lag.set(self.lag_ms(time.time() * 1000))
 
     async def _next(self, stop: asyncio.Event) -> AbstractIncomingMessage | None:
@@ -262,13 +289,14 @@ class ShardConsumer:
             value = _decode(message)
             if isinstance(value, str):
                 poison.append((message, value))
-            elif value.shard != self.shard:
-                poison.append((message, f"wrong_shard: result for shard {value.shard} on shard {self.shard}"))
+            elif value.shard != self.shard or value.routing_epoch != self.epoch:
+                poison.append((message, f"wrong_shard: result for shard {value.shard} of epoch {value.routing_epoch} "
+                                        f"on shard {self.shard} of epoch {self.epoch}"))
             else:
                 decoded.append((message, value))
         if decoded:
             self._held_since_ms = min(r.received_at.timestamp() for _, r in decoded) * 1000
-            m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(self.lag_ms(time.time() * 1000))
+            m.monitor_result_ingest_lag_ms.labels(shard=self.label).set(self.lag_ms(time.time() * 1000))
         try:
             outcome = await self._apply_with_retries([r for _, r in decoded])
         except _Requeue:
@@ -447,7 +475,8 @@ def _requeue_backoff(message: AbstractIncomingMessage) -> float:
 
 
 class IngestWorker:
-    """All shard consumers of this replica, plus membership (shard spreading) and housekeeping."""
+    """All shard consumers of this replica (every shard of the active routing epoch, and of the epoch draining
+    during a reshard), plus membership (shard spreading), the reshard barrier and housekeeping."""
 
     def __init__(self, connection: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
                  config: IngestConfig, write_health: WriterHealth | None = None) -> None:
@@ -457,41 +486,140 @@ class IngestWorker:
         self.config = config
         self.write_rate = WriteRateGauge()
         self.write_health = write_health or WriterHealth("ingest", config.instance_id)
-        settings = SettingsCache(pool, max_age_s=5.0)
+        self._settings = SettingsCache(pool, max_age_s=5.0)
         # Shared by the shards: dead letters are rare, and it publishes them one at a time anyway.
         self.dead_letters = DeadLetterPublisher(connection, topology)
         self.broker_dead_letters = BrokerDeadLetterCounter(connection, topology)
-        self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.dead_letters,
-                                     self.write_health) for k in range(topology.ingest_shards)]
+        self.routing_store = RoutingStore(topology.ingest_shards)
+        self.routing = RoutingState(Routing(0, topology.ingest_shards))
+        self.consumers: dict[tuple[int, int], ShardConsumer] = {}
+        self._loops: dict[tuple[int, int], asyncio.Task[None]] = {}
+        self._probe: AbstractChannel | None = None
         self.subscribed = asyncio.Event()
-        self._assigned: dict[int, str] = {}
+        self._assigned: dict[tuple[int, int], str] = {}
+        self._stop = asyncio.Event()
+
+    @property
+    def shards(self) -> list[ShardConsumer]:
+        return list(self.consumers.values())
 
     async def run(self, stop: asyncio.Event) -> None:
-        for shard in self.shards:
-            await shard.subscribe()
+        self._stop = stop
+        async with self.pool.connection() as conn:
+            self.routing = await self.routing_store.state(conn)
+        await self._sync_consumers()
         await self.broker_dead_letters.subscribe()
         # Join only once subscribed everywhere: peers yield shards to members that can take them.
         await self._heartbeat()
         self.subscribed.set()
-        loops = [asyncio.create_task(shard.run(stop), name=f"shard-{shard.shard}") for shard in self.shards]
         housekeeping = asyncio.create_task(self._housekeeping(stop), name="ingest-housekeeping")
         lag = asyncio.create_task(self._refresh_lag(stop), name="ingest-lag")
         try:
-            done, _ = await asyncio.wait([*loops, housekeeping, lag], return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            while not stop.is_set():
+                watched = [*self._loops.values(), housekeeping, lag]
+                done, _ = await asyncio.wait(watched, timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                if housekeeping in done or lag in done:
+                    break
         finally:
             stop.set()
-            await asyncio.gather(*loops, housekeeping, lag, return_exceptions=True)
-            for shard in self.shards:
+            await asyncio.gather(*self._loops.values(), housekeeping, lag, return_exceptions=True)
+            for shard in self.consumers.values():
                 await shard.close()
+            await self._close_probe()
             await self.broker_dead_letters.close()
             await self.dead_letters.close()
             with contextlib.suppress(Exception):
                 async with self.pool.connection() as conn:
                     await conn.execute(q.LEAVE_MEMBERS, {"instance_id": self.config.instance_id})
             log.info("ingest worker stopped", extra={"instance_id": self.config.instance_id})
+
+    def _consumer(self, epoch: int, shard: int) -> ShardConsumer:
+        key = (epoch, shard)
+        consumer = self.consumers.get(key)
+        if consumer is None:
+            consumer = ShardConsumer(shard, self.connection, self.topology, self.pool, self.config, self._settings,
+                                     self.dead_letters, self.write_health, epoch=epoch)
+            self.consumers[key] = consumer
+            self._loops[key] = asyncio.create_task(consumer.run(self._stop), name=f"shard-e{epoch}-{shard}")
+        return consumer
+
+    async def _sync_consumers(self) -> None:
+        """Consumers for the routing state: the active epoch's shards (each once the old shards it takes keys from
+        are drained), the draining epoch's while they hold work; retired epochs' consumers closed."""
+        state = self.routing
+        active, old = state.active, state.draining
+        for shard in range(active.shards):
+            consumer = self._consumer(active.epoch, shard)
+            if not consumer.subscribed and may_consume(shard, old, active.shards, set(state.drained)):
+                if old is not None:
+                    log.info("taking over a resharded shard", extra={"epoch": active.epoch, "shard": shard})
+                await consumer.subscribe()
+        live = {active.epoch} | ({old.epoch} if old is not None else set())
+        if old is not None:
+            for shard in range(old.shards):
+                if shard not in state.drained:
+                    await self._drain(self._consumer(old.epoch, shard), unbound=state.draining_unbound)
+        for key in [k for k in self.consumers if k[0] not in live or (old is not None and k[0] == old.epoch
+                                                                      and k[1] in state.drained)]:
+            await self._drop(key)
+
+    async def _drain(self, consumer: ShardConsumer, *, unbound: bool) -> None:
+        """A draining epoch's shard: consume while it has messages; once its queue has no bindings and this replica
+        holds nothing, close the channel (nothing can be delivered to it after that); the queue is drained when no
+        replica consumes it and it holds no message (unacked ones would be back in it: no consumer is left)."""
+        consumer.yield_requested = False
+        if not unbound:
+            if not consumer.subscribed:
+                await consumer.subscribe()
+            return
+        if consumer.subscribed:
+            if consumer.idle(quiet_s=1.0):
+                await consumer.close()
+            return
+        counts = await self._queue_counts(consumer.queue_name)
+        if counts is None:
+            return
+        messages, consumers = counts
+        log.info("draining queue", extra={"epoch": consumer.epoch, "shard": consumer.shard, "messages": messages,
+                                          "consumers": consumers})
+        if messages > 0:
+            if consumers == 0:
+                await consumer.subscribe()  # left over (given back by a replica that closed): drain it here
+            return
+        if consumers == 0:
+            async with self.pool.connection() as conn:
+                if await self.routing_store.mark_drained(conn, consumer.epoch, consumer.shard,
+                                                         self.config.instance_id):
+                    log.info("old shard drained", extra={"epoch": consumer.epoch, "shard": consumer.shard})
+
+    async def _queue_counts(self, queue: str) -> tuple[int, int] | None:
+        """(ready messages, consumers) of `queue` (a passive declare), None when it is gone or the broker is down."""
+        try:
+            if self._probe is None or self._probe.is_closed:
+                self._probe = await self.connection.channel()
+            declared = await self._probe.declare_queue(queue, passive=True)
+        except (*BROKER_ERRORS, RuntimeError) as exc:
+            log.warning("cannot read a draining queue", extra={"queue": queue, "error": str(exc)[:200]})
+            await self._close_probe()
+            return None
+        result = declared.declaration_result
+        return int(result.message_count or 0), int(result.consumer_count or 0)
+
+    async def _close_probe(self) -> None:
+        probe, self._probe = self._probe, None
+        if probe is not None and not probe.is_closed:
+            with contextlib.suppress(Exception):
+                await probe.close()
+
+    async def _drop(self, key: tuple[int, int]) -> None:
+        consumer = self.consumers.pop(key)
+        loop = self._loops.pop(key)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await consumer.close()
 
     async def _heartbeat(self) -> None:
         async with self.pool.connection() as conn:
@@ -501,6 +629,9 @@ class IngestWorker:
         last_purge = 0.0
         while not stop.is_set():
             try:
+                async with self.pool.connection() as conn:
+                    self.routing = await self.routing_store.state(conn)
+                await self._sync_consumers()
                 await self._rebalance()
                 if time.monotonic() - last_purge > 600:
                     last_purge = time.monotonic()
@@ -510,10 +641,10 @@ class IngestWorker:
                     rate = await self.write_rate.update(conn)
                 if rate is not None:
                     m.monitoring_pg_write_qps.set(rate)
-            except (psycopg.Error, OSError) as exc:
+            except (psycopg.Error, OSError, *BROKER_ERRORS) as exc:
                 log.warning("ingest housekeeping failed; retrying", extra={"error": str(exc)[:300]})
             recent = time.monotonic() - 5.0
-            m.ingest_active_shards.set(sum(1 for s in self.shards if s.last_delivery_at > recent))
+            m.ingest_active_shards.set(sum(1 for s in self.consumers.values() if s.last_delivery_at > recent))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.member_heartbeat_s)
 
@@ -521,13 +652,14 @@ class IngestWorker:
         """Every `lag_refresh_s`, each shard's lag from what it holds now, not from when its batch started."""
         while not stop.is_set():
             now_ms = time.time() * 1000
-            for shard in self.shards:
-                m.monitor_result_ingest_lag_ms.labels(shard=str(shard.shard)).set(shard.lag_ms(now_ms))
+            for shard in list(self.consumers.values()):
+                m.monitor_result_ingest_lag_ms.labels(shard=shard.label).set(shard.lag_ms(now_ms))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.lag_refresh_s)
 
     async def _rebalance(self) -> None:
-        """Heartbeat, then yield the shards that are assigned to another live member (once per change)."""
+        """Heartbeat, then yield the active epoch's shards that are assigned to another live member (once per
+        change)."""
         async with self.pool.connection() as conn:
             await conn.execute(q.HEARTBEAT_MEMBER, {"instance_id": self.config.instance_id})
             await conn.execute(q.FORGET_STALE_MEMBERS, {"timeout_s": self.config.member_timeout_s})
@@ -535,10 +667,13 @@ class IngestWorker:
             members = [str(row["instance_id"]) for row in await cur.fetchall()]
         if self.config.instance_id not in members:
             members.append(self.config.instance_id)
-        assignment = assign_shards(members, self.topology.ingest_shards)
-        for shard in self.shards:
-            owner = assignment[shard.shard]
-            if self._assigned.get(shard.shard) != owner:
-                self._assigned[shard.shard] = owner
+        active = self.routing.active
+        assignment = assign_shards(members, active.shards)
+        for shard, owner in assignment.items():
+            consumer = self.consumers.get((active.epoch, shard))
+            if consumer is None or not consumer.subscribed:
+                continue
+            if self._assigned.get((active.epoch, shard)) != owner:
+                self._assigned[(active.epoch, shard)] = owner
                 if owner != self.config.instance_id:
-                    shard.yield_requested = True
+                    consumer.yield_requested = True
