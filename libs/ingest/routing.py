@@ -19,13 +19,21 @@ from dataclasses import dataclass
 from datetime import date, datetime
 from typing import Literal
 
+import msgspec
+
+from libs.contracts.amqp import MonitorResult
 from libs.db.pool import Conn
 from libs.domain.shard import shard_for
 
 EpochState = Literal["active", "draining", "retired"]
-# After the old epoch's bindings are removed, how long before its queues may be found drained: a publish routed
-# just before the unbind may still be on its way into the queue (RabbitMQ enqueues after routing, milliseconds).
+# After the old epoch's bindings are removed, how long before the drain markers go in behind the last results: a
+# publish routed just before the unbind may still be on its way into the queue (RabbitMQ enqueues after routing).
 DRAIN_GRACE_S = 2.0
+# The AMQP `type` of the marker `monitorctl ingest reshard` puts at the tail of each unbound old queue. The queue is
+# FIFO and nothing is routed to it any more, so the consumer that reaches the marker, having applied and acked
+# everything before it, has drained the shard. (Not the broker's message counts: a quorum queue's declare-ok
+# counts lag by seconds, measured here at up to 15 s on a loaded broker, and went 0 while messages were there.)
+DRAIN_MARKER_TYPE = "ingest_drain_marker"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +54,12 @@ def routing_key(epoch: int, shard: int) -> str:
 
 def queue_suffix(epoch: int, shard: int) -> str:
     return f"monitor.result.ingest.shard.{shard}" if epoch == 0 else f"monitor.result.ingest.e{epoch}.shard.{shard}"
+
+
+def routed(message: MonitorResult, routing: Routing) -> MonitorResult:
+    """`message` with the shard and epoch `routing` gives its key."""
+    shard = routing.shard_of(message.tenant_id, message.brand_id, message.business_date)
+    return msgspec.structs.replace(message, shard=shard, routing_epoch=routing.epoch)
 
 
 def source_shards(new_shard: int, old_shards: int, new_shards: int) -> set[int]:
@@ -121,11 +135,10 @@ UPDATE ingest_routing_epochs SET unbound_at = coalesce(unbound_at, now())
 WHERE epoch = %(epoch)s AND state = 'draining'
 """
 
-# Only past the grace after the unbind (DB clock, so replicas' clocks do not matter).
 MARK_DRAINED_SQL = """
 INSERT INTO ingest_routing_drains (epoch, shard, drained_by)
 SELECT %(epoch)s, %(shard)s, %(by)s FROM ingest_routing_epochs
-WHERE epoch = %(epoch)s AND state = 'draining' AND unbound_at < now() - make_interval(secs => %(grace_s)s)
+WHERE epoch = %(epoch)s AND state = 'draining' AND unbound_at IS NOT NULL
 ON CONFLICT DO NOTHING
 RETURNING drained_at
 """
@@ -173,9 +186,8 @@ class RoutingStore:
     async def mark_unbound(self, conn: Conn, epoch: int) -> None:
         await conn.execute(MARK_UNBOUND_SQL, {"epoch": epoch})
 
-    async def mark_drained(self, conn: Conn, epoch: int, shard: int, by: str,
-                           grace_s: float = DRAIN_GRACE_S) -> bool:
-        cur = await conn.execute(MARK_DRAINED_SQL, {"epoch": epoch, "shard": shard, "by": by, "grace_s": grace_s})
+    async def mark_drained(self, conn: Conn, epoch: int, shard: int, by: str) -> bool:
+        cur = await conn.execute(MARK_DRAINED_SQL, {"epoch": epoch, "shard": shard, "by": by})
         return await cur.fetchone() is not None
 
     async def retire(self, conn: Conn, epoch: int) -> bool:

@@ -293,6 +293,9 @@ ingest_transient_error_count = ExactCounter(
     "Transient database errors applying ingest batches (the deliveries are held and the batch retried).")
 ingest_shard_yield_count = ExactCounter(
     "ingest_shard_yield_count", "Shards this replica handed to the live member they are assigned to.")
+ingest_reshard_forwarded_count = ExactCounter(
+    "ingest_reshard_forwarded_count", "Results that reached a drained old-epoch shard queue during a reshard (routed "
+    "just before its unbind) and were forwarded to the active epoch instead of applied.")
 ingest_batch_size = Histogram(
     "ingest_batch_size", "MonitorResults applied per ingest transaction.",
     buckets=(1, 2, 5, 10, 25, 50, 100, 200, 500, 1000))

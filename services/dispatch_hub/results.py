@@ -15,7 +15,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import MonitorResult, message_type
 from libs.db.pool import Conn
-from libs.ingest.routing import Routing, RoutingStore
+from libs.ingest.routing import Routing, RoutingStore, routed
 from libs.mq.topology import Topology, declare_ingest
 from libs.telemetry import tracing
 
@@ -71,11 +71,6 @@ class RoutingTableRouter:
 
     def forget(self) -> None:
         self._routing = None
-
-
-def routed(message: MonitorResult, routing: Routing) -> MonitorResult:
-    shard = routing.shard_of(message.tenant_id, message.brand_id, message.business_date)
-    return msgspec.structs.replace(message, shard=shard, routing_epoch=routing.epoch)
 
 
 async def publish_routed(publisher: ResultPublisher, router: ResultRouter, message: MonitorResult) -> MonitorResult:

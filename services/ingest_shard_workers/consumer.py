@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
+import aio_pika
 import msgspec
 import psycopg
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
@@ -55,7 +56,7 @@ from libs.contracts.amqp import MonitorResult, result_decoder
 from libs.db.pool import Conn
 from libs.db.write_health import WriterHealth
 from libs.dispatch_settings import SettingsCache
-from libs.ingest.routing import Routing, RoutingState, RoutingStore, may_consume
+from libs.ingest.routing import DRAIN_MARKER_TYPE, Routing, RoutingState, RoutingStore, may_consume, routed
 from libs.ingest.shards import assign_shards, lag_ms
 from libs.ingest.write_rate import WriteRateGauge
 from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
@@ -143,6 +144,13 @@ class ShardConsumer:
         self._held_since_ms: float | None = None
         self._busy = False
         self._channel_lock = asyncio.Lock()
+        # Deliveries taken from the buffer but put back behind a drain marker, served before the buffer.
+        self._carry: deque[AbstractIncomingMessage] = deque()
+        # A draining epoch's shard whose marker was reached: anything delivered after it arrived late (routed just
+        # before the unbind) and is forwarded to the active epoch, never applied here (`IngestWorker._forward`).
+        self.drained = False
+        self.forward: Callable[[AbstractIncomingMessage], Awaitable[bool]] | None = None
+        self.on_marker: Callable[[ShardConsumer], Awaitable[None]] | None = None
         self.last_delivery_at = 0.0
         self.yield_requested = False
         self._subscriptions = 0
@@ -188,6 +196,8 @@ class ShardConsumer:
         self.buffer.put_nowait(message)
 
     def _take(self) -> AbstractIncomingMessage:
+        if self._carry:
+            return self._carry.popleft()
         message = self.buffer.get_nowait()
         self._arrivals.popleft()
         return message
@@ -208,7 +218,7 @@ class ShardConsumer:
             if channel is not None and not channel.is_closed:
                 with contextlib.suppress(Exception):
                     await channel.close()
-        while not self.buffer.empty():
+        while self._carry or not self.buffer.empty():
             self._take()
         self._held_since_ms = None
         m.monitor_result_ingest_lag_ms.labels(shard=self.label).set(0)
@@ -226,10 +236,17 @@ class ShardConsumer:
                 continue
             batch = [first]
             self._busy = True
-            while len(batch) < self.config.batch_size and not self.buffer.empty():
+            while len(batch) < self.config.batch_size and (self._carry or not self.buffer.empty()):
                 batch.append(self._take())
             batch = [message for message in batch if _alive(message)]
-            if batch:
+            cut = next((i for i, message in enumerate(batch) if message.type == DRAIN_MARKER_TYPE), None)
+            if cut is not None and cut > 0:
+                # Apply what came before the marker first, as a batch of its own.
+                self._carry.extendleft(reversed(batch[cut:]))
+                batch = batch[:cut]
+            if batch and (self.drained or cut == 0):
+                await self._after_marker(batch)
+            elif batch:
                 try:
                     # Tracing: the batch span is a child of its first result's context and links to the others';
                     # each result also gets a span in its own trace. Projection events it writes carry the batch's.
@@ -248,7 +265,7 @@ class ShardConsumer:
             lag.set(self.lag_ms(time.time() * 1000))
 
     async def _next(self, stop: asyncio.Event) -> AbstractIncomingMessage | None:
-        if not self.buffer.empty():
+        if self._carry or not self.buffer.empty():
             return self._take()
         getter = asyncio.ensure_future(self.buffer.get())
         stopper = asyncio.ensure_future(stop.wait())
@@ -263,6 +280,30 @@ class ShardConsumer:
             self._arrivals.popleft()
             return getter.result()
         return None
+
+    async def _after_marker(self, batch: list[AbstractIncomingMessage]) -> None:
+        """The drain marker (first in `batch` unless reached before) and what came after it: the marker recorded and
+        acked (everything before it was applied and acked already), the late results forwarded, each acked once the
+        active epoch's queue confirmed it; a result not forwarded is given back, to be forwarded again."""
+        for message in batch:
+            try:
+                if message.type == DRAIN_MARKER_TYPE:
+                    if not self.drained:
+                        assert self.on_marker is not None
+                        await self.on_marker(self)
+                        self.drained = True
+                    await message.ack()
+                elif self.forward is not None and await self.forward(message):
+                    m.ingest_reshard_forwarded_count.inc()
+                    await message.ack()
+                else:
+                    await self._give_back([message])
+            except (psycopg.Error, OSError) as exc:
+                log.warning("recording a drained shard failed; the marker goes back", extra={
+                    "epoch": self.epoch, "shard": self.shard, "error": str(exc)[:200]})
+                await self._give_back([message])
+            except BROKER_ERRORS as exc:
+                log.warning("ack after the drain marker failed", extra={"shard": self.shard, "error": str(exc)})
 
     async def _hand_over(self) -> None:
         self.yield_requested = False
@@ -440,7 +481,7 @@ class ShardConsumer:
         outside applying, spends the delivery limit slowly rather than in a burst.
         """
         await self._pause(_requeue_backoff(last))
-        while not self.buffer.empty():
+        while self._carry or not self.buffer.empty():
             queued = self._take()
             if _alive(queued):
                 last = queued
@@ -494,7 +535,7 @@ class IngestWorker:
         self.routing = RoutingState(Routing(0, topology.ingest_shards))
         self.consumers: dict[tuple[int, int], ShardConsumer] = {}
         self._loops: dict[tuple[int, int], asyncio.Task[None]] = {}
-        self._probe: AbstractChannel | None = None
+        self._forwarder: AbstractChannel | None = None
         self.subscribed = asyncio.Event()
         self._assigned: dict[tuple[int, int], str] = {}
         self._stop = asyncio.Event()
@@ -528,7 +569,9 @@ class IngestWorker:
             await asyncio.gather(*self._loops.values(), housekeeping, lag, return_exceptions=True)
             for shard in self.consumers.values():
                 await shard.close()
-            await self._close_probe()
+            if self._forwarder is not None:
+                with contextlib.suppress(Exception):
+                    await self._forwarder.close()
             await self.broker_dead_letters.close()
             await self.dead_letters.close()
             with contextlib.suppress(Exception):
@@ -548,7 +591,8 @@ class IngestWorker:
 
     async def _sync_consumers(self) -> None:
         """Consumers for the routing state: the active epoch's shards (each once the old shards it takes keys from
-        are drained), the draining epoch's while they hold work; retired epochs' consumers closed."""
+        are drained), the draining epoch's (applying until their drain marker, forwarding after it); retired epochs'
+        consumers closed."""
         state = self.routing
         active, old = state.active, state.draining
         for shard in range(active.shards):
@@ -560,59 +604,39 @@ class IngestWorker:
         live = {active.epoch} | ({old.epoch} if old is not None else set())
         if old is not None:
             for shard in range(old.shards):
-                if shard not in state.drained:
-                    await self._drain(self._consumer(old.epoch, shard), unbound=state.draining_unbound)
-        for key in [k for k in self.consumers if k[0] not in live or (old is not None and k[0] == old.epoch
-                                                                      and k[1] in state.drained)]:
+                consumer = self._consumer(old.epoch, shard)
+                consumer.yield_requested = False
+                consumer.drained = consumer.drained or shard in state.drained
+                consumer.forward, consumer.on_marker = self._forward, self._on_marker
+                await consumer.subscribe()
+        for key in [k for k in self.consumers if k[0] not in live]:
             await self._drop(key)
 
-    async def _drain(self, consumer: ShardConsumer, *, unbound: bool) -> None:
-        """A draining epoch's shard: consume while it has messages; once its queue has no bindings and this replica
-        holds nothing, close the channel (nothing can be delivered to it after that); the queue is drained when no
-        replica consumes it and it holds no message (unacked ones would be back in it: no consumer is left)."""
-        consumer.yield_requested = False
-        if not unbound:
-            if not consumer.subscribed:
-                await consumer.subscribe()
-            return
-        if consumer.subscribed:
-            if consumer.idle(quiet_s=1.0):
-                await consumer.close()
-            return
-        counts = await self._queue_counts(consumer.queue_name)
-        if counts is None:
-            return
-        messages, consumers = counts
-        log.info("draining queue", extra={"epoch": consumer.epoch, "shard": consumer.shard, "messages": messages,
-                                          "consumers": consumers})
-        if messages > 0:
-            if consumers == 0:
-                await consumer.subscribe()  # left over (given back by a replica that closed): drain it here
-            return
-        if consumers == 0:
-            async with self.pool.connection() as conn:
-                if await self.routing_store.mark_drained(conn, consumer.epoch, consumer.shard,
-                                                         self.config.instance_id):
-                    log.info("old shard drained", extra={"epoch": consumer.epoch, "shard": consumer.shard})
+    async def _on_marker(self, consumer: ShardConsumer) -> None:
+        async with self.pool.connection() as conn:
+            await self.routing_store.mark_drained(conn, consumer.epoch, consumer.shard, self.config.instance_id)
+        log.info("old shard drained", extra={"epoch": consumer.epoch, "shard": consumer.shard})
 
-    async def _queue_counts(self, queue: str) -> tuple[int, int] | None:
-        """(ready messages, consumers) of `queue` (a passive declare), None when it is gone or the broker is down."""
+    async def _forward(self, message: AbstractIncomingMessage) -> bool:
+        """Re-route a result that reached a drained old shard to the active epoch (confirmed, mandatory)."""
+        value = _decode(message)
+        if isinstance(value, str):
+            return False
+        forwarded = routed(value, self.routing.active)
         try:
-            if self._probe is None or self._probe.is_closed:
-                self._probe = await self.connection.channel()
-            declared = await self._probe.declare_queue(queue, passive=True)
+            if self._forwarder is None or self._forwarder.is_closed:
+                self._forwarder = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+            exchange = await self._forwarder.get_exchange(self.topology.result_exchange, ensure=False)
+            await exchange.publish(aio_pika.Message(
+                body=msgspec.json.encode(forwarded), content_type="application/json", message_id=message.message_id,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT, type=message.type, headers=message.headers),
+                routing_key=self.routing.active.routing_key(forwarded.shard), mandatory=True, timeout=5.0)
         except (*BROKER_ERRORS, RuntimeError) as exc:
-            log.warning("cannot read a draining queue", extra={"queue": queue, "error": str(exc)[:200]})
-            await self._close_probe()
-            return None
-        result = declared.declaration_result
-        return int(result.message_count or 0), int(result.consumer_count or 0)
-
-    async def _close_probe(self) -> None:
-        probe, self._probe = self._probe, None
-        if probe is not None and not probe.is_closed:
-            with contextlib.suppress(Exception):
-                await probe.close()
+            log.warning("forwarding a late result failed; it goes back", extra={"error": str(exc)[:200]})
+            return False
+        log.info("late result forwarded to the active epoch", extra={
+            "result_id": str(value.result_id), "epoch": forwarded.routing_epoch, "shard": forwarded.shard})
+        return True
 
     async def _drop(self, key: tuple[int, int]) -> None:
         consumer = self.consumers.pop(key)

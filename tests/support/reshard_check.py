@@ -3,6 +3,7 @@ by two (epoch, shard) at once."""
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def overlaps(rows: Iterable[Applied]) -> list[str]:
         ordered = sorted(by_owner.items())
         if len({epoch for epoch, _ in by_owner}) != len(by_owner):
             found.append(f"{key}: two shards of one epoch {sorted(by_owner)}")
-        for (a, (_, a_end)), (b, (b_start, _)) in zip(ordered, ordered[1:], strict=False):
+        for (a, (_, a_end)), (b, (b_start, _)) in itertools.pairwise(ordered):
             if not a_end < b_start:
                 found.append(f"{key}: {a} applied until {a_end.isoformat()}, {b} from {b_start.isoformat()}")
     return found

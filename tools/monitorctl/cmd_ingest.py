@@ -3,10 +3,10 @@ shards while results flow (docs/reliability.md, "Resharding ingest online"; libs
 
 `reshard N` without `--apply` prints the plan: the epochs and, for each new shard, the old shards it waits for.
 With `--apply`: declare the new epoch's queues (bound), make it the active epoch (the hubs route by it within a
-second; a hub still on the old one has its publish returned and re-routes), unbind the old epoch's queues, then wait
-(up to `--wait` seconds) while the ingest workers drain them; once every old shard is drained, delete the old queues
-(those holding no message) and retire the epoch. Interrupted or timed out, the same command again carries on from where the
-routing table says it is.
+second; a hub still on the old one has its publish returned and re-routes), unbind the old epoch's queues, put a
+drain marker at the tail of each, then wait (up to `--wait` seconds) while the ingest workers apply everything before
+the markers; once every old shard's marker was reached, delete the old queues and retire the epoch. Interrupted or
+timed out, the same command again carries on from where the routing table says it is.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import asyncio
 import time
 from typing import Any
 
+import aio_pika
 from aio_pika.abc import AbstractChannel
 
-from libs.ingest.routing import Routing, RoutingState, RoutingStore, plan_reshard
+from libs.ingest.routing import DRAIN_GRACE_S, DRAIN_MARKER_TYPE, Routing, RoutingState, RoutingStore, plan_reshard
 from libs.mq.connection import connect
 from libs.mq.topology import Topology, declare_ingest
 from tools.monitorctl.common import Context, fail, render_text
@@ -72,7 +73,7 @@ async def run_reshard(args: argparse.Namespace, ctx: Context) -> int:
     topology = Topology(ctx.settings.mq_prefix, ctx.settings.ingest_shards)
     amqp = await connect(ctx.settings.amqp_url, name="monitorctl-reshard", timeout=10.0)
     try:
-        async with amqp.channel() as channel:
+        async with amqp.channel(publisher_confirms=True, on_return_raises=True) as channel:
             if state.draining is None:
                 new = Routing(state.active.epoch + 1, args.shards)
                 # The new queues exist and are bound before any hub routes to them.
@@ -83,6 +84,9 @@ async def run_reshard(args: argparse.Namespace, ctx: Context) -> int:
             assert state.draining is not None
             await _unbind(channel, topology, state.draining)
             await store.mark_unbound(conn, state.draining.epoch)
+            # A deliberate pause, not a wait for a condition: publishes routed just before the unbind land first.
+            await asyncio.sleep(DRAIN_GRACE_S)
+            await _mark_tails(channel, topology, state.draining, state.drained)
             state = await _wait_drained(store, ctx, args.wait)
             if state.draining is not None and len(state.drained) < state.draining.shards:
                 ctx.emit({"status": "draining", **describe(state)},
@@ -91,10 +95,7 @@ async def run_reshard(args: argparse.Namespace, ctx: Context) -> int:
             if state.draining is None:  # another run of this command finished it meanwhile
                 ctx.emit({"status": "done", **describe(state)})
                 return 0
-            left = await _delete_queues(channel, topology, state.draining)
-            if left:
-                return fail(f"old queues not empty, not deleted: {', '.join(left)} (results routed just before the "
-                            "unbind); see docs/reliability.md")
+            await _delete_queues(channel, topology, state.draining)
             await store.retire(conn, state.draining.epoch)
     finally:
         await amqp.close()
@@ -108,6 +109,15 @@ async def _unbind(channel: AbstractChannel, topology: Topology, old: Routing) ->
         await queue.unbind(topology.result_exchange, routing_key=old.routing_key(shard))
 
 
+async def _mark_tails(channel: AbstractChannel, topology: Topology, old: Routing, drained: frozenset[int]) -> None:
+    """A drain marker at the tail of each old queue not drained yet (confirmed; a second one is harmless)."""
+    for shard in sorted(set(range(old.shards)) - drained):
+        await channel.default_exchange.publish(aio_pika.Message(
+            body=b"{}", type=DRAIN_MARKER_TYPE, message_id=f"drain-e{old.epoch}-s{shard}",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT), routing_key=topology.ingest_queue(shard, old.epoch),
+            mandatory=True, timeout=10.0)
+
+
 async def _wait_drained(store: RoutingStore, ctx: Context, wait_s: float) -> RoutingState:
     deadline = time.monotonic() + wait_s
     while True:
@@ -117,16 +127,7 @@ async def _wait_drained(store: RoutingStore, ctx: Context, wait_s: float) -> Rou
         await asyncio.sleep(POLL_S)  # polling the routing table, with the deadline above
 
 
-async def _delete_queues(channel: AbstractChannel, topology: Topology, old: Routing) -> list[str]:
-    """Delete the drained epoch's queues, each only if it holds no message; the names of those that did."""
-    left: list[str] = []
+async def _delete_queues(channel: AbstractChannel, topology: Topology, old: Routing) -> None:
+    """Delete the drained epoch's queues: each one's consumer reached its tail marker, and nothing is routed to it."""
     for shard in range(old.shards):
-        name = topology.ingest_queue(shard, old.epoch)
-        declared = await channel.declare_queue(name, passive=True)
-        if declared.declaration_result.message_count:
-            left.append(name)
-            continue
-        # Quorum queues refuse `if-empty`: emptiness is the passive declare's count just above, on a queue that has
-        # had no binding and no consumer since it was found drained.
-        await channel.queue_delete(name)
-    return left
+        await channel.queue_delete(topology.ingest_queue(shard, old.epoch))

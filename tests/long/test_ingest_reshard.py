@@ -39,8 +39,8 @@ from tests.support.wait import eventually
 
 DAY = date(2026, 3, 20)
 KEYS = 16  # brands, one business date: 16 shard keys
-PER_KEY = 250  # more than the load sends: it runs until both reshards are done
-PACE_S = 0.1  # between one key's results: ~16 x 10 results/s
+PER_KEY = 400  # more than the load sends: it runs until both reshards are done
+PACE_S = 0.2  # between one key's results: ~16 x 5 results/s at most
 
 
 def reshard(settings: Settings, shards: int) -> dict[str, object]:
@@ -73,9 +73,8 @@ async def test_reshard_4_to_8_to_4_under_load(pool: AsyncConnectionPool[Conn], s
         by_key[ingest_shard_key(e.tenant_id, e.brand_id, e.business_date)].append(
             make_result(e, shards=topology.ingest_shards))
     stop_load = asyncio.Event()
-    Path("/tmp/ingestops-prefix").write_text(topology.prefix)
     workers = [ServiceProcess("ingest-shard-workers", service_env(
-        settings, INSTANCE_ID=name, INGEST_MEMBER_HEARTBEAT_SECONDS="0.3", INGEST_BATCH_SIZE=5, INGEST_PREFETCH=20),
+        settings, INSTANCE_ID=name, INGEST_MEMBER_HEARTBEAT_SECONDS="0.3", INGEST_BATCH_SIZE=20, INGEST_PREFETCH=40),
         log_dir=tmp_path) for name in ("w1", "w2")]
     for w in workers:
         await asyncio.to_thread(w.start)
@@ -117,13 +116,14 @@ async def test_reshard_4_to_8_to_4_under_load(pool: AsyncConnectionPool[Conn], s
         stale_published = await publish_routed(publisher, stale, late)
         assert stale_published.routing_epoch == 1
         middle = sent
-        await eventually(lambda: sent >= middle + 100, timeout=60, message="load flowing on 8 shards")
+        await eventually(lambda: sent >= middle + 100, timeout=60, message="load flowing on 8 shards", interval=0.2)
         started = time.monotonic()
         down = await asyncio.to_thread(reshard, settings, 4)
         to_4_s = time.monotonic() - started
         assert down["status"] == "done" and down["active"] == {"epoch": 2, "shards": 4}, down
         after = sent
-        await eventually(lambda: sent >= after + 100, timeout=60, message="load flowing on 4 shards again")
+        await eventually(lambda: sent >= after + 100, timeout=60, message="load flowing on 4 shards again",
+                         interval=0.2)
         stop_load.set()
         await load
         total = sent
