@@ -288,10 +288,9 @@ class ShardConsumer:
         for message in batch:
             try:
                 if message.type == DRAIN_MARKER_TYPE:
-                    if not self.drained:
-                        assert self.on_marker is not None
+                    if not self.drained and self.on_marker is not None:
                         await self.on_marker(self)
-                        self.drained = True
+                    self.drained = True
                     await message.ack()
                 elif self.forward is not None and await self.forward(message):
                     m.ingest_reshard_forwarded_count.inc()
@@ -585,6 +584,8 @@ class IngestWorker:
         if consumer is None:
             consumer = ShardConsumer(shard, self.connection, self.topology, self.pool, self.config, self._settings,
                                      self.dead_letters, self.write_health, epoch=epoch)
+            # Set from the start: a marker can reach a shard before this replica has read that a reshard began.
+            consumer.forward, consumer.on_marker = self._forward, self._on_marker
             self.consumers[key] = consumer
             self._loops[key] = asyncio.create_task(consumer.run(self._stop), name=f"shard-e{epoch}-{shard}")
         return consumer
@@ -607,7 +608,6 @@ class IngestWorker:
                 consumer = self._consumer(old.epoch, shard)
                 consumer.yield_requested = False
                 consumer.drained = consumer.drained or shard in state.drained
-                consumer.forward, consumer.on_marker = self._forward, self._on_marker
                 await consumer.subscribe()
         for key in [k for k in self.consumers if k[0] not in live]:
             await self._drop(key)
