@@ -143,6 +143,8 @@ ON CONFLICT DO NOTHING
 RETURNING drained_at
 """
 
+IS_DRAINED_SQL = "SELECT 1 FROM ingest_routing_drains WHERE epoch = %(epoch)s AND shard = %(shard)s"
+
 RETIRE_SQL = """
 UPDATE ingest_routing_epochs e SET state = 'retired', retired_at = now()
 WHERE e.epoch = %(epoch)s AND e.state = 'draining'
@@ -187,7 +189,10 @@ class RoutingStore:
         await conn.execute(MARK_UNBOUND_SQL, {"epoch": epoch})
 
     async def mark_drained(self, conn: Conn, epoch: int, shard: int, by: str) -> bool:
-        cur = await conn.execute(MARK_DRAINED_SQL, {"epoch": epoch, "shard": shard, "by": by})
+        """Record (epoch, shard) drained; True when it is (now or before), False when that epoch is not draining
+        (a marker that does not belong where it was found)."""
+        await conn.execute(MARK_DRAINED_SQL, {"epoch": epoch, "shard": shard, "by": by})
+        cur = await conn.execute(IS_DRAINED_SQL, {"epoch": epoch, "shard": shard})
         return await cur.fetchone() is not None
 
     async def retire(self, conn: Conn, epoch: int) -> bool:

@@ -150,7 +150,7 @@ class ShardConsumer:
         # before the unbind) and is forwarded to the active epoch, never applied here (`IngestWorker._forward`).
         self.drained = False
         self.forward: Callable[[AbstractIncomingMessage], Awaitable[bool]] | None = None
-        self.on_marker: Callable[[ShardConsumer], Awaitable[None]] | None = None
+        self.on_marker: Callable[[ShardConsumer], Awaitable[bool]] | None = None
         self.last_delivery_at = 0.0
         self.yield_requested = False
         self._subscriptions = 0
@@ -289,8 +289,8 @@ class ShardConsumer:
             try:
                 if message.type == DRAIN_MARKER_TYPE:
                     if not self.drained and self.on_marker is not None:
-                        await self.on_marker(self)
-                    self.drained = True
+                        # Only a draining epoch's shard becomes drained; a stray marker elsewhere is dropped.
+                        self.drained = await self.on_marker(self)
                     await message.ack()
                 elif self.forward is not None and await self.forward(message):
                     m.ingest_reshard_forwarded_count.inc()
@@ -612,10 +612,16 @@ class IngestWorker:
         for key in [k for k in self.consumers if k[0] not in live]:
             await self._drop(key)
 
-    async def _on_marker(self, consumer: ShardConsumer) -> None:
+    async def _on_marker(self, consumer: ShardConsumer) -> bool:
         async with self.pool.connection() as conn:
-            await self.routing_store.mark_drained(conn, consumer.epoch, consumer.shard, self.config.instance_id)
-        log.info("old shard drained", extra={"epoch": consumer.epoch, "shard": consumer.shard})
+            drained = await self.routing_store.mark_drained(conn, consumer.epoch, consumer.shard,
+                                                            self.config.instance_id)
+        if drained:
+            log.info("old shard drained", extra={"epoch": consumer.epoch, "shard": consumer.shard})
+        else:
+            log.warning("a drain marker on a shard whose epoch is not draining; dropped",
+                        extra={"epoch": consumer.epoch, "shard": consumer.shard})
+        return drained
 
     async def _forward(self, message: AbstractIncomingMessage) -> bool:
         """Re-route a result that reached a drained old shard to the active epoch (confirmed, mandatory)."""
