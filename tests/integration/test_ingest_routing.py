@@ -14,6 +14,7 @@ from libs.ingest.routing import Routing, RoutingStore
 from libs.mq.topology import Topology, declare_ingest
 from services.dispatch_hub.results import AmqpResultPublisher, RoutingTableRouter, publish_routed
 from tests.support.ingest_factory import make_executions, make_result, make_world
+from tests.support.monitorctl import monitorctl_json, run_monitorctl
 
 
 async def test_one_reshard_at_a_time_and_drains_only_while_draining(pool: AsyncConnectionPool[Conn]) -> None:
@@ -66,3 +67,17 @@ async def test_a_stale_publisher_is_re_routed_to_the_active_epoch(pool: AsyncCon
         async with amqp.channel() as channel:
             for shard in range(8):
                 await channel.queue_delete(topology.ingest_queue(shard, 1))
+
+
+async def test_reshard_is_a_dry_run_unless_applied_and_refuses_a_second_one(pool: AsyncConnectionPool[Conn],
+                                                                             settings) -> None:
+    env = {"MQ_PREFIX": settings.mq_prefix, "INGEST_SHARDS": str(settings.ingest_shards)}
+    plan = await monitorctl_json(settings, "ingest", "reshard", "8", env=env)
+    assert plan["status"] == "dry_run" and plan["to"] == {"epoch": 1, "shards": 8}
+    assert plan["waits_for"]["5"] == [1]
+    store = RoutingStore(settings.ingest_shards)
+    async with pool.connection() as conn:
+        assert (await store.state(conn)).active == Routing(0, 4)  # nothing changed
+        await store.start_epoch(conn, Routing(0, 4), 8)  # a reshard to 8 under way
+    refused = await asyncio.to_thread(run_monitorctl, settings, "ingest", "reshard", "2", "--apply", env=env)
+    assert refused.returncode == 2 and "a reshard from 4 to 8 shards is under way" in refused.stderr
