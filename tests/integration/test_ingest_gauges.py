@@ -57,9 +57,9 @@ async def test_a_stuck_batch_raises_the_lag_gauge_as_it_waits(pool: AsyncConnect
 
             def rising() -> bool:
                 samples.append((time.monotonic(), gauge("monitor_result_ingest_lag_ms", shard=shard)))
-                return samples[-1][1] >= 4000
+                return samples[-1][1] >= 3000
 
-            await eventually(rising, timeout=20, interval=0.25, message="the lag gauge rising past 4 s")
+            await eventually(rising, timeout=20, interval=0.25, message="the lag gauge rising past 3 s")
             assert await fetch(pool, "SELECT 1 FROM ingest_applied_results") == []  # still stuck, not applied
         finally:
             await blocker.rollback()
@@ -71,7 +71,7 @@ async def test_a_stuck_batch_raises_the_lag_gauge_as_it_waits(pool: AsyncConnect
     # value frozen when the batch started.
     moving = [(t, v) for t, v in samples if v > 0]
     (t0, v0), (t1, v1) = moving[0], moving[-1]
-    assert t1 - t0 >= 2.0, samples
+    assert t1 - t0 >= 1.5, samples
     slope = (v1 - v0) / (t1 - t0)
     assert 0.7 * 1000 <= slope <= 1.3 * 1000, (slope, samples)
     assert stuck_batch_slope() == 1000
