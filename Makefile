@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: asyncapi install backends lint test test-unit test-integration test-e2e test-deploy run observe migrate bench chaos faults faults-long faults-down soak clean
+.PHONY: asyncapi install backends lint test test-unit test-integration test-e2e test-deploy run observe migrate bench chaos faults faults-long faults-down soak reshard clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -95,6 +95,10 @@ faults-down:
 SOAK_MINUTES ?= 30
 soak: install backends
 	SOAK_MINUTES=$(SOAK_MINUTES) DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/python -m bench.soak
+
+# Online resharding of ingest under load (4 -> 8 -> 4 with real ingest workers; ~80 s): docs/reliability.md.
+reshard: install backends
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest -s tests/long
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

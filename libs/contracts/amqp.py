@@ -48,6 +48,8 @@ class MonitorResult(msgspec.Struct, tag="monitor_result", tag_field="type", kw_o
     received_at: datetime
     collect_request_id: uuid.UUID | None = None
     shard: int = 0
+    # The routing epoch the hub routed it by (libs/ingest/routing.py): with `shard`, which queue it belongs on.
+    routing_epoch: int = 0
 
 
 class ProjectionRebuild(msgspec.Struct, tag="projection_rebuild", tag_field="type", kw_only=True):

@@ -5,11 +5,14 @@ Every name goes through `Topology` so tests can isolate themselves with a unique
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+
+from libs.ingest.routing import Routing, queue_suffix
 
 DISPATCH = "desktop.task.dispatch"
 RESULT = "monitor.result"
@@ -59,8 +62,9 @@ class Topology:
         return self.name(DLX)
 
     # queues
-    def ingest_queue(self, shard: int) -> str:
-        return self.name(f"monitor.result.ingest.shard.{shard}")
+    def ingest_queue(self, shard: int, epoch: int = 0) -> str:
+        """The queue of `shard` in routing epoch `epoch` (libs/ingest/routing.py; epoch 0: the original names)."""
+        return self.name(queue_suffix(epoch, shard))
 
     @property
     def ingest_dlq(self) -> str:
@@ -133,8 +137,12 @@ async def _declare_dlq(channel: AbstractChannel, topology: Topology, name: str) 
     return queue
 
 
-async def declare_ingest(channel: AbstractChannel, topology: Topology) -> list[AbstractQueue]:
-    """Shard queues: quorum, single active consumer, delivery limit, dead letter to the ingest DLQ (and its tally)."""
+async def declare_ingest(channel: AbstractChannel, topology: Topology,
+                         routings: Sequence[Routing] | None = None) -> list[AbstractQueue]:
+    """Shard queues: quorum, single active consumer, delivery limit, dead letter to the ingest DLQ (and its tally).
+
+    `routings`: the epochs whose queues to declare and bind (default epoch 0 with `topology.ingest_shards`); a
+    process that knows the routing table passes the active epoch only, so it never re-binds a retired one."""
     await declare_exchanges(channel, topology)
     dlq = await _declare_dlq(channel, topology, topology.ingest_dlq)
     await dlq.bind(topology.dlx_exchange, routing_key=topology.ingest_dlq_copy_key)
@@ -143,9 +151,17 @@ async def declare_ingest(channel: AbstractChannel, topology: Topology) -> list[A
         "x-queue-type": "quorum", "x-max-length": TALLY_MAX_LENGTH, "x-overflow": "drop-head"})
     await tally.bind(topology.dlx_exchange, routing_key=topology.ingest_dlq)
     queues = []
-    for shard in range(topology.ingest_shards):
+    for routing in routings if routings is not None else [Routing(0, topology.ingest_shards)]:
+        queues += await declare_ingest_epoch(channel, topology, routing)
+    return queues
+
+
+async def declare_ingest_epoch(channel: AbstractChannel, topology: Topology, routing: Routing,
+                               *, bind: bool = True) -> list[AbstractQueue]:
+    queues = []
+    for shard in range(routing.shards):
         queue = await channel.declare_queue(
-            topology.ingest_queue(shard),
+            topology.ingest_queue(shard, routing.epoch),
             durable=True,
             arguments={
                 "x-queue-type": "quorum",
@@ -154,7 +170,8 @@ async def declare_ingest(channel: AbstractChannel, topology: Topology) -> list[A
                 **_dead_letter_args(topology, topology.ingest_dlq),
             },
         )
-        await queue.bind(topology.result_exchange, routing_key=f"shard.{shard}")
+        if bind:
+            await queue.bind(topology.result_exchange, routing_key=routing.routing_key(shard))
         queues.append(queue)
     return queues
 

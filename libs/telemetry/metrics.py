@@ -152,7 +152,8 @@ monitor_dispatch_high_backlog = Gauge(
 monitor_dispatch_normal_backlog = Gauge(
     "monitor_dispatch_normal_backlog", "Ready business tasks in normal and normal_boosted lanes.")
 monitor_result_ingest_lag_ms = Gauge(
-    "monitor_result_ingest_lag_ms", "Age of the oldest unprocessed result at ingest (ms).", ["shard"])
+    "monitor_result_ingest_lag_ms", "Age of the oldest result a shard holds and has not applied (ms), recomputed "
+    "every second, so a stuck batch keeps raising it.", ["shard"])
 monitor_projection_rebuild_lag_ms = Gauge(
     "monitor_projection_rebuild_lag_ms", "Age of the oldest pending projection rebuild request (ms).")
 monitor_preempt_request_count = ExactCounter(
@@ -164,7 +165,8 @@ monitor_preempt_timeout_count = ExactCounter(
 desktop_client_monitor_queue_depth = Gauge(
     "desktop_client_monitor_queue_depth", "Queued monitor executions per client.", ["client_id"])
 monitoring_pg_write_qps = Gauge(
-    "monitoring_pg_write_qps", "Rows written per second by result ingest.")
+    "monitoring_pg_write_qps", "Rows written per second to the monitoring database by every writer "
+    "(pg_stat_database tup_inserted + tup_updated + tup_deleted; the same figure from every ingest replica: max it).")
 
 # ---- §15.1, added in V1.1 ---------------------------------------------------------------------
 collect_now_preempt_induced_retry_count = ExactCounter(
@@ -293,6 +295,9 @@ ingest_transient_error_count = ExactCounter(
     "Transient database errors applying ingest batches (the deliveries are held and the batch retried).")
 ingest_shard_yield_count = ExactCounter(
     "ingest_shard_yield_count", "Shards this replica handed to the live member they are assigned to.")
+ingest_reshard_forwarded_count = ExactCounter(
+    "ingest_reshard_forwarded_count", "Results that reached a drained old-epoch shard queue during a reshard (routed "
+    "just before its unbind) and were forwarded to the active epoch instead of applied.")
 ingest_batch_size = Histogram(
     "ingest_batch_size", "MonitorResults applied per ingest transaction.",
     buckets=(1, 2, 5, 10, 25, 50, 100, 200, 500, 1000))

@@ -68,7 +68,13 @@ from services.dispatch_hub.logic import (
     result_digest,
     result_id_for,
 )
-from services.dispatch_hub.results import BrokerUnavailable, ResultPublisher
+from services.dispatch_hub.results import (
+    BrokerUnavailable,
+    ResultPublisher,
+    ResultRouter,
+    StaticRouter,
+    publish_routed,
+)
 
 log = logging.getLogger("hub.leases")
 
@@ -161,6 +167,8 @@ class HubContext:
     safe_points: SafePointStats
     publisher: ResultPublisher
     ingest_shards: int
+    # The routing epoch a result is published by (services/dispatch_hub/results.py); None: epoch 0, ingest_shards.
+    router: ResultRouter | None = None
     # This replica's write timings for the coordinator's auto slow-down (libs/db/write_health.py): the lease,
     # extend, cancel and result writes (and the gateway's heartbeat flushes).
     write_health: WriterHealth = field(default_factory=lambda: WriterHealth("hub", "hub"))
@@ -488,7 +496,7 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         raise ApiError(404, "not_found", "the business task of this execution no longer exists")
     message = _result_message(ctx, principal, row, business_row, body)
     try:
-        await ctx.publisher.publish(message, routing_key=f"shard.{message.shard}")
+        message = await publish_routed(ctx.publisher, ctx.router or StaticRouter(ctx.ingest_shards), message)
     except BrokerUnavailable as exc:
         async with ctx.pool.connection() as conn, ctx.write_health.timed():
             release = legacy.RELEASE_RESULT_CLAIM if on_legacy else executions.RELEASE_RESULT_CLAIM

@@ -28,7 +28,7 @@ from services.dispatch_hub.http_api import (
 )
 from services.dispatch_hub.leases import HubContext, PlatformCodes, SafePointStats
 from services.dispatch_hub.logic import TokenBuckets
-from services.dispatch_hub.results import AmqpResultPublisher
+from services.dispatch_hub.results import AmqpResultPublisher, RoutingTableRouter
 
 SERVICE = Service("dispatch-hub")
 POOL_MAX = 6
@@ -59,11 +59,13 @@ async def _start(life: Lifetime) -> None:
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
     pool = await life.pool(min_size=2, max_size=POOL_MAX)
     amqp = await life.broker()
-    publisher = await life.start(AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s))
+    router = RoutingTableRouter(pool, settings.ingest_shards)
+    publisher = await life.start(AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s,
+                                                     router=router))
     health = writer_health(settings, "hub")
     gateway = _gateway(app, settings, pool, amqp, topology, health)
     await gateway.start()
-    _install(app, settings, pool, gateway, publisher, health)
+    _install(app, settings, pool, gateway, publisher, health, router)
     life.on_stop(lambda: _drain_gateway(app, pool, gateway))
     await life.enter(publishing(health, pool, settings.write_health_publish_s))
 
@@ -82,14 +84,14 @@ def _gateway(app: web.Application, settings: Settings, pool: AsyncConnectionPool
 
 
 def _install(app: web.Application, settings: Settings, pool: AsyncConnectionPool[Conn], gateway: Gateway,
-             publisher: AmqpResultPublisher, health: WriterHealth) -> None:
+             publisher: AmqpResultPublisher, health: WriterHealth, router: RoutingTableRouter) -> None:
     """What the handlers use (client auth, the gateway, the calls' context) and the readiness checks."""
     app[AUTH] = ClientAuthenticator(pool, cache_ttl_s=settings.hub_auth_cache_s,
                                     negative_ttl_s=settings.hub_auth_negative_cache_s)
     app[GATEWAY] = gateway
     app[CONTEXT] = HubContext(pool=pool, settings=SettingsCache(pool, max_age_s=5.0), platforms=PlatformCodes(),
                               safe_points=SafePointStats(), publisher=publisher,
-                              ingest_shards=settings.ingest_shards, write_health=health)
+                              ingest_shards=settings.ingest_shards, router=router, write_health=health)
     add_broker_check(app, lambda: gateway.ready() and publisher.ready())
 
 

@@ -57,6 +57,7 @@ class _AppliedRow(msgspec.Struct):
     task_id: uuid.UUID
     monitor_task_id: int
     status: str
+    routing_epoch: int
 
 
 class _RunRow(msgspec.Struct):
@@ -198,7 +199,8 @@ async def _record_applied(conn: Conn, valid: list[MonitorResult], outcome: Batch
     """Record `valid` in the applied-results ledger; the fresh ones are returned, those in it already
     (redeliveries) are counted as duplicates."""
     cur = await conn.execute(q.RECORD_APPLIED, {"applied_by": applied_by, "rows": _json([
-        _AppliedRow(n, r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status)
+        _AppliedRow(n, r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status,
+                    r.routing_epoch)
         for n, r in enumerate(valid)])})
     fresh_ids = {row["result_id"] for row in await cur.fetchall()}
     fresh = [r for r in valid if r.result_id in fresh_ids]

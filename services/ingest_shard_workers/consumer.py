@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
+import aio_pika
 import msgspec
 import psycopg
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
@@ -55,7 +56,9 @@ from libs.contracts.amqp import MonitorResult, result_decoder
 from libs.db.pool import Conn
 from libs.db.write_health import WriterHealth
 from libs.dispatch_settings import SettingsCache
+from libs.ingest.routing import DRAIN_MARKER_TYPE, Routing, RoutingState, RoutingStore, may_consume, routed
 from libs.ingest.shards import assign_shards, lag_ms
+from libs.ingest.write_rate import WriteRateGauge
 from libs.mq.dead_letter import DeadLetterPublisher, DeadLetterUnconfirmed
 from libs.mq.poison import describe_failure, is_transient
 from libs.mq.topology import Topology
@@ -88,23 +91,8 @@ class IngestConfig:
     retention_hours: int = 168
     # Longest continuous database outage a shard holds its deliveries through (below the broker's consumer_timeout).
     db_outage_hold_s: float = 1200.0
-
-
-class WriteRate:
-    """Rows written per second over a sliding window (monitoring_pg_write_qps)."""
-
-    def __init__(self, window_s: float = 5.0) -> None:
-        self.window_s = window_s
-        self._events: deque[tuple[float, int]] = deque()
-
-    def add(self, rows: int) -> None:
-        self._events.append((time.monotonic(), rows))
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        while self._events and now - self._events[0][0] > self.window_s:
-            self._events.popleft()
-        return sum(rows for _, rows in self._events) / self.window_s
+    # How often the lag gauges are recomputed from what each shard holds (no I/O): a stuck batch keeps raising them.
+    lag_refresh_s: float = 1.0
 
 
 def _alive(message: AbstractIncomingMessage) -> bool:
@@ -134,18 +122,35 @@ class ShardConsumer:
 
     def __init__(self, shard: int, connection: AbstractRobustConnection, topology: Topology,
                  pool: AsyncConnectionPool[Conn], config: IngestConfig, settings: SettingsCache,
-                 write_rate: WriteRate, dead_letters: DeadLetterPublisher, write_health: WriterHealth) -> None:
+                 dead_letters: DeadLetterPublisher, write_health: WriterHealth, epoch: int = 0) -> None:
         self.shard = shard
+        self.epoch = epoch
+        # The gauges' `shard` label: the shard number in epoch 0, `<epoch>.<shard>` after a reshard.
+        self.label = str(shard) if epoch == 0 else f"{epoch}.{shard}"
+        self.subscribed_at = 0.0
         self.write_health = write_health
         self.connection = connection
         self.topology = topology
         self.pool = pool
         self.config = config
         self.settings = settings
-        self.write_rate = write_rate
         self.dead_letters = dead_letters
         self.channel: AbstractChannel | None = None
+        # Deliveries not taken into a batch yet, and beside them (same order) the wall-clock time, epoch ms, each
+        # reached this replica: asyncio.Queue has no peek, and the lag gauge needs the head's age.
         self.buffer: asyncio.Queue[AbstractIncomingMessage] = asyncio.Queue()
+        self._arrivals: deque[float] = deque()
+        # The hub's receive time (epoch ms) of the oldest result in the batch being applied; None between batches.
+        self._held_since_ms: float | None = None
+        self._busy = False
+        self._channel_lock = asyncio.Lock()
+        # Deliveries taken from the buffer but put back behind a drain marker, served before the buffer.
+        self._carry: deque[AbstractIncomingMessage] = deque()
+        # A draining epoch's shard whose marker was reached: anything delivered after it arrived late (routed just
+        # before the unbind) and is forwarded to the active epoch, never applied here (`IngestWorker._forward`).
+        self.drained = False
+        self.forward: Callable[[AbstractIncomingMessage], Awaitable[bool]] | None = None
+        self.on_marker: Callable[[ShardConsumer], Awaitable[bool]] | None = None
         self.last_delivery_at = 0.0
         self.yield_requested = False
         self._subscriptions = 0
@@ -155,36 +160,72 @@ class ShardConsumer:
 
     @property
     def queue_name(self) -> str:
-        return self.topology.ingest_queue(self.shard)
+        return self.topology.ingest_queue(self.shard, self.epoch)
+
+    @property
+    def subscribed(self) -> bool:
+        return self.channel is not None and not self.channel.is_closed
+
+    def idle(self, quiet_s: float) -> bool:
+        """Holding nothing (no buffered delivery, no batch being applied), and no delivery for `quiet_s`."""
+        return (self.buffer.empty() and self._held_since_ms is None and not self._busy
+                and time.monotonic() - max(self.last_delivery_at, self.subscribed_at) > quiet_s)
 
     async def subscribe(self) -> None:
+        """Open the shard's channel and consume (a no-op when subscribed): serialized with `close`, since the loop
+        (handing over) and the worker (resharding) both call them, and two channels would be two consumers."""
+        async with self._channel_lock:
+            if not self.subscribed:
+                await self._subscribe()
+
+    async def _subscribe(self) -> None:
         channel = await self.connection.channel(publisher_confirms=True)
         await channel.set_qos(prefetch_count=self.config.prefetch)
         # Declared (passively), not just named: only a queue declared on the robust channel is restored with its
         # consumer when the connection comes back; `ensure=False` would leave the shard without a consumer for good.
         queue = await channel.get_queue(self.queue_name)
         self._subscriptions += 1
-        await queue.consume(self._on_message, consumer_tag=f"{self.config.instance_id}.s{self.shard}."
+        await queue.consume(self._on_message, consumer_tag=f"{self.config.instance_id}.e{self.epoch}.s{self.shard}."
                                                            f"{self._subscriptions}")
         self.channel = channel
+        self.subscribed_at = time.monotonic()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         self.last_delivery_at = time.monotonic()
+        self._arrivals.append(time.time() * 1000)
         self.buffer.put_nowait(message)
+
+    def _take(self) -> AbstractIncomingMessage:
+        if self._carry:
+            return self._carry.popleft()
+        message = self.buffer.get_nowait()
+        self._arrivals.popleft()
+        return message
+
+    def lag_ms(self, now_epoch_ms: float) -> float:
+        """Age of the oldest result this shard holds and has not applied: the batch being applied (its oldest
+        result's receive time at the hub), else the oldest buffered delivery (its arrival here). Read on a timer
+        (`IngestWorker._refresh_lag`), so a batch that is stuck keeps raising it."""
+        oldest = self._held_since_ms
+        if oldest is None and self._arrivals:
+            oldest = self._arrivals[0]
+        return lag_ms(now_epoch_ms, oldest)
 
     async def close(self) -> None:
         """Closing the channel returns every unacked delivery to the head of the queue."""
-        channel, self.channel = self.channel, None
-        if channel is not None and not channel.is_closed:
-            with contextlib.suppress(Exception):
-                await channel.close()
-        while not self.buffer.empty():
-            self.buffer.get_nowait()
-        m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(0)
+        async with self._channel_lock:
+            channel, self.channel = self.channel, None
+            if channel is not None and not channel.is_closed:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+        while self._carry or not self.buffer.empty():
+            self._take()
+        self._held_since_ms = None
+        m.monitor_result_ingest_lag_ms.labels(shard=self.label).set(0)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
-        lag = m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard))
+        lag = m.monitor_result_ingest_lag_ms.labels(shard=self.label)
         lag.set(0)
         while not stop.is_set():
             if self.yield_requested:
@@ -194,10 +235,18 @@ class ShardConsumer:
             if first is None:
                 continue
             batch = [first]
-            while len(batch) < self.config.batch_size and not self.buffer.empty():
-                batch.append(self.buffer.get_nowait())
+            self._busy = True
+            while len(batch) < self.config.batch_size and (self._carry or not self.buffer.empty()):
+                batch.append(self._take())
             batch = [message for message in batch if _alive(message)]
-            if batch:
+            cut = next((i for i, message in enumerate(batch) if message.type == DRAIN_MARKER_TYPE), None)
+            if cut is not None and cut > 0:
+                # Apply what came before the marker first, as a batch of its own.
+                self._carry.extendleft(reversed(batch[cut:]))
+                batch = batch[:cut]
+            if batch and (self.drained or cut == 0):
+                await self._after_marker(batch)
+            elif batch:
                 try:
                     # Tracing: the batch span is a child of its first result's context and links to the others';
                     # each result also gets a span in its own trace. Projection events it writes carry the batch's.
@@ -210,12 +259,14 @@ class ShardConsumer:
                     # A bug outside applying (which sorts its own errors): the batch goes back, the loop lives on.
                     log.exception("unexpected error handling a batch; requeued", extra={"shard": self.shard})
                     await self._requeue_outstanding(batch[-1])
-            if self.buffer.empty():
-                lag.set(0)
+                finally:
+                    self._held_since_ms = None
+            self._busy = False
+            lag.set(self.lag_ms(time.time() * 1000))
 
     async def _next(self, stop: asyncio.Event) -> AbstractIncomingMessage | None:
-        if not self.buffer.empty():
-            return self.buffer.get_nowait()
+        if self._carry or not self.buffer.empty():
+            return self._take()
         getter = asyncio.ensure_future(self.buffer.get())
         stopper = asyncio.ensure_future(stop.wait())
         try:
@@ -226,8 +277,32 @@ class ShardConsumer:
             if not getter.done():
                 getter.cancel()
         if getter in done and not getter.cancelled():
+            self._arrivals.popleft()
             return getter.result()
         return None
+
+    async def _after_marker(self, batch: list[AbstractIncomingMessage]) -> None:
+        """The drain marker (first in `batch` unless reached before) and what came after it: the marker recorded and
+        acked (everything before it was applied and acked already), the late results forwarded, each acked once the
+        active epoch's queue confirmed it; a result not forwarded is given back, to be forwarded again."""
+        for message in batch:
+            try:
+                if message.type == DRAIN_MARKER_TYPE:
+                    if not self.drained and self.on_marker is not None:
+                        # Only a draining epoch's shard becomes drained; a stray marker elsewhere is dropped.
+                        self.drained = await self.on_marker(self)
+                    await message.ack()
+                elif self.forward is not None and await self.forward(message):
+                    m.ingest_reshard_forwarded_count.inc()
+                    await message.ack()
+                else:
+                    await self._give_back([message])
+            except (psycopg.Error, OSError) as exc:
+                log.warning("recording a drained shard failed; the marker goes back", extra={
+                    "epoch": self.epoch, "shard": self.shard, "error": str(exc)[:200]})
+                await self._give_back([message])
+            except BROKER_ERRORS as exc:
+                log.warning("ack after the drain marker failed", extra={"shard": self.shard, "error": str(exc)})
 
     async def _hand_over(self) -> None:
         self.yield_requested = False
@@ -254,13 +329,14 @@ class ShardConsumer:
             value = _decode(message)
             if isinstance(value, str):
                 poison.append((message, value))
-            elif value.shard != self.shard:
-                poison.append((message, f"wrong_shard: result for shard {value.shard} on shard {self.shard}"))
+            elif value.shard != self.shard or value.routing_epoch != self.epoch:
+                poison.append((message, f"wrong_shard: result for shard {value.shard} of epoch {value.routing_epoch} "
+                                        f"on shard {self.shard} of epoch {self.epoch}"))
             else:
                 decoded.append((message, value))
         if decoded:
-            oldest = min(r.received_at.timestamp() for _, r in decoded) * 1000
-            m.monitor_result_ingest_lag_ms.labels(shard=str(self.shard)).set(lag_ms(time.time() * 1000, oldest))
+            self._held_since_ms = min(r.received_at.timestamp() for _, r in decoded) * 1000
+            m.monitor_result_ingest_lag_ms.labels(shard=self.label).set(self.lag_ms(time.time() * 1000))
         try:
             outcome = await self._apply_with_retries([r for _, r in decoded])
         except _Requeue:
@@ -404,8 +480,8 @@ class ShardConsumer:
         outside applying, spends the delivery limit slowly rather than in a burst.
         """
         await self._pause(_requeue_backoff(last))
-        while not self.buffer.empty():
-            queued = self.buffer.get_nowait()
+        while self._carry or not self.buffer.empty():
+            queued = self._take()
             if _alive(queued):
                 last = queued
         with contextlib.suppress(*BROKER_ERRORS):
@@ -420,7 +496,6 @@ class ShardConsumer:
             m.collect_now_first_result_latency_ms.observe(latency)
         m.ingest_batch_size.observe(delivered)
         m.ingest_batch_duration_ms.observe(elapsed_s * 1000)
-        self.write_rate.add(outcome.rows_written)
 
 
 class _Requeue(Exception):
@@ -440,7 +515,8 @@ def _requeue_backoff(message: AbstractIncomingMessage) -> float:
 
 
 class IngestWorker:
-    """All shard consumers of this replica, plus membership (shard spreading) and housekeeping."""
+    """All shard consumers of this replica (every shard of the active routing epoch, and of the epoch draining
+    during a reshard), plus membership (shard spreading), the reshard barrier and housekeeping."""
 
     def __init__(self, connection: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
                  config: IngestConfig, write_health: WriterHealth | None = None) -> None:
@@ -448,42 +524,132 @@ class IngestWorker:
         self.topology = topology
         self.pool = pool
         self.config = config
-        self.write_rate = WriteRate()
+        self.write_rate = WriteRateGauge()
         self.write_health = write_health or WriterHealth("ingest", config.instance_id)
-        settings = SettingsCache(pool, max_age_s=5.0)
+        self._settings = SettingsCache(pool, max_age_s=5.0)
         # Shared by the shards: dead letters are rare, and it publishes them one at a time anyway.
         self.dead_letters = DeadLetterPublisher(connection, topology)
         self.broker_dead_letters = BrokerDeadLetterCounter(connection, topology)
-        self.shards = [ShardConsumer(k, connection, topology, pool, config, settings, self.write_rate,
-                                     self.dead_letters, self.write_health) for k in range(topology.ingest_shards)]
+        self.routing_store = RoutingStore(topology.ingest_shards)
+        self.routing = RoutingState(Routing(0, topology.ingest_shards))
+        self.consumers: dict[tuple[int, int], ShardConsumer] = {}
+        self._loops: dict[tuple[int, int], asyncio.Task[None]] = {}
+        self._forwarder: AbstractChannel | None = None
         self.subscribed = asyncio.Event()
-        self._assigned: dict[int, str] = {}
+        self._assigned: dict[tuple[int, int], str] = {}
+        self._stop = asyncio.Event()
+
+    @property
+    def shards(self) -> list[ShardConsumer]:
+        return list(self.consumers.values())
 
     async def run(self, stop: asyncio.Event) -> None:
-        for shard in self.shards:
-            await shard.subscribe()
+        self._stop = stop
+        async with self.pool.connection() as conn:
+            self.routing = await self.routing_store.state(conn)
+        await self._sync_consumers()
         await self.broker_dead_letters.subscribe()
         # Join only once subscribed everywhere: peers yield shards to members that can take them.
         await self._heartbeat()
         self.subscribed.set()
-        loops = [asyncio.create_task(shard.run(stop), name=f"shard-{shard.shard}") for shard in self.shards]
         housekeeping = asyncio.create_task(self._housekeeping(stop), name="ingest-housekeeping")
+        lag = asyncio.create_task(self._refresh_lag(stop), name="ingest-lag")
         try:
-            done, _ = await asyncio.wait([*loops, housekeeping], return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+            while not stop.is_set():
+                watched = [*self._loops.values(), housekeeping, lag]
+                done, _ = await asyncio.wait(watched, timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    if not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                if housekeeping in done or lag in done:
+                    break
         finally:
             stop.set()
-            await asyncio.gather(*loops, housekeeping, return_exceptions=True)
-            for shard in self.shards:
+            await asyncio.gather(*self._loops.values(), housekeeping, lag, return_exceptions=True)
+            for shard in self.consumers.values():
                 await shard.close()
+            if self._forwarder is not None:
+                with contextlib.suppress(Exception):
+                    await self._forwarder.close()
             await self.broker_dead_letters.close()
             await self.dead_letters.close()
             with contextlib.suppress(Exception):
                 async with self.pool.connection() as conn:
                     await conn.execute(q.LEAVE_MEMBERS, {"instance_id": self.config.instance_id})
             log.info("ingest worker stopped", extra={"instance_id": self.config.instance_id})
+
+    def _consumer(self, epoch: int, shard: int) -> ShardConsumer:
+        key = (epoch, shard)
+        consumer = self.consumers.get(key)
+        if consumer is None:
+            consumer = ShardConsumer(shard, self.connection, self.topology, self.pool, self.config, self._settings,
+                                     self.dead_letters, self.write_health, epoch=epoch)
+            # Set from the start: a marker can reach a shard before this replica has read that a reshard began.
+            consumer.forward, consumer.on_marker = self._forward, self._on_marker
+            self.consumers[key] = consumer
+            self._loops[key] = asyncio.create_task(consumer.run(self._stop), name=f"shard-e{epoch}-{shard}")
+        return consumer
+
+    async def _sync_consumers(self) -> None:
+        """Consumers for the routing state: the active epoch's shards (each once the old shards it takes keys from
+        are drained), the draining epoch's (applying until their drain marker, forwarding after it); retired epochs'
+        consumers closed."""
+        state = self.routing
+        active, old = state.active, state.draining
+        for shard in range(active.shards):
+            consumer = self._consumer(active.epoch, shard)
+            if not consumer.subscribed and may_consume(shard, old, active.shards, set(state.drained)):
+                if old is not None:
+                    log.info("taking over a resharded shard", extra={"epoch": active.epoch, "shard": shard})
+                await consumer.subscribe()
+        live = {active.epoch} | ({old.epoch} if old is not None else set())
+        if old is not None:
+            for shard in range(old.shards):
+                consumer = self._consumer(old.epoch, shard)
+                consumer.yield_requested = False
+                consumer.drained = consumer.drained or shard in state.drained
+                await consumer.subscribe()
+        for key in [k for k in self.consumers if k[0] not in live]:
+            await self._drop(key)
+
+    async def _on_marker(self, consumer: ShardConsumer) -> bool:
+        async with self.pool.connection() as conn:
+            drained = await self.routing_store.mark_drained(conn, consumer.epoch, consumer.shard,
+                                                            self.config.instance_id)
+        if drained:
+            log.info("old shard drained", extra={"epoch": consumer.epoch, "shard": consumer.shard})
+        else:
+            log.warning("a drain marker on a shard whose epoch is not draining; dropped",
+                        extra={"epoch": consumer.epoch, "shard": consumer.shard})
+        return drained
+
+    async def _forward(self, message: AbstractIncomingMessage) -> bool:
+        """Re-route a result that reached a drained old shard to the active epoch (confirmed, mandatory)."""
+        value = _decode(message)
+        if isinstance(value, str):
+            return False
+        forwarded = routed(value, self.routing.active)
+        try:
+            if self._forwarder is None or self._forwarder.is_closed:
+                self._forwarder = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+            exchange = await self._forwarder.get_exchange(self.topology.result_exchange, ensure=False)
+            await exchange.publish(aio_pika.Message(
+                body=msgspec.json.encode(forwarded), content_type="application/json", message_id=message.message_id,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT, type=message.type, headers=message.headers),
+                routing_key=self.routing.active.routing_key(forwarded.shard), mandatory=True, timeout=5.0)
+        except (*BROKER_ERRORS, RuntimeError) as exc:
+            log.warning("forwarding a late result failed; it goes back", extra={"error": str(exc)[:200]})
+            return False
+        log.info("late result forwarded to the active epoch", extra={
+            "result_id": str(value.result_id), "epoch": forwarded.routing_epoch, "shard": forwarded.shard})
+        return True
+
+    async def _drop(self, key: tuple[int, int]) -> None:
+        consumer = self.consumers.pop(key)
+        loop = self._loops.pop(key)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        await consumer.close()
 
     async def _heartbeat(self) -> None:
         async with self.pool.connection() as conn:
@@ -493,21 +659,37 @@ class IngestWorker:
         last_purge = 0.0
         while not stop.is_set():
             try:
+                async with self.pool.connection() as conn:
+                    self.routing = await self.routing_store.state(conn)
+                await self._sync_consumers()
                 await self._rebalance()
                 if time.monotonic() - last_purge > 600:
                     last_purge = time.monotonic()
                     async with self.pool.connection() as conn:
                         await conn.execute(q.PURGE_APPLIED, {"hours": self.config.retention_hours, "limit": 10_000})
-            except (psycopg.Error, OSError) as exc:
+                async with self.pool.connection() as conn:
+                    rate = await self.write_rate.update(conn)
+                if rate is not None:
+                    m.monitoring_pg_write_qps.set(rate)
+            except (psycopg.Error, OSError, *BROKER_ERRORS) as exc:
                 log.warning("ingest housekeeping failed; retrying", extra={"error": str(exc)[:300]})
-            m.monitoring_pg_write_qps.set(self.write_rate.rate())
             recent = time.monotonic() - 5.0
-            m.ingest_active_shards.set(sum(1 for s in self.shards if s.last_delivery_at > recent))
+            m.ingest_active_shards.set(sum(1 for s in self.consumers.values() if s.last_delivery_at > recent))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=self.config.member_heartbeat_s)
 
+    async def _refresh_lag(self, stop: asyncio.Event) -> None:
+        """Every `lag_refresh_s`, each shard's lag from what it holds now, not from when its batch started."""
+        while not stop.is_set():
+            now_ms = time.time() * 1000
+            for shard in list(self.consumers.values()):
+                m.monitor_result_ingest_lag_ms.labels(shard=shard.label).set(shard.lag_ms(now_ms))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.config.lag_refresh_s)
+
     async def _rebalance(self) -> None:
-        """Heartbeat, then yield the shards that are assigned to another live member (once per change)."""
+        """Heartbeat, then yield the active epoch's shards that are assigned to another live member (once per
+        change)."""
         async with self.pool.connection() as conn:
             await conn.execute(q.HEARTBEAT_MEMBER, {"instance_id": self.config.instance_id})
             await conn.execute(q.FORGET_STALE_MEMBERS, {"timeout_s": self.config.member_timeout_s})
@@ -515,10 +697,13 @@ class IngestWorker:
             members = [str(row["instance_id"]) for row in await cur.fetchall()]
         if self.config.instance_id not in members:
             members.append(self.config.instance_id)
-        assignment = assign_shards(members, self.topology.ingest_shards)
-        for shard in self.shards:
-            owner = assignment[shard.shard]
-            if self._assigned.get(shard.shard) != owner:
-                self._assigned[shard.shard] = owner
+        active = self.routing.active
+        assignment = assign_shards(members, active.shards)
+        for shard, owner in assignment.items():
+            consumer = self.consumers.get((active.epoch, shard))
+            if consumer is None or not consumer.subscribed:
+                continue
+            if self._assigned.get((active.epoch, shard)) != owner:
+                self._assigned[(active.epoch, shard)] = owner
                 if owner != self.config.instance_id:
-                    shard.yield_requested = True
+                    consumer.yield_requested = True

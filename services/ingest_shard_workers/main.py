@@ -6,6 +6,7 @@ from aiohttp import web
 
 from libs.config import Settings
 from libs.db.write_health import writer_health
+from libs.ingest.routing import RoutingStore
 from libs.mq.topology import Topology, declare_ingest
 from libs.runtime import Lifetime, Service, Worker
 from services.ingest_shard_workers.consumer import IngestConfig, IngestWorker
@@ -18,7 +19,11 @@ async def start(life: Lifetime) -> Worker:
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
     # One connection per concurrently applying shard would starve Postgres: shards share a few.
     pool = await life.pool(min_size=1, max_size=max(2, settings.db_pool_max))
-    connection = await life.broker(declare=lambda channel: declare_ingest(channel, topology))
+    store = RoutingStore(settings.ingest_shards)
+    async with pool.connection() as conn:
+        routing = await store.state(conn)
+    # The active routing epoch's queues only: a draining or retired epoch's are never bound again.
+    connection = await life.broker(declare=lambda channel: declare_ingest(channel, topology, [routing.active]))
     worker = IngestWorker(connection, topology, pool, IngestConfig(
         instance_id=settings.instance_id,
         batch_size=settings.ingest_batch_size,

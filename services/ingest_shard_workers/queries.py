@@ -18,10 +18,12 @@ FOR UPDATE
 # Applied-result ledger: a result_id that is already there was applied before and changes nothing.
 # rows: named records (libs.db.pool.json_records), `ord` their delivery order.
 RECORD_APPLIED = """
-INSERT INTO ingest_applied_results (result_id, tenant_id, shard, task_id, monitor_task_id, status, applied_by)
-SELECT r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status, %(applied_by)s
+INSERT INTO ingest_applied_results (result_id, tenant_id, shard, task_id, monitor_task_id, status, applied_by,
+                                    routing_epoch)
+SELECT r.result_id, r.tenant_id, r.shard, r.task_id, r.monitor_task_id, r.status, %(applied_by)s, r.routing_epoch
 FROM json_to_recordset(%(rows)s::json) AS r(
-    ord int, result_id uuid, tenant_id bigint, shard int, task_id uuid, monitor_task_id bigint, status text)
+    ord int, result_id uuid, tenant_id bigint, shard int, task_id uuid, monitor_task_id bigint, status text,
+    routing_epoch int)
 ORDER BY r.ord
 ON CONFLICT (result_id) DO NOTHING
 RETURNING result_id

@@ -13,15 +13,16 @@ import msgspec
 from libs.config import Settings
 
 
-def run_monitorctl(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DATABASE_URL": settings.database_url, "AMQP_URL": settings.amqp_url}
+def run_monitorctl(settings: Settings, *args: str, env: dict[str, str] | None = None) -> (
+        subprocess.CompletedProcess[str]):
+    env = {**os.environ, "DATABASE_URL": settings.database_url, "AMQP_URL": settings.amqp_url, **(env or {})}
     return subprocess.run([sys.executable, "-m", "tools.monitorctl", "--json", *args], env=env, capture_output=True,
                           text=True, timeout=60, check=False)
 
 
-async def monitorctl_json(settings: Settings, *args: str) -> Any:
+async def monitorctl_json(settings: Settings, *args: str, env: dict[str, str] | None = None) -> Any:
     """The command's JSON output; fails the test with its stderr if it did not succeed."""
-    done = await asyncio.to_thread(run_monitorctl, settings, *args)
+    done = await asyncio.to_thread(run_monitorctl, settings, *args, env=env)
     assert done.returncode == 0, done.stderr
     return msgspec.json.decode(done.stdout)
 

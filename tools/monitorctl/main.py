@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "cmd_dispatch",
     "cmd_trace",
     "cmd_roles",
+    "cmd_ingest",
 )
 
 
