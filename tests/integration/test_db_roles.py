@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.migrate import ensure_database, load_migrations, migrate
 from libs.db.pool import Conn
-from libs.db.roles import GRANTS, SERVICES, apply_roles, drop_roles, role_name
+from libs.db.roles import GRANTED_TO_NONE, GRANTS, SERVICES, apply_roles, drop_roles, role_name
 from tests.support.env import Backends
 
 
@@ -54,6 +54,20 @@ async def test_each_role_holds_exactly_its_grants_and_a_rerun_converges(
     for service in SERVICES:
         expected = {table: set(privileges) for table, privileges in GRANTS[service].items()}
         assert await _privileges(pool, role_name(prefix, service)) == expected, service
+
+
+async def test_every_table_of_the_schema_is_granted_to_a_service_or_said_to_be_nobodys(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """A migration's new table that no service's grants name would be refused to the service that uses it in a
+    least-privilege deployment only: caught here instead."""
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                                 "WHERE n.nspname = 'public' AND c.relkind IN ('r', 'p', 'v', 'm') "
+                                 "AND NOT c.relispartition")
+        tables = {row["relname"] for row in await cur.fetchall()}
+    granted = {table for grants in GRANTS.values() for table in grants}
+    assert sorted(tables - granted - set(GRANTED_TO_NONE)) == [], ", ".join(sorted(tables - granted))
+    assert sorted((granted | set(GRANTED_TO_NONE)) - tables) == [], "grants of tables that do not exist"
 
 
 async def test_a_login_of_the_hub_role_works_on_its_tables_and_is_refused_elsewhere(
