@@ -130,6 +130,10 @@ class Settings:
     collect_now_tenant_max_in_flight: int = 2
     collect_now_tenant_wait_ms: int = 1000
     collect_now_lock_wait_ms: int = 1000
+    # collect-now's `Idempotency-Key`: how long a key's first answer is kept and replayed, and how often the
+    # service deletes the expired ones (docs/api.md, Idempotency).
+    collect_now_idempotency_key_ttl_hours: int = 24
+    collect_now_idempotency_purge_s: float = 60.0
     # dispatch-hub / desktop
     lease_ttl_seconds: int = 120
     heartbeat_timeout_seconds: int = 30
@@ -225,13 +229,14 @@ class Settings:
             raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
         settings.trusted_proxy_networks()
         for name, low, high in (("collect_now_tenant_max_in_flight", 1, 64), ("collect_now_tenant_wait_ms", 1, 60_000),
-                                ("collect_now_lock_wait_ms", 1, 60_000)):
+                                ("collect_now_lock_wait_ms", 1, 60_000),
+                                ("collect_now_idempotency_key_ttl_hours", 1, 24 * 30)):
             if not low <= getattr(settings, name) <= high:
                 raise ConfigError(f"{name.upper()}={getattr(settings, name)} must be from {low} to {high}")
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
                      "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
                      "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s",
-                     "write_health_window_s", "write_health_publish_s"):
+                     "write_health_window_s", "write_health_publish_s", "collect_now_idempotency_purge_s"):
             value = getattr(settings, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name.upper()}={value!r} must be a positive number of seconds")

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 from collections.abc import Mapping
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +14,9 @@ from opentelemetry import trace
 
 # Attributes a LogRecord always has; anything else passed through `extra=` becomes a field.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+# The id of the HTTP request being handled (libs.http.request_ids; its `X-Request-Id`): every line logged while it
+# is handled names it, as `http_request_id` (`request_id` names a collect-now request in this code base).
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 _REDACT = {"token", "lease_token", "authorization", "answer_text", "password", "secret"}
 
 
@@ -33,6 +37,9 @@ class JsonFormatter(logging.Formatter):
             if key in _STANDARD or key.startswith("_"):
                 continue
             event[key] = "[redacted]" if key in _REDACT else value
+        request_id = REQUEST_ID.get()
+        if request_id is not None:
+            event.setdefault("http_request_id", request_id)
         span_context = trace.get_current_span().get_span_context()
         if span_context.is_valid:  # the log line of a traced step names its trace and span
             event.setdefault("trace_id", format(span_context.trace_id, "032x"))

@@ -425,15 +425,21 @@ async def test_fields_that_do_not_fit_the_brand_and_oversize_bodies(settings: Se
     async with pool.connection() as conn:
         world = await make_world(conn, tenants=2, brands=2, questions=1)
     other_brand = world.tenant["brands"][1]
+    other_tenants_brand = world.seed["tenants"][1]["brands"][0]
     async with api_client(settings) as http:
+        # Well-formed, naming something that is not there (another brand's, another tenant's, none): 404, not 400.
         cases = [
             ({"keyword_id": other_brand["keyword_ids"][0]}, "keyword_id"),
+            ({"keyword_id": other_tenants_brand["keyword_ids"][0]}, "keyword_id"),
             ({"question_ids": other_brand["question_ids"]}, "question_ids"),
+            ({"question_ids": other_tenants_brand["question_ids"]}, "question_ids"),
             ({"ai_platform_ids": [999_999]}, "ai_platform_ids"),
         ]
         for body, field in cases:
             resp = await http.post(collect_path(world.brand_id), json=body, headers=world.auth())
-            assert (resp.status, (await resp.json()).get("field")) == (400, field)
+            problem = await resp.json()
+            assert (resp.status, problem["error"], problem.get("field")) == (404, "not_found", field), problem
+            assert resp.content_type == "application/problem+json" and problem["status"] == 404
         bad_path = await http.post(collect_path("abc"), json={}, headers=world.auth())
         assert (bad_path.status, (await bad_path.json())["field"]) == (400, "brand_id")
         bad_id = await http.get(status_path("nope"), headers=world.auth())
