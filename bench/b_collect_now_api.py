@@ -18,10 +18,11 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import bench_environment, summary
-from libs.auth import TenantPrincipal, issue_gateway_jwt
+from libs.auth import TenantPrincipal
 from libs.config import Settings
 from libs.db.pool import Conn, make_pool
 from libs.demo import seed_demo
+from tests.support.collect_now import gateway_token
 from tests.support.procs import ServiceProcess, service_env
 
 SECRET = "collect-now-bench-gateway-secret-0123456789"
@@ -76,7 +77,7 @@ async def _clicks(settings: Settings, url: str, *, tenant_id: int, brand_id: int
                 if between is not None:
                     async with pool.connection() as conn:
                         await between(conn)  # type: ignore[operator]
-                token = issue_gateway_jwt(SECRET, TenantPrincipal(tenant_id, tenant_id, 10_000 + i))
+                token = gateway_token(TenantPrincipal(tenant_id, tenant_id, 10_000 + i), SECRET)
                 started = time.perf_counter()
                 async with http.post(f"/api/tenant/monitoring/brands/{brand_id}/collect-now", json={},
                                      headers={"Authorization": f"Bearer {token}"}) as resp:

@@ -37,9 +37,6 @@ class JsonFormatter(logging.Formatter):
             if key in _STANDARD or key.startswith("_"):
                 continue
             event[key] = "[redacted]" if key in _REDACT else value
-        request_id = REQUEST_ID.get()
-        if request_id is not None:
-            event.setdefault("http_request_id", request_id)
         span_context = trace.get_current_span().get_span_context()
         if span_context.is_valid:  # the log line of a traced step names its trace and span
             event.setdefault("trace_id", format(span_context.trace_id, "032x"))
@@ -62,6 +59,21 @@ class SafeExtraLogger(logging.Logger):
 
 
 logging.setLoggerClass(SafeExtraLogger)
+
+_make_record = logging.getLogRecordFactory()
+
+
+def _record_with_request_id(*args: Any, **kwargs: Any) -> logging.LogRecord:
+    """Every record made while an HTTP request is handled carries its id (at creation: a handler that formats
+    later, or in another thread, still sees it)."""
+    record = _make_record(*args, **kwargs)
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        record.http_request_id = request_id
+    return record
+
+
+logging.setLogRecordFactory(_record_with_request_id)
 
 
 def configure_logging(service: str, level: str = "INFO") -> None:

@@ -8,7 +8,7 @@ import uuid
 from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
-from libs.auth import AuthError, TenantPrincipal, verify_gateway_jwt
+from libs.auth import AuthError, GatewayVerifier, KeyUnavailable, TenantPrincipal
 from libs.clock import SYSTEM_CLOCK, Clock
 from libs.config import Settings
 from libs.contracts.http import CollectNowRequest
@@ -42,23 +42,32 @@ CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 GATE: web.AppKey[TenantGate] = web.AppKey("tenant_gate")
 
 
+# How gateway tokens are checked (keys, aud, iss, lifetime), built from the settings once, at start-up.
+VERIFIER: web.AppKey[GatewayVerifier] = web.AppKey("gateway_verifier")
+
+
 def install_tenant_gate(app: web.Application, settings: Settings) -> None:
     app[GATE] = TenantGate.from_settings(settings)
 
 
-def authenticate(request: web.Request) -> TenantPrincipal:
+def install_verifier(app: web.Application, settings: Settings) -> None:
+    """Fail closed: no real gateway key, or (outside DEV_MODE) no audience and issuer to check, and the service does
+    not start (ConfigError)."""
+    app[VERIFIER] = settings.gateway_verifier()
+
+
+async def authenticate(request: web.Request) -> TenantPrincipal:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "unauthorized", "send the gateway token as `Authorization: Bearer <jwt>`")
-    settings = request.app[SETTINGS]
-    key, algorithm = settings.jwt_key()
     try:
-        return verify_gateway_jwt(token.strip(), key, algorithm, audience=settings.gateway_jwt_audience or None,
-                                  issuer=settings.gateway_jwt_issuer or None,
-                                  leeway_s=settings.gateway_jwt_leeway_seconds)
+        return await request.app[VERIFIER].verify(token.strip())
     except AuthError as exc:
         raise ApiError(401, exc.code, exc.message) from exc
+    except KeyUnavailable as exc:
+        raise ApiError(503, "gateway_keys_unavailable", "the gateway's signing keys could not be fetched to check "
+                       "the token; retry", retry_after_s=5) from exc
 
 
 def _int_path(request: web.Request, name: str) -> int:
@@ -101,7 +110,7 @@ def _page(request: web.Request) -> tuple[int, int]:
 
 
 async def post_collect_now(request: web.Request) -> web.Response:
-    principal = authenticate(request)
+    principal = await authenticate(request)
     brand_id = _int_path(request, "brand_id")
     body = await read_body(request, CollectNowRequest, max_bytes=MAX_COLLECT_NOW_BODY_BYTES, allow_empty=True)
     idempotency = _idempotency_key(request, brand_id, body)
@@ -127,7 +136,7 @@ def _idempotency_key(request: web.Request, brand_id: int, body: CollectNowReques
 
 
 async def get_collect_request(request: web.Request) -> web.Response:
-    principal = authenticate(request)
+    principal = await authenticate(request)
     raw = request.match_info["request_id"]
     request_id = _uuid(raw)
     if request_id is None:

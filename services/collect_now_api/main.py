@@ -20,6 +20,7 @@ from services.collect_now_api.handlers import (
     SETTINGS_CACHE,
     get_collect_request,
     install_tenant_gate,
+    install_verifier,
     post_collect_now,
 )
 from services.collect_now_api.openapi import COLLECT_NOW_PATH, REQUEST_STATUS_PATH, openapi_document
@@ -34,8 +35,8 @@ async def get_openapi(_: web.Request) -> web.Response:
 
 
 def build(settings: Settings) -> web.Application:
-    settings.jwt_key()  # fail closed: no real gateway key (outside DEV_MODE), no service
     app = SERVICE.app(settings, start, http=make_app(max_body_bytes=settings.max_body_bytes))
+    install_verifier(app, settings)  # fail closed: no real gateway key, aud and iss (outside DEV_MODE), no service
     install_tenant_gate(app, settings)
     app.router.add_post(COLLECT_NOW_PATH, post_collect_now)
     app.router.add_get(REQUEST_STATUS_PATH, get_collect_request)

@@ -19,13 +19,13 @@ from libs.db.pool import Conn, connect
 from libs.dispatch_settings import set_setting
 from libs.telemetry import metrics
 from tests.support.collect_now import (
-    JWT_SECRET,
     World,
     api_client,
     business_task,
     execution,
     fetch_all,
     fetch_one,
+    gateway_token,
     make_world,
     set_online,
     today,
@@ -375,10 +375,9 @@ async def test_another_tenants_token_gets_404_and_no_data(settings: Settings, po
         unknown = await http.get(status_path(str(uuid.uuid4())), headers=world.auth())
         no_token = await http.post(collect_path(world.brand_id), json={})
         bad_token = await http.get(status_path(mine["request_id"]), headers={"Authorization": "Bearer not.a.jwt"})
-        from libs.auth import issue_gateway_jwt
-        wrong_key = issue_gateway_jwt("another-secret-of-at-least-32-bytes!", world.principal())
+        wrong_key = gateway_token(world.principal(), "another-secret-of-at-least-32-bytes!")
         forged = await http.get(status_path(mine["request_id"]), headers={"Authorization": f"Bearer {wrong_key}"})
-        expired_token = issue_gateway_jwt(JWT_SECRET, world.principal(), ttl_s=-60)  # past the leeway
+        expired_token = gateway_token(world.principal(), ttl_s=-60)  # past the leeway
         expired = await http.get(status_path(mine["request_id"]), headers={"Authorization": f"Bearer {expired_token}"})
         foreign_post_body = await foreign_post.text()
         foreign_get_body = await foreign_get.text()
