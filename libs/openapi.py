@@ -55,6 +55,8 @@ def document(*, title: str, version: str, description: str, schemas: dict[str, A
         "openapi": "3.1.0",
         "info": {"title": title, "version": version, "description": f"{description} {CONVENTIONS}"},
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        # Each service serves its own API (and this document): paths are relative to wherever it is reached.
+        "servers": [{"url": "/", "description": "the service that serves this document"}],
         "components": {
             "schemas": schemas,
             "responses": {"MethodNotAllowed": method_not_allowed()},

@@ -60,6 +60,7 @@ from tests.support.lease_fuzz import (
     plan_for,
 )
 from tests.support.procs import ServiceProcess, service_env
+from tools.contracts_docs import CONTRACTS_DIR
 
 MAX_EXAMPLES = 50
 
@@ -217,9 +218,15 @@ def _accepts_valid_data(ctx: CheckContext, response: Response, case: Case) -> bo
 
 
 def test_the_served_documents_are_these(collect_now_target: Target, hub_target: Target) -> None:
-    for target, document in ((collect_now_target, collect_now_document()), (hub_target, hub_document())):
+    """What each process serves is the document fuzzed here and the one committed under contracts/openapi/."""
+    for target, document, committed in (
+            (collect_now_target, collect_now_document(), "openapi/collect-now-api.json"),
+            (hub_target, hub_document(), "openapi/dispatch-hub.json")):
         with urllib.request.urlopen(target.process.url + "/openapi.json", timeout=5) as resp:
-            assert json.loads(resp.read()) == json.loads(json.dumps(document))
+            served = json.loads(resp.read())
+        assert served == json.loads(json.dumps(document))
+        assert served == json.loads((CONTRACTS_DIR / committed).read_text()), (
+            f"contracts/{committed} is not what the service serves: run `make contracts`")
 
 
 @COLLECT_NOW_SCHEMA.parametrize()

@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "cmd_reconcile",
     "cmd_dispatch",
     "cmd_trace",
+    "cmd_contracts",
 )
 
 
