@@ -338,7 +338,6 @@ async def _claim_idempotency_key(conn: Conn, pipe: AsyncPipeline, principal: Ten
     row = await stored_cur.fetchone()
     assert lock is not None
     if not lock["locked"]:
-        metrics.edge_rejected_total.inc(service="collect-now-api", reason="idempotency_key_in_use")
         raise ApiError(409, "idempotency_key_in_use", "a request with this Idempotency-Key is still being processed; "
                        "retry in a moment to get its answer", "Idempotency-Key", retry_after_s=1)
     if row is None:
