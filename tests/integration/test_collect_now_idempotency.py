@@ -91,6 +91,12 @@ async def test_the_first_answer_is_replayed_and_another_request_with_the_key_ref
             assert (resp.status, problem["field"]) == (400, "Idempotency-Key"), bad
     async with pool.connection() as conn:
         assert await request_count(conn) == 4  # first, other user, other tenant, implicit
+        # Each new request's key was written by the transaction that wrote the request: the same now() (the
+        # transaction's start) stamped both rows. (A window replay's key names the request it replayed.)
+        same_tx = await fetch_all(conn, "SELECT k.created_at = r.created_at AS same "
+                                        "FROM collect_now_idempotency_keys k JOIN monitoring_collect_requests r "
+                                        "ON r.id = k.collect_request_id WHERE k.response_status = 202")
+        assert [row["same"] for row in same_tx] == [True, True, True]
         keys = await fetch_all(conn, "SELECT tenant_id, user_id, response_status FROM collect_now_idempotency_keys "
                                      "ORDER BY created_at")
         assert [(k["tenant_id"], k["response_status"]) for k in keys] == [
