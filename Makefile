@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: install backends lint lint-contracts contracts test test-unit test-integration test-e2e run observe migrate bench chaos faults faults-long soak clean
+.PHONY: install backends lint lint-contracts contracts test test-unit test-integration test-e2e run observe migrate bench chaos faults faults-long faults-down soak clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -75,20 +75,26 @@ chaos: install backends
 	CHAOS_MINUTES=$(CHAOS_MINUTES) DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) \
 		$(BIN)/pytest -s tests/e2e/test_service_chaos.py
 
-# Infrastructure faults on real processes (tests/faults, ~3 minutes; not in `make test`: they stop and alarm the
-# shared servers), with their figures printed: a leader whose node goes silent (iptables drops its cgroup's packets),
-# Postgres stopped fast and immediate, the broker alarmed and stopped. docs/reliability.md.
-faults: install backends
+# Infrastructure faults on real processes (tests/faults, ~3 minutes; not in `make test`), with their figures printed:
+# a leader whose node goes silent (iptables drops its cgroup's packets), Postgres stopped fast and immediate, the
+# broker alarmed and stopped. They stop and alarm a private Postgres and RabbitMQ (scripts/fault-servers.sh, ports
+# 5433 and 5673), never the shared ones, so they can run beside anything. docs/reliability.md.
+FAULT_ENV = set -a && eval "$$(bash scripts/fault-servers.sh up)" && set +a && \
+	DATABASE_URL=$$FAULT_DATABASE_URL AMQP_URL=$$FAULT_AMQP_URL
+faults: install
 	bash scripts/ensure-fault-tools.sh
-	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest -s tests/faults
+	$(FAULT_ENV) $(BIN)/pytest -s tests/faults
 
 # The same at the durations of docs/reliability.md's table (~25 minutes): Postgres away 75 s (fast and immediate),
 # the broker alarmed 10 minutes and stopped 45 s, ingest's database away 6 minutes.
-faults-long: install backends
+faults-long: install
 	bash scripts/ensure-fault-tools.sh
-	FAULT_PG_OUTAGE_SECONDS=75 FAULT_ALARM_SECONDS=600 FAULT_BROKER_STOP_SECONDS=45 INGEST_OUTAGE_SECONDS=360 \
-		DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) \
-		$(BIN)/pytest -s tests/faults tests/integration/test_ingest_db_outage.py
+	$(FAULT_ENV) FAULT_PG_OUTAGE_SECONDS=75 FAULT_ALARM_SECONDS=600 FAULT_BROKER_STOP_SECONDS=45 \
+		INGEST_OUTAGE_SECONDS=360 $(BIN)/pytest -s tests/faults tests/integration/test_ingest_db_outage.py
+
+# Stop the fault suite's private servers and remove their data.
+faults-down:
+	bash scripts/fault-servers.sh down
 
 # The stack under steady work for SOAK_MINUTES (30), sampled every minute, with a growth verdict at the end.
 SOAK_MINUTES ?= 30

@@ -20,6 +20,15 @@ PLATFORM_INTERRUPT_TIMEOUTS_MS: dict[str, tuple[int, int]] = {
     "perplexity": (45_000, 120_000),
 }
 DEFAULT_INTERRUPT_TIMEOUTS_MS = (15_000, 45_000)
+# Per-mode values for platforms that run questions in more than one mode (§10.5; migration 063 has the same).
+PLATFORM_MODE_TIMEOUTS_MS: dict[str, dict[str, tuple[int, int]]] = {
+    "openai": {"quick": (15_000, 45_000), "deep_reasoning": (60_000, 180_000)},
+}
+_INSERT_MODE_SETTINGS = """
+INSERT INTO platform_mode_settings (ai_platform_id, mode, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms)
+VALUES (%(id)s, %(mode)s, %(soft)s, %(hard)s)
+ON CONFLICT (ai_platform_id, mode) DO NOTHING
+"""
 
 PLATFORM_NAMES = {"openai": "OpenAI ChatGPT", "gemini": "Google Gemini", "perplexity": "Perplexity"}
 
@@ -30,8 +39,8 @@ RETURNING id
 """
 
 _INSERT_PLATFORM_SETTINGS = """
-INSERT INTO platform_settings (ai_platform_id, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms)
-VALUES (%(id)s, %(soft)s, %(hard)s)
+INSERT INTO platform_settings (ai_platform_id, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms, timeouts_dynamic)
+VALUES (%(id)s, %(soft)s, %(hard)s, %(dynamic)s)
 ON CONFLICT (ai_platform_id) DO NOTHING
 """
 
@@ -82,14 +91,19 @@ _QUESTION_TEMPLATES = (
 
 
 async def ensure_platforms(conn: Conn, codes: Sequence[str]) -> list[dict[str, Any]]:
-    """Create (or find) the platforms by code, each with its §10.5 interrupt timeouts."""
+    """Create (or find) the platforms by code, each with its §10.5 interrupt timeouts: fixed for the platforms the
+    specification gives values for, measured (dynamic) for the others."""
     platforms = []
     for code in codes:
         cur = await conn.execute(_UPSERT_PLATFORM, {"code": code, "name": PLATFORM_NAMES.get(code, code)})
         row = await cur.fetchone()
         assert row is not None
         soft, hard = PLATFORM_INTERRUPT_TIMEOUTS_MS.get(code, DEFAULT_INTERRUPT_TIMEOUTS_MS)
-        await conn.execute(_INSERT_PLATFORM_SETTINGS, {"id": row["id"], "soft": soft, "hard": hard})
+        await conn.execute(_INSERT_PLATFORM_SETTINGS, {"id": row["id"], "soft": soft, "hard": hard,
+                                                       "dynamic": code not in PLATFORM_INTERRUPT_TIMEOUTS_MS})
+        for mode, (mode_soft, mode_hard) in PLATFORM_MODE_TIMEOUTS_MS.get(code, {}).items():
+            await conn.execute(_INSERT_MODE_SETTINGS, {"id": row["id"], "mode": mode, "soft": mode_soft,
+                                                       "hard": mode_hard})
         platforms.append({"ai_platform_id": int(row["id"]), "code": code})
     return platforms
 

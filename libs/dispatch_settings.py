@@ -16,6 +16,7 @@ import msgspec
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
+from libs.domain.rollout import DEFAULT_RAMP, RampError, parse_ramp
 
 log = logging.getLogger("dispatch_settings")
 
@@ -81,6 +82,18 @@ class DispatchSettings:
     client_max_concurrent_ceiling: int = 4
     client_max_queue_depth_ceiling: int = 40
     platform_max_concurrent_ceiling: int = 2
+    # The guarded rollout ramp (§16.2.2, libs/domain/rollout.py): its steps and dwells, and the gates each step
+    # must hold for its dwell before `monitorctl rollout advance` takes the next one.
+    rollout_ramp: str = DEFAULT_RAMP
+    rollout_gate_preempt_success_min: float = 0.95
+    rollout_gate_min_preemptions: int = 10
+    rollout_gate_ingest_lag_ms: int = 30_000
+    rollout_gate_max_reconcile_fixes: int = 0
+    rollout_gate_max_orphans: int = 0
+    # §10.5 bounds on the measured safe points: a client's samples count once it has this many, and a platform is
+    # tuned from the median of its clients' P95s only with this many such clients (libs/domain/safe_points.py).
+    safe_point_min_client_samples: int = 20
+    safe_point_min_clients: int = 3
 
 
 _TYPES = {f.name: f.type for f in fields(DispatchSettings)}
@@ -110,6 +123,31 @@ def check_ceiling(settings: DispatchSettings, what: str, value: int) -> None:
     if value > ceiling:
         raise SettingError(f"{what} = {value} is above its ceiling {ceiling}; raising a ceiling is a deliberate "
                            f"step of its own: `monitorctl budgets set-ceiling {ceiling_key} {value}`")
+
+
+def check_budget_coupling(settings: DispatchSettings) -> None:
+    """§9.2's coupling rule "cluster budget > sum of tenant budgets", as `budgets set` can hold it: the cluster's
+    per-window budget must stay above the sum of the budgets of the tenants that can reach it at once. Read literally
+    over every tenant, the rule would cap the installation at cluster / tenant tenants (10 with the defaults), so it is
+    held for the one tenant a `budgets set` always knows about: a single tenant's budget is strictly below the
+    cluster's, so no one tenant ever exhausts the cluster window and leaves nothing for the others or for
+    collect-now. Across many busy tenants the cluster budget is the one that binds (`budget_sum_warning`)."""
+    if settings.tenant_dispatch_per_minute >= settings.cluster_dispatch_per_minute:
+        raise SettingError(
+            f"tenant_dispatch_per_minute = {settings.tenant_dispatch_per_minute} must stay below "
+            f"cluster_dispatch_per_minute = {settings.cluster_dispatch_per_minute} (§9.2: the cluster budget exceeds "
+            "the sum of the tenant budgets; one tenant alone must not be able to use the whole cluster window)")
+
+
+def budget_sum_warning(settings: DispatchSettings, active_tenants: int) -> str | None:
+    """The literal §9.2 sum over the tenants that dispatched lately: when their budgets add up past the cluster's,
+    say so (not an error: the cluster budget then binds, shared round-robin, with the high reserve kept)."""
+    total = settings.tenant_dispatch_per_minute * active_tenants
+    if active_tenants > 1 and total >= settings.cluster_dispatch_per_minute:
+        return (f"{active_tenants} tenants dispatched in the last two budget windows; their budgets sum to {total} "
+                f">= cluster_dispatch_per_minute {settings.cluster_dispatch_per_minute}: the cluster budget binds "
+                f"first (about {settings.cluster_dispatch_per_minute // active_tenants} a tenant when all are busy)")
+    return None
 
 
 def check_new_ceiling(settings: DispatchSettings, ceiling_key: str, value: int) -> None:
@@ -151,6 +189,11 @@ def coerce(key: str, value: Any) -> Any:
             if bad:
                 raise SettingError(f"{key}: unknown lane(s) {bad}; lanes are {LANES}")
             return lanes
+        if key == "rollout_ramp":
+            parse_ramp(str(value))
+            return str(value)
+    except RampError as exc:
+        raise SettingError(str(exc)) from None
     except (TypeError, ValueError) as exc:
         if isinstance(exc, SettingError):
             raise

@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.e2e)
         elif "/faults/" in path:
             item.add_marker(pytest.mark.faults)
-    # The infrastructure faults stop or alarm the shared servers: last, when nothing else runs beside them.
+    # The infrastructure faults stop or alarm servers (their own, scripts/fault-servers.sh): last, whatever runs them.
     items.sort(key=lambda item: "/faults/" in str(item.path))
 
 

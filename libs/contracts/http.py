@@ -140,9 +140,12 @@ class QuestionRef(msgspec.Struct, kw_only=True):
     text: str
 
 
-class PlatformRef(msgspec.Struct, kw_only=True):
+class PlatformRef(msgspec.Struct, kw_only=True, omit_defaults=True):
     ai_platform_id: int
     code: str
+    # The mode the question runs in on this platform (§10.5, e.g. OpenAI `quick` / `deep_reasoning`): its interrupt
+    # timeouts are the mode's. None: the platform's default mode.
+    mode: str | None = None
 
 
 class LeasedTask(msgspec.Struct, kw_only=True):

@@ -12,6 +12,12 @@ default) and only with at least `safe_point_min_samples` samples:
 
 The coordinator (no new normal past soft) and the reconciler (force-cancel past hard) read platform_settings on
 every pass and tick: the new values are in effect within seconds, without a restart.
+
+Dynamic is the default for a platform without fixed values (migration 062). The P95 that tunes a platform is robust
+to any one client: the hubs record each client's intervals apart, each client with at least
+`safe_point_min_client_samples` samples gets its own P95, and the platform's is the median of those (`robust_p95`),
+taken only from `safe_point_min_clients` clients or more. A client reporting absurd intervals (broken, or hostile)
+moves the median at most to the next client's P95, however many samples it sends.
 """
 
 from __future__ import annotations
@@ -50,6 +56,26 @@ def p95_from_histogram(buckets: Iterable[tuple[int, int]]) -> float | None:
             return lower + (le - lower) * (target - seen) / n
         seen += n
     return float(_lower_bound(rows[-1][0]))
+
+
+def robust_p95(per_client: dict[object, list[tuple[int, int]]], *, min_client_samples: int,
+               min_clients: int) -> tuple[float, int, int] | None:
+    """(P95, samples, clients) from per-client histograms: the median of the P95s of the clients with at least
+    `min_client_samples` samples (the lower median for an even count: a timeout errs short, the hard timeout
+    still backs it), over at least `min_clients` such clients; None with fewer."""
+    p95s: list[float] = []
+    samples = 0
+    for buckets in per_client.values():
+        n = sum(count for _, count in buckets)
+        if n >= max(1, min_client_samples):
+            p95 = p95_from_histogram(buckets)
+            if p95 is not None:
+                p95s.append(p95)
+                samples += n
+    if len(p95s) < max(1, min_clients):
+        return None
+    p95s.sort()
+    return p95s[(len(p95s) - 1) // 2], samples, len(p95s)
 
 
 def _lower_bound(le: int) -> int:

@@ -69,3 +69,19 @@ def held_for_broken_login_sql(row: str, code: str) -> str:
             f"AND coalesce((SELECT hc.platform_health FROM desktop_clients hc WHERE hc.id = %(client_id)s) ->> {code} "
             f"IN {BLOCKING_STATES_SQL}, false) "
             f"AND NOT {_health_ignored_sql(f'{row}.tenant_id', f'{row}.ai_platform_id')})")
+
+
+# The mode a business task's question runs in on its platform (§10.5: OpenAI quick / deep reasoning), from its plan;
+# NULL: the platform's default. `task_id` is the business task id's SQL expression.
+def platform_mode_sql(task_id: str) -> str:
+    return (f"(SELECT pl.platform_mode FROM monitoring_collect_tasks mt JOIN monitoring_plans pl ON pl.id = mt.plan_id "
+            f"WHERE mt.id = {task_id})")
+
+
+def interrupt_timeout_ms_sql(kind: str, execution: str, platform_settings: str, default_ms: str) -> str:
+    """An execution's soft or hard interrupt timeout (ms): its mode's when the platform has values for the mode the
+    task runs in (platform_mode_settings), else the platform's, else `default_ms`."""
+    column = {"soft": "interrupt_soft_timeout_ms", "hard": "interrupt_hard_timeout_ms"}[kind]
+    return (f"coalesce((SELECT pm.{column} FROM platform_mode_settings pm WHERE pm.ai_platform_id = "
+            f"{execution}.ai_platform_id AND pm.mode = {platform_mode_sql(f'{execution}.monitor_task_id')}), "
+            f"{platform_settings}.{column}, {default_ms})")

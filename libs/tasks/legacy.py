@@ -27,6 +27,7 @@ from libs.tasks.fragments import (
     CLIENT_GENERATION_SQL,
     HELD_LANES_SQL,
     held_for_broken_login_sql,
+    platform_mode_sql,
 )
 from libs.tasks.result_claims import claim_result, release_result_claim
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, CLEAR_LEGACY_LEASE_SQL
@@ -81,7 +82,8 @@ PICK_OFFERS = f"""
 SELECT l.id, l.monitor_task_id, l.lane, l.lane_weight, l.priority, l.lease_epoch, l.interrupt_generation,
        l.business_date, l.tenant_id, l.ai_platform_id, l.collect_request_id, l.control_flags, l.enqueued_at,
        b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
-       p.code AS platform_code, 'legacy' AS execution_owner
+       p.code AS platform_code, {platform_mode_sql("l.monitor_task_id")} AS platform_mode,
+       'legacy' AS execution_owner
 FROM legacy_leases l
 JOIN brands b ON b.id = l.brand_id
 JOIN monitoring_questions q ON q.id = l.question_id

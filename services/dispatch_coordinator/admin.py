@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,6 +19,8 @@ from libs.dispatch_settings import (
     DispatchSettings,
     SettingError,
     as_dict,
+    budget_sum_warning,
+    check_budget_coupling,
     check_ceiling,
     check_new_ceiling,
     coerce,
@@ -43,8 +46,9 @@ _PLATFORMS = """
 SELECT p.id AS ai_platform_id, p.code, p.enabled, coalesce(s.max_concurrent, 1) AS max_concurrent,
        coalesce(s.interrupt_soft_timeout_ms, 15000) AS interrupt_soft_timeout_ms,
        coalesce(s.interrupt_hard_timeout_ms, 45000) AS interrupt_hard_timeout_ms, coalesce(s.paused, false) AS paused,
-       coalesce(s.timeouts_dynamic, false) AS timeouts_dynamic, s.timeouts_tuned_at,
+       coalesce(s.timeouts_dynamic, true) AS timeouts_dynamic, s.timeouts_tuned_at,
        s.safe_point_p95_ms AS measured_safe_point_p95_ms, s.safe_point_samples AS measured_samples,
+       s.safe_point_clients AS measured_clients,
        s.safe_point_measured_at AS measured_at, s.updated_at
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE %(code)s::text IS NULL OR p.code = %(code)s
@@ -71,7 +75,10 @@ INSERT INTO platform_settings (ai_platform_id, max_concurrent, interrupt_soft_ti
                                paused, timeouts_dynamic, updated_at)
 SELECT p.id, coalesce(%(max_concurrent)s, s.max_concurrent, 1),
        coalesce(%(soft)s, s.interrupt_soft_timeout_ms, 15000), coalesce(%(hard)s, s.interrupt_hard_timeout_ms, 45000),
-       coalesce(%(paused)s, s.paused, false), coalesce(%(dynamic)s, s.timeouts_dynamic, false), now()
+       coalesce(%(paused)s, s.paused, false),
+       -- fixed values given make the platform static (the tuner would overwrite them); none: dynamic by default
+       coalesce(%(dynamic)s, CASE WHEN %(soft)s::int IS NOT NULL OR %(hard)s::int IS NOT NULL THEN false END,
+                s.timeouts_dynamic, true), now()
 FROM ai_platforms p LEFT JOIN platform_settings s ON s.ai_platform_id = p.id
 WHERE p.code = %(code)s
 ON CONFLICT (ai_platform_id) DO UPDATE
@@ -202,10 +209,32 @@ async def set_budget(conn: Conn, key: str, value: Any) -> Any:
     """`monitorctl budgets set`: any dispatch setting but a ceiling, a budget never above its ceiling."""
     if key in CEILINGS:
         raise SettingError(f"{key} is a ceiling; change it with `monitorctl budgets set-ceiling {key} VALUE`")
+    if key == "rollout_percentage":  # the ramp's gates and the tenant movement report belong to its own commands
+        raise SettingError("rollout_percentage changes with `monitorctl rollout advance` (the guarded ramp) or "
+                           "`monitorctl rollout set PCT [--force]`")
     async with conn.transaction():
         await conn.execute(CEILING_LOCK)
-        check_ceiling(await load_settings(conn), key, coerce(key, value))
+        current = await load_settings(conn)
+        check_ceiling(current, key, coerce(key, value))
+        if key in BUDGET_KEYS:
+            check_budget_coupling(replace(current, **{key: coerce(key, value)}))
         return await set_setting(conn, key, value)
+
+
+BUDGET_KEYS = ("cluster_dispatch_per_minute", "tenant_dispatch_per_minute")
+# Tenants with scheduled (non-high) dispatches counted in the last two budget windows.
+_ACTIVE_TENANTS = f"""
+SELECT count(DISTINCT d.tenant_id) AS n FROM dispatch_budget_rows d
+WHERE d.kind = 'monitor' AND d.lane <> 'high' AND d.created_at >= now() - make_interval(secs => %(window_s)s * 2)
+  AND {q.COUNTS_AGAINST_BUDGET}
+"""
+
+
+async def budget_warning(conn: Conn) -> str | None:
+    """§9.2's sum of tenant budgets over the tenants dispatching lately, when it passes the cluster's."""
+    settings = await load_settings(conn)
+    row = await (await conn.execute(_ACTIVE_TENANTS, {"window_s": max(1, settings.budget_window_seconds)})).fetchone()
+    return budget_sum_warning(settings, int(row["n"]) if row else 0)
 
 
 async def set_ceiling(conn: Conn, key: str, value: Any) -> Any:
@@ -251,9 +280,48 @@ async def set_lane_paused(conn: Conn, lane: str, paused: bool) -> list[str]:
     return list(stored)
 
 
+_PLATFORM_MODES = """
+SELECT ai_platform_id, mode, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms FROM platform_mode_settings
+ORDER BY ai_platform_id, mode
+"""
+_UPSERT_MODE = """
+INSERT INTO platform_mode_settings (ai_platform_id, mode, interrupt_soft_timeout_ms, interrupt_hard_timeout_ms)
+SELECT p.id, %(mode)s, %(soft)s, %(hard)s FROM ai_platforms p WHERE p.code = %(code)s
+ON CONFLICT (ai_platform_id, mode) DO UPDATE
+SET interrupt_soft_timeout_ms = EXCLUDED.interrupt_soft_timeout_ms,
+    interrupt_hard_timeout_ms = EXCLUDED.interrupt_hard_timeout_ms, updated_at = now()
+RETURNING ai_platform_id
+"""
+
+
 async def get_platforms(conn: Conn, code: str | None = None) -> list[dict[str, Any]]:
+    """Each platform's settings, with its per-mode interrupt timeouts (`modes`, §10.5)."""
     cur = await conn.execute(_PLATFORMS, {"code": code})
-    return list(await cur.fetchall())
+    rows = [dict(r) for r in await cur.fetchall()]
+    modes: dict[int, dict[str, dict[str, int]]] = {}
+    for m in await (await conn.execute(_PLATFORM_MODES)).fetchall():
+        modes.setdefault(int(m["ai_platform_id"]), {})[m["mode"]] = {
+            "interrupt_soft_timeout_ms": m["interrupt_soft_timeout_ms"],
+            "interrupt_hard_timeout_ms": m["interrupt_hard_timeout_ms"]}
+    for row in rows:
+        row["modes"] = modes.get(int(row["ai_platform_id"]), {})
+    return rows
+
+
+async def set_platform_mode(conn: Conn, code: str, mode: str, *, soft_timeout_ms: int | None,
+                            hard_timeout_ms: int | None) -> dict[str, Any]:
+    """`monitorctl platform set CODE --mode M --soft-timeout-ms S --hard-timeout-ms H`: one mode's timeouts."""
+    if soft_timeout_ms is None or hard_timeout_ms is None:
+        raise AdminError("--mode needs both --soft-timeout-ms and --hard-timeout-ms")
+    if not 0 < soft_timeout_ms <= hard_timeout_ms:
+        raise AdminError("a mode's timeouts need 0 < --soft-timeout-ms <= --hard-timeout-ms")
+    if not mode or len(mode) > 40:
+        raise AdminError("--mode must be 1..40 characters")
+    cur = await conn.execute(_UPSERT_MODE, {"code": code, "mode": mode, "soft": soft_timeout_ms,
+                                            "hard": hard_timeout_ms})
+    if await cur.fetchone() is None:
+        raise AdminError(f"no platform with code {code!r}")
+    return (await get_platforms(conn, code))[0]
 
 
 async def set_platform(conn: Conn, code: str, *, max_concurrent: int | None = None, soft_timeout_ms: int | None = None,
@@ -304,13 +372,18 @@ async def rollout_preview(conn: Conn, percentage: int) -> dict[str, Any]:
     return {**await _tenant_movement(conn, before, after), "applied": False}
 
 
-async def set_rollout(conn: Conn, percentage: int) -> dict[str, Any]:
+async def set_rollout(conn: Conn, percentage: int, *, force: bool = False) -> dict[str, Any]:
     """`monitorctl rollout set`: store the percentage (the scanner and collect-now read it for the tasks they
-    create from now on) and report the tenants that moved, in one transaction."""
+    create from now on) and report the tenants that moved, in one transaction. Raising it skips the ramp's gates
+    (`rollout advance`), so it needs `force`; lowering it is the safe direction and does not."""
     after = int(coerce("rollout_percentage", percentage))
     async with conn.transaction():
         await conn.execute(ROLLOUT_LOCK)
         before = (await load_settings(conn)).rollout_percentage
+        if after > before and not force:
+            raise SettingError(f"raising the rollout {before}% -> {after}% skips the ramp's gates: "
+                               "`monitorctl rollout advance` takes the next step when they held, "
+                               f"`monitorctl rollout set {after} --force` jumps deliberately")
         await set_setting(conn, "rollout_percentage", after)
         movement = await _tenant_movement(conn, before, after)
     return {**movement, "applied": True}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from libs.ingest.lag import INGEST_LAG_SQL
 from libs.tasks import legacy
+from libs.tasks.fragments import interrupt_timeout_ms_sql
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
@@ -47,11 +48,12 @@ READY_PROBED = (
 # (queued) and leases (in_progress) (docs/legacy-path.md). Client concurrency, queue depth and platform concurrency
 # count both alike.
 ACTIVE_WORK = """(
-    SELECT d.target_client_id, d.tenant_id, d.ai_platform_id, d.status, d.lane, d.control_flags, d.interrupted_at
+    SELECT d.target_client_id, d.tenant_id, d.ai_platform_id, d.status, d.lane, d.control_flags, d.interrupted_at,
+           d.monitor_task_id
     FROM desktop_tasks d WHERE d.kind = 'monitor' AND d.status IN ('queued', 'in_progress')
     UNION ALL
     SELECT l.target_client_id, l.tenant_id, l.ai_platform_id, l.status, l.lane, l.control_flags,
-           NULL::timestamptz
+           NULL::timestamptz, l.monitor_task_id
     FROM legacy_leases l WHERE l.status IN ('queued', 'in_progress'))"""
 
 # An execution counts against its window's budget unless collect-now cancelled it while still queued (never
@@ -166,8 +168,9 @@ WITH load AS MATERIALIZED (
            count(*) FILTER (WHERE d.status = 'queued') AS queued,
            count(*) FILTER (WHERE d.status = 'queued' AND d.lane = 'high') AS queued_high,
            bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
+                   -- evaluated last, for the (few) interrupted executions: the mode's soft timeout (§10.5)
                    AND d.interrupted_at < now() - make_interval(
-                       secs => coalesce(ps.interrupt_soft_timeout_ms, 15000) / 1000.0)) AS interrupt_overdue
+                       secs => {interrupt_timeout_ms_sql("soft", "d", "ps", "15000")} / 1000.0)) AS interrupt_overdue
     FROM {ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
     GROUP BY 1
 ), high AS MATERIALIZED (

@@ -106,26 +106,33 @@ class PlatformCodes:
         return unknown
 
 
+ANONYMOUS_CLIENT = uuid.UUID(int=0)
+
+
 class SafePointStats:
     """Safe-point intervals clients report: the replica's `safe_point_interval_ms` histogram, and hourly
     histogram rows in the database (`safe_point_histogram`), written every flush interval, from which the
     reconciler computes each platform's P95 across every replica (libs/domain/safe_points.py)."""
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[int, int], int] = {}  # (ai_platform_id, bucket upper bound) -> count
+        # (ai_platform_id, client, bucket upper bound) -> count; per client so that the tuning can keep any one
+        # client from moving a platform's timeouts (libs/domain/safe_points.robust_p95)
+        self._pending: dict[tuple[int, uuid.UUID, int], int] = {}
         self.flushed = 0
 
-    def observe(self, platform_id: int | None, platform: str, interval_ms: float) -> None:
+    def observe(self, platform_id: int | None, platform: str, interval_ms: float,
+                client_id: uuid.UUID = ANONYMOUS_CLIENT) -> None:
         metrics.safe_point_interval_ms.labels(platform=platform).observe(interval_ms)
         if platform_id is not None:
-            key = (platform_id, bucket_of(interval_ms))
+            key = (platform_id, client_id, bucket_of(interval_ms))
             self._pending[key] = self._pending.get(key, 0) + 1
 
     async def flush(self, pool: AsyncConnectionPool[Conn]) -> int:
         pending, self._pending = self._pending, {}
         if not pending:
             return 0
-        rows = [{"platform_id": p, "le_ms": le, "n": n} for (p, le), n in sorted(pending.items())]
+        rows = [{"platform_id": p, "client_id": str(c), "le_ms": le, "n": n}
+                for (p, c, le), n in sorted(pending.items())]
         try:
             async with pool.connection() as conn, conn.transaction():
                 await conn.execute(q.RECORD_SAFE_POINTS, {"rows": msgspec.json.encode(rows).decode()})
@@ -226,7 +233,8 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             interrupt_generation=int(row["interrupt_generation"]), business_date=row["business_date"],
             brand=BrandRef(brand_id=int(row["brand_id"]), name=row["brand_name"]),
             question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
-            platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"]),
+            platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"],
+                                 mode=row["platform_mode"]),
             lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False)),
             execution_owner=row["execution_owner"]))
     tracing.set_attributes(leased=len(tasks), task_id=tasks[0].task_id if len(tasks) == 1 else None,
@@ -292,7 +300,8 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, row["ai_platform_id"])
-            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms))
+            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms),
+                                    principal.client_id)
     flags = row["control_flags"] or {}
     interrupt = bool(flags.get("interrupt_requested", False))
     generation = int(row["interrupt_generation"])
@@ -353,7 +362,8 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
             raise ack.stale
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, row["ai_platform_id"])
-            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms))
+            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms),
+                                    principal.client_id)
     _count_cancel(body, ack)
     log.info("task cancelled by client", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
                                                 "tenant_id": principal.tenant_id, "reason": body.reason,

@@ -42,7 +42,8 @@ PICK_QUEUED = f"""
 SELECT d.id, d.monitor_task_id, d.lane, d.lane_weight, d.priority, d.lease_epoch, d.interrupt_generation,
        d.business_date, d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags, d.enqueued_at,
        b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
-       p.code AS platform_code, 'desktop_tasks' AS execution_owner
+       p.code AS platform_code, {fragments.platform_mode_sql("d.monitor_task_id")} AS platform_mode,
+       'desktop_tasks' AS execution_owner
 FROM desktop_tasks d
 JOIN brands b ON b.id = d.brand_id
 JOIN monitoring_questions q ON q.id = d.question_id
@@ -181,10 +182,11 @@ WHERE id = ANY(%(ids)s) AND connected_hub = %(hub)s AND online
 RETURNING id, tenant_id
 """
 
-# A flush of safe-point intervals into this hour's histogram rows ([{"platform_id", "le_ms", "n"}], sorted).
+# A flush of safe-point intervals into this hour's per-client histogram rows
+# ([{"platform_id", "client_id", "le_ms", "n"}], sorted).
 RECORD_SAFE_POINTS = """
-INSERT INTO safe_point_histogram (ai_platform_id, hour, le_ms, n)
-SELECT r.platform_id, date_trunc('hour', now()), r.le_ms, r.n
-FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(platform_id bigint, le_ms int, n bigint)
-ON CONFLICT (ai_platform_id, hour, le_ms) DO UPDATE SET n = safe_point_histogram.n + EXCLUDED.n
+INSERT INTO safe_point_client_histogram (ai_platform_id, client_id, hour, le_ms, n)
+SELECT r.platform_id, r.client_id, date_trunc('hour', now()), r.le_ms, r.n
+FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(platform_id bigint, client_id uuid, le_ms int, n bigint)
+ON CONFLICT (ai_platform_id, hour, client_id, le_ms) DO UPDATE SET n = safe_point_client_histogram.n + EXCLUDED.n
 """

@@ -385,7 +385,7 @@ async def test_d_rollback_mid_day_then_forward_again(settings: Settings, pool: A
 
         # Forward again: only new tasks take desktop_tasks; a legacy task re-collected starts its new run on it too,
         # while a legacy task in flight keeps its path.
-        forward = await monitorctl_json(settings, "rollout", "set", "100")
+        forward = await monitorctl_json(settings, "rollout", "set", "100", "--force")
         assert forward["rollout_percentage"] == {"before": 0, "after": 100}
         before = {r["id"]: r["execution_owner"] for r in await rows(
             pool, "SELECT id, execution_owner FROM monitoring_collect_tasks")}

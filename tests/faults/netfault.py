@@ -52,12 +52,20 @@ def leftover_rules() -> list[str]:
     return [line for line in listing.splitlines() if FAULT_CGROUP in line]
 
 
-def _rabbitmqctl(*args: str) -> str:
-    return subprocess.run(["rabbitmqctl", *args], check=True, capture_output=True, text=True, timeout=60).stdout
+# The private servers `scripts/fault-servers.sh up` starts (`make faults` does): the suite stops, crashes and alarms
+# them, never the machine's shared ones. Without them every fault test is skipped.
+MQ_NODE = os.environ.get("FAULT_MQ_NODE", "")
+PG_DATA = os.environ.get("FAULT_PG_DATA", "")
+PG_BIN = Path(os.environ.get("FAULT_PG_BIN", "/usr/lib/postgresql/15/bin"))
+
+
+def _rabbitmqctl(*args: str, check: bool = True) -> str:
+    return subprocess.run(["rabbitmqctl", "-n", MQ_NODE, *args], check=check, capture_output=True, text=True,
+                          timeout=120).stdout
 
 
 def have_rabbitmqctl() -> bool:
-    return os.geteuid() == 0 and shutil.which("rabbitmqctl") is not None
+    return os.geteuid() == 0 and shutil.which("rabbitmqctl") is not None and bool(MQ_NODE)
 
 
 @contextlib.contextmanager
@@ -70,34 +78,27 @@ def memory_alarm() -> Iterator[None]:
         yield
     finally:
         restore = before if before.replace(".", "", 1).isdigit() else "0.4"
-        subprocess.run(["rabbitmqctl", "set_vm_memory_high_watermark", restore], check=False, capture_output=True,
-                       timeout=60)
+        _rabbitmqctl("set_vm_memory_high_watermark", restore, check=False)
 
 
 def memory_alarm_raised() -> bool:
     return "memory" in _rabbitmqctl("eval", "rabbit_alarm:get_alarms().")
 
 
-def _cluster() -> list[str]:
-    """The local Postgres cluster (Debian's pg_ctlcluster), as `version name`."""
-    line = subprocess.run(["pg_lsclusters", "--no-header"], check=True, capture_output=True, text=True).stdout
-    version, name = line.split()[:2]
-    return [version, name]
-
-
-def have_pg_ctlcluster() -> bool:
-    return os.geteuid() == 0 and shutil.which("pg_ctlcluster") is not None
+def have_pg_ctl() -> bool:
+    return os.geteuid() == 0 and bool(PG_DATA) and (PG_BIN / "pg_ctl").exists()
 
 
 def postgres(action: str, *options: str) -> None:
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *_cluster(), action, *options], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(["runuser", "-u", "postgres", "--", str(PG_BIN / "pg_ctl"), "-D", PG_DATA, "-w", "-t", "120",
+                    *(["-l", f"{PG_DATA}/server.log"] if action == "start" else []), action, *options],
+                   check=True, capture_output=True, timeout=180)
 
 
 @contextlib.contextmanager
 def postgres_stopped(mode: str) -> Iterator[None]:
-    """The shared Postgres stopped (`-m fast`: sessions ended cleanly; `-m immediate`: as a crash, recovery at the
-    next start) for the block; started again whatever happens."""
+    """The fault suite's Postgres stopped (`-m fast`: sessions ended cleanly; `-m immediate`: as a crash, recovery
+    at the next start) for the block; started again whatever happens."""
     postgres("stop", "-m", mode)
     try:
         yield
@@ -113,5 +114,5 @@ def broker_stopped() -> Iterator[None]:
     try:
         yield
     finally:
-        subprocess.run(["rabbitmqctl", "start_app"], check=False, capture_output=True, timeout=120)
-        subprocess.run(["rabbitmqctl", "await_startup"], check=False, capture_output=True, timeout=120)
+        _rabbitmqctl("start_app", check=False)
+        _rabbitmqctl("await_startup", check=False)

@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from tests.faults.netfault import broker_stopped, have_rabbitmqctl, memory_alarm, memory_alarm_raised
-from tests.faults.world import HUB_ENV, OPS_TOKEN, one_desktop, seed_one_desktop
+from tests.faults.world import HUB_ENV, OPS_TOKEN, one_desktop, reached_desktop, seed_one_desktop
 from tests.support.db import fetch as rows
 from tests.support.stack import DISPATCH_SERVICES, running_stack
 from tests.support.wait import eventually
@@ -31,6 +31,16 @@ pytestmark = [pytest.mark.timeout(max(SECONDS.values()) + 180),
 
 async def _outbox_states(pool: AsyncConnectionPool[Conn]) -> dict[str, int]:
     return {r["status"]: r["n"] for r in await rows(pool, "SELECT status, count(*) AS n FROM outbox GROUP BY 1")}
+
+
+async def _where_tasks_are(pool: AsyncConnectionPool[Conn], arrived: dict[str, float]) -> str:
+    """For a failure message: each high task's state, whether its event reached the desktop, and the outbox."""
+    tasks = await rows(pool, "SELECT t.id, t.status, t.dispatch_lane, d.id::text AS task_id, d.status AS execution "
+                             "FROM monitoring_collect_tasks t LEFT JOIN desktop_tasks d ON d.monitor_task_id = t.id "
+                             "WHERE t.collect_request_id IS NOT NULL ORDER BY t.id")
+    lines = [f"task {t['id']} {t['status']}/{t['dispatch_lane']} execution {t['task_id']} {t['execution']} "
+             f"arrived={t['task_id'] in arrived}" for t in tasks]
+    return "high tasks:\n" + "\n".join(lines) + f"\noutbox: {await _outbox_states(pool)}"
 
 
 FAULTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
@@ -64,8 +74,14 @@ async def test_the_broker_away_holds_the_outbox_and_drains_when_it_returns(
                 assert held.get("queued", 0) + held.get("retryable", 0) + held.get("running", 0) > 0, held
             cleared_at = time.monotonic()
             expected = sum(click["promoted_task_count"] for click in clicks)
-            await eventually(lambda: len(desktop.stats.event_arrivals) >= expected, timeout=60, interval=0.1,
-                             message=f"the clicks delivered after the broker fault\n{stack.logs()}")
+            try:
+                async def delivered() -> bool:
+                    return len(await reached_desktop(pool, desktop)) >= expected
+
+                await eventually(delivered, timeout=60, interval=0.1, message="the clicks delivered after the fault")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{await _where_tasks_are(pool, desktop.stats.event_arrivals)}\n"
+                                     f"{stack.logs()}") from None
             delivered_s = time.monotonic() - cleared_at
 
             async def drained() -> bool:

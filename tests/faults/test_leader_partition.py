@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.config import Settings
 from libs.db.pool import Conn
 from tests.faults.netfault import have_iptables, in_fault_cgroup, leftover_rules, silenced
-from tests.faults.world import HUB_ENV, OPS_TOKEN, one_desktop, seed_one_desktop
+from tests.faults.world import HUB_ENV, OPS_TOKEN, one_desktop, reached_desktop, seed_one_desktop
 from tests.support.db import fetch as rows
 from tests.support.procs import ServiceProcess, service_env
 from tests.support.stack import running_stack
@@ -58,18 +58,21 @@ async def test_a_silent_leader_is_replaced_within_the_lease(settings: Settings, 
             async with desktop:
                 await eventually(desktop.connected.is_set, timeout=15, message="the desktop connected")
                 before = await stack.collect_now(tenant, brands[0])
-                await eventually(lambda: len(desktop.stats.event_arrivals) >= before["promoted_task_count"] > 0,
-                                 timeout=15, message=f"the first click delivered\n{stack.logs()}")
-                delivered_before = set(desktop.stats.event_arrivals)
+
+                async def reached(at_least: int, since: frozenset[str] = frozenset()) -> set[str] | None:
+                    got = await reached_desktop(pool, desktop)
+                    return got if len(got - since) >= at_least > 0 else None
+
+                delivered_before = frozenset(await eventually(
+                    lambda: reached(before["promoted_task_count"]), timeout=15, message="the first click delivered"))
                 with silenced((db_port, amqp_port)):
                     partitioned_at = time.monotonic()
                     clicked = await stack.collect_now(tenant, brands[1])
                     await eventually(lambda: _leading(standby), timeout=30, interval=0.2,
                                      message=f"the standby leading\n{standby.logs()[-3000:]}")
                     standby_led_s = time.monotonic() - partitioned_at
-                    await eventually(lambda: len(set(desktop.stats.event_arrivals) - delivered_before)
-                                     >= clicked["promoted_task_count"], timeout=30, interval=0.1,
-                                     message=f"the partition's click delivered\n{stack.logs()}")
+                    await eventually(lambda: reached(clicked["promoted_task_count"], delivered_before), timeout=30,
+                                     interval=0.1, message="the partition's click delivered")
                     delivered_s = time.monotonic() - partitioned_at
                     await eventually(lambda: not _leading(leader), timeout=20, interval=0.2,
                                      message="the deposed leader stepping down")
@@ -77,8 +80,7 @@ async def test_a_silent_leader_is_replaced_within_the_lease(settings: Settings, 
                 assert leftover_rules() == []
                 healed = await stack.collect_now(tenant, brands[2])
                 clicks = (before, clicked, healed)
-                await eventually(lambda: len(desktop.stats.event_arrivals)
-                                 >= sum(click["promoted_task_count"] for click in clicks), timeout=20,
+                await eventually(lambda: reached(sum(click["promoted_task_count"] for click in clicks)), timeout=20,
                                  message="a click after the partition healed delivered")
             assert _leading(standby) and not _leading(leader), "the healed old leader must stay a standby"
         finally:

@@ -9,6 +9,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
+from tests.support.db import fetch as rows
 from tests.support.stack import Stack
 from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
@@ -30,3 +31,12 @@ def one_desktop(stack: Stack, token: str) -> SimClient:
     """The world's desktop on the stack's hub: fast timings, a heartbeat a second (start it with `async with`)."""
     return SimClient(SimOptions(hub_url=stack.hub_url, token=token, timings=TIMING_PROFILES["fast"],
                                 heartbeat_interval_s=1.0, ws_ping_interval_s=2.0, idle_poll_s=1.0, seed=7))
+
+
+async def reached_desktop(pool: AsyncConnectionPool[Conn], desktop: SimClient) -> set[str]:
+    """The high executions that reached the desktop: their `task_available` arrived, or the desktop leased them
+    first. The event is a hint: a desktop that finishes a task leases the next by pull without waiting for its
+    event, and an event published while the hub's queue was being declared again (the broker just back) is gone,
+    its replay covering only the tasks still queued -- not one the desktop had leased meanwhile."""
+    leased = await rows(pool, "SELECT id::text AS id FROM desktop_tasks WHERE lane = 'high' AND lease_epoch > 0")
+    return set(desktop.stats.event_arrivals) | {r["id"] for r in leased}

@@ -152,3 +152,43 @@ async def test_limits_and_ceilings_change_one_at_a_time(pool: AsyncConnectionPoo
     rows = await fetch(pool, "SELECT coalesce(s.max_concurrent, 1) AS n FROM ai_platforms p "
                              "LEFT JOIN platform_settings s ON s.ai_platform_id = p.id WHERE p.code = 'openai'")
     assert rows == [{"n": 1}]
+
+
+def test_the_budget_coupling_rule_refuses_a_tenant_budget_at_the_clusters() -> None:
+    from libs.dispatch_settings import budget_sum_warning, check_budget_coupling
+
+    check_budget_coupling(DispatchSettings())  # 30 < 300
+    for bad in (DispatchSettings(tenant_dispatch_per_minute=300), DispatchSettings(cluster_dispatch_per_minute=20)):
+        try:
+            check_budget_coupling(bad)
+        except SettingError as exc:
+            assert "must stay below cluster_dispatch_per_minute" in str(exc)
+        else:
+            raise AssertionError("a tenant budget at or above the cluster's was accepted")
+    assert budget_sum_warning(DispatchSettings(), 9) is None  # 270 < 300
+    assert "10 tenants dispatched" in (budget_sum_warning(DispatchSettings(), 10) or "")
+
+
+async def test_budgets_set_holds_the_cluster_above_the_tenant_budgets(
+        settings: Settings, pool: AsyncConnectionPool[Conn]) -> None:
+    """§9.2 "cluster budget > sum of tenant budgets" (libs/dispatch_settings.check_budget_coupling): refused for one
+    tenant's budget, a warning for the tenants dispatching now."""
+    from tests.support.desktop import dispatch_execution
+
+    async with pool.connection() as conn:
+        seed: dict[str, Any] = await seed_demo(conn, tenants=2, brands=1, questions=1, clients=1, due=False)
+    async with pool.connection() as conn:
+        assert await admin.set_budget(conn, "cluster_dispatch_per_minute", 60) == 60
+        assert await admin.budget_warning(conn) is None  # nobody dispatched
+        for key, value in (("tenant_dispatch_per_minute", 60), ("cluster_dispatch_per_minute", 30)):
+            try:
+                await admin.set_budget(conn, key, value)
+            except SettingError as exc:
+                assert "must stay below cluster_dispatch_per_minute" in str(exc), exc
+            else:
+                raise AssertionError(f"{key} = {value} was accepted")
+        for tenant in seed["tenants"]:
+            await dispatch_execution(conn, tenant=tenant, platform_id=int(seed["platforms"][0]["ai_platform_id"]),
+                                     client_id=tenant["clients"][0]["client_id"])
+    warned = await monitorctl_json(settings, "budgets", "set", "cluster_dispatch_per_minute", "59")
+    assert warned["value"] == 59 and "2 tenants dispatched" in warned["warning"] and "sum to 60" in warned["warning"]

@@ -223,9 +223,11 @@ async def test_preempt_cancel_generation_rules(hub: TestServer, http: aiohttp.Cl
     # ... and into the histogram every replica shares (what the reconciler tunes timeouts from)
     await hub.app[CONTEXT].safe_points.flush(pool)
     async with pool.connection() as conn:
-        cur = await conn.execute("SELECT le_ms, sum(n)::int AS n FROM safe_point_histogram WHERE ai_platform_id = %s "
-                                 "GROUP BY 1 ORDER BY 1", (platform,))
-        assert await cur.fetchall() == [{"le_ms": 500, "n": 2}]  # 420 and 380 ms
+        cur = await conn.execute("SELECT client_id::text AS client, le_ms, sum(n)::int AS n "
+                                 "FROM safe_point_client_histogram WHERE ai_platform_id = %s "
+                                 "GROUP BY 1, 2 ORDER BY 1, 2", (platform,))
+        # 420 and 380 ms, counted for the client that reported them (the tuning bounds any one client's weight)
+        assert await cur.fetchall() == [{"client": str(client), "le_ms": 500, "n": 2}]
 
 
 async def test_cancel_for_other_reason_consumes_the_attempt(hub: TestServer, http: aiohttp.ClientSession,
@@ -455,3 +457,24 @@ async def test_extend_cancel_and_result_writes_count_in_the_hubs_write_health(
             cur = await conn.execute("SELECT writes, conflicts FROM writer_health WHERE writer = 'hub' "
                                      "AND instance = %s", (health.instance,))
             assert await cur.fetchone() == {"writes": writes, "conflicts": conflicts}
+
+
+async def test_the_lease_carries_the_mode_its_plan_runs_in(hub: TestServer, http: aiohttp.ClientSession,
+                                                           pool: AsyncConnectionPool[Conn],
+                                                           seed: dict[str, Any]) -> None:
+    """§10.5 per-mode timeouts: the client learns the mode (OpenAI quick / deep reasoning) with its lease."""
+    tenant, client, token, platform = _first(seed)
+    async with pool.connection() as conn:
+        deep = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client, lane="high")
+        plain = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client,
+                                         question_index=1)
+        await conn.execute("UPDATE monitoring_plans SET platform_mode = 'deep_reasoning' "
+                           "WHERE question_id = %s AND ai_platform_id = %s",
+                           (tenant["brands"][0]["question_ids"][0], platform))
+        await conn.execute("UPDATE monitoring_collect_tasks t SET plan_id = pl.id FROM monitoring_plans pl "
+                           "WHERE t.id = ANY(%s) AND pl.tenant_id = t.tenant_id AND pl.brand_id = t.brand_id "
+                           "AND pl.question_id = t.question_id AND pl.ai_platform_id = t.ai_platform_id",
+                           ([deep["monitor_task_id"], plain["monitor_task_id"]],))
+    tasks = await lease(http, hub, token, max_tasks=2)
+    modes = {t["task_id"]: t["platform"].get("mode") for t in tasks}  # no mode: the key is left out
+    assert modes == {str(deep["task_id"]): "deep_reasoning", str(plain["task_id"]): None}

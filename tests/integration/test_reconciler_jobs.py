@@ -351,3 +351,30 @@ async def test_monitorctl_reconcile_once(pool: AsyncConnectionPool[Conn], databa
                                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, err = await proc.communicate()
     assert proc.returncode == 2 and b"--once" in err
+
+
+async def test_the_hard_timeout_of_an_interrupted_execution_is_its_modes(pool: AsyncConnectionPool[Conn]) -> None:
+    """§10.5 per-mode values: OpenAI deep reasoning (hard 180 s) is not force-cancelled at the quick mode's or the
+    platform's 45 s; the quick one is."""
+    async with pool.connection() as conn:
+        w = await make_world(conn, clients=1)
+        stuck = w.clients[0]
+        openai = w.platform_ids["openai"]
+        await heartbeat(conn, stuck, seconds_ago=1)
+        tasks = {}
+        for index, mode in enumerate(("deep_reasoning", "quick")):
+            cur = await conn.execute(
+                "INSERT INTO monitoring_plans (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, "
+                "next_run_at, platform_mode) VALUES (%s, %s, %s, %s, %s, now() + interval '1 day', %s) "
+                "ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode) "
+                "DO UPDATE SET platform_mode = EXCLUDED.platform_mode RETURNING id",
+                (w.tenant_id, w.workspace_id, w.brand_id, w.question_ids[index], openai, mode))
+            plan = await cur.fetchone()
+            assert plan is not None
+            task = await insert_task(conn, w, question_index=index, platform="openai", dispatch_attempts=1)
+            await conn.execute("UPDATE monitoring_collect_tasks SET plan_id = %s WHERE id = %s", (plan["id"], task))
+            tasks[mode] = await insert_execution(conn, w, task, stuck, interrupted_ago=50)
+        assert (await reconcile(conn, "interrupt_timeouts")).fixed == 1
+        assert (await execution(conn, tasks["deep_reasoning"]))["status"] == "in_progress"  # 50 s of its 180 s
+        ended = await execution(conn, tasks["quick"])
+        assert (ended["status"], ended["interrupt_reason"]) == ("aborted", "interrupt_hard_timeout")

@@ -74,6 +74,10 @@ async def test_the_interrupt_names_the_high_execution_that_replaces_it(settings:
                                "WHERE lane = 'high'")
         ids = {h["id"] for h in high}
         assert control.replacement_task_id in ids, (control.replacement_task_id, ids)
+        # §7.2 supersedes_task_id: the replacement names the execution it replaced (migration 061); no other does
+        links = await fetch_all(conn, "SELECT id, supersedes_task_id FROM desktop_tasks "
+                                      "WHERE supersedes_task_id IS NOT NULL")
+        assert links == [{"id": control.replacement_task_id, "supersedes_task_id": running}]
         assert all(h["r"] == accepted["request_id"] for h in high)
         # the id was used once: a later dispatch of the same task gets a new one
         left = await fetch_all(conn, "SELECT count(*) AS n FROM monitoring_collect_tasks "

@@ -270,7 +270,8 @@ async def test_rollout_set_prints_how_many_tenants_move_and_leaves_existing_task
         assert (await load_settings(conn)).rollout_percentage == cut
     assert (await _owner(pool, existing))["execution_owner"] == "desktop_tasks"
 
-    text = await asyncio.to_thread(_text, settings, "rollout", "set", "100")
+    assert "--force" in await monitorctl_refused(settings, "rollout", "set", "100")  # a jump past the ramp's gates
+    text = await asyncio.to_thread(_text, settings, "rollout", "set", "100", "--force")
     assert f"rollout: {cut}% -> 100%" in text
     assert f"to desktop_tasks for {4 - on_desktop} tenant(s)" in text and "existing tasks keep their path" in text
     back = await monitorctl_json(settings, "rollout", "set", "0")

@@ -27,3 +27,19 @@ def test_soft_is_one_and_a_half_p95_at_least_15_s_and_hard_three_times_soft() ->
     assert tuned_timeouts(8_000) == (15_000, 45_000)
     assert tuned_timeouts(40_000) == (60_000, 180_000)
     assert tuned_timeouts(20_001) == (30_002, 90_006)
+
+
+def test_the_robust_p95_is_the_median_of_the_clients_p95s() -> None:
+    from libs.domain.safe_points import robust_p95
+
+    honest = [(8000, 19), (10_000, 1)]  # each honest client: P95 8000
+    flood = [(300_000, 100_000)]  # one client, a hundred thousand absurd reports
+    per_client: dict[object, list[tuple[int, int]]] = {"a": honest, "b": honest, "c": honest, "x": flood}
+    result = robust_p95(per_client, min_client_samples=20, min_clients=3)
+    assert result is not None
+    p95, samples, clients = result
+    assert p95 == 8000 and clients == 4 and samples == 100_060  # the flood is one vote among four
+    # ... while pooling the samples would let it set the timeout for everyone
+    assert (p95_from_histogram([b for bs in per_client.values() for b in bs]) or 0) > 180_000
+    assert robust_p95({"x": flood, "a": honest}, min_client_samples=20, min_clients=3) is None  # too few clients
+    assert robust_p95({"a": honest, "b": honest, "c": [(8000, 5)]}, min_client_samples=20, min_clients=3) is None

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from libs.dispatch_settings import LANES, SettingError
-from services.dispatch_coordinator import admin
+from services.dispatch_coordinator import admin, rollout_ramp
 from services.dispatch_coordinator.explain import explain_task
 from tools.monitorctl.common import Context, fail, render_table, render_text
 
@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pset.add_argument("--max-concurrent", type=int, help="active executions per (tenant, platform)")
     pset.add_argument("--soft-timeout-ms", type=int, help="interrupt soft timeout")
     pset.add_argument("--hard-timeout-ms", type=int, help="interrupt hard timeout")
+    pset.add_argument("--mode", help="set the two timeouts of one mode the platform runs questions in (e.g. "
+                                     "deep_reasoning) instead of the platform's own")
     group = pset.add_mutually_exclusive_group()
     group.add_argument("--pause", dest="paused", action="store_const", const=True, help="stop dispatching to it")
     group.add_argument("--resume", dest="paused", action="store_const", const=False, help="dispatch to it again")
@@ -75,7 +77,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                              "existing tasks keep their path")
     rset.add_argument("percentage", type=int, help="0..100")
     rset.add_argument("--dry-run", action="store_true", help="print what would change, change nothing")
+    rset.add_argument("--force", action="store_true",
+                      help="needed to raise the percentage: a deliberate jump past the ramp's gates "
+                           "(lowering it needs none)")
     rset.set_defaults(func=rollout_set)
+    radv = roll_inner.add_parser(
+        "advance", help="take the next step of the ramp (rollout_ramp, default 5:2d,25:4d,50:7d,100) if the "
+                        "current step's gates held for its dwell; else print why not and exit 1")
+    radv.add_argument("--dry-run", action="store_true", help="judge the gates, change nothing")
+    radv.set_defaults(func=rollout_advance)
     roll_inner.add_parser("status", help="per path: tenants, business tasks pending, in flight and completed "
                                          "today; live legacy leases and active executions").set_defaults(
         func=rollout_status_run)
@@ -121,7 +131,12 @@ async def budgets_set(args: argparse.Namespace, ctx: Context) -> int:
         value = await admin.set_budget(await ctx.conn(), args.key, _parse_value(args.value))
     except SettingError as exc:
         return fail(str(exc))
-    ctx.emit({"key": args.key, "value": value}, f"{args.key} = {json.dumps(value)}")
+    result: dict[str, Any] = {"key": args.key, "value": value}
+    warning = await admin.budget_warning(await ctx.conn()) if args.key in admin.BUDGET_KEYS else None
+    if warning:
+        result["warning"] = warning
+        print(f"monitorctl: warning: {warning}", file=sys.stderr)
+    ctx.emit(result, f"{args.key} = {json.dumps(value)}")
     return 0
 
 
@@ -152,6 +167,11 @@ async def platform_get(args: argparse.Namespace, ctx: Context) -> int:
 
 async def platform_set(args: argparse.Namespace, ctx: Context) -> int:
     try:
+        if args.mode is not None:
+            ctx.emit(await admin.set_platform_mode(await ctx.conn(), args.code, args.mode,
+                                                   soft_timeout_ms=args.soft_timeout_ms,
+                                                   hard_timeout_ms=args.hard_timeout_ms))
+            return 0
         row = await admin.set_platform(await ctx.conn(), args.code, max_concurrent=args.max_concurrent,
                                        soft_timeout_ms=args.soft_timeout_ms, hard_timeout_ms=args.hard_timeout_ms,
                                        paused=args.paused, dynamic=args.dynamic)
@@ -180,7 +200,7 @@ async def rollout_set(args: argparse.Namespace, ctx: Context) -> int:
         if args.dry_run:
             result = await admin.rollout_preview(await ctx.conn(), args.percentage)
         else:
-            result = await admin.set_rollout(await ctx.conn(), args.percentage)
+            result = await admin.set_rollout(await ctx.conn(), args.percentage, force=args.force)
     except SettingError as exc:
         return fail(str(exc))
     ctx.emit(result, _rollout_set_text)
@@ -198,6 +218,31 @@ def _rollout_set_text(value: dict[str, Any]) -> str:
         f"{value['tenants_to_desktop_tasks']} tenant(s)",
         "existing tasks keep their path (pending and in flight): only tasks created from now on take the new one",
     ])
+
+
+async def rollout_advance(args: argparse.Namespace, ctx: Context) -> int:
+    result = await rollout_ramp.advance(await ctx.conn(), dry_run=args.dry_run)
+    ctx.emit(result, _rollout_advance_text)
+    return 0 if result["allowed"] else 1
+
+
+def _rollout_advance_text(value: dict[str, Any]) -> str:
+    pct = value["rollout_percentage"]
+    if value["applied"]:
+        head = f"rollout advanced: {pct['before']}% -> {pct['after']}% (ramp {value['ramp']})"
+    elif value["allowed"]:
+        head = f"rollout may advance {pct['before']}% -> {value['next_step']}% (dry run, nothing changed)"
+    elif value["next_step"] is None:
+        head = f"rollout not advanced: {pct['before']}% is the last step of the ramp"
+    else:
+        head = f"rollout not advanced: stays at {pct['before']}% (next step {value['next_step']}%)"
+    lines = [head, f"dwell {value['dwell_seconds']} s; gates held for {value['held_seconds']:.0f} s "
+                   f"(since {value['held_since']})"]
+    lines += [f"- why not: {reason}" for reason in value["reasons"]]
+    for gate in value["gates"]:
+        rest = ", ".join(f"{k}={v}" for k, v in gate.items() if k not in {"gate", "ok"})
+        lines.append(f"  {'ok  ' if gate['ok'] else 'FAIL'} {gate['gate']}: {rest}")
+    return "\n".join(lines)
 
 
 async def rollout_status_run(args: argparse.Namespace, ctx: Context) -> int:

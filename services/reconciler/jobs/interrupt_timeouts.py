@@ -21,6 +21,7 @@ from __future__ import annotations
 import uuid
 
 from libs.tasks import business
+from libs.tasks.fragments import interrupt_timeout_ms_sql
 from libs.tasks.transitions import (
     ELIGIBLE_CLIENT_SQL,
     emit_lifecycle,
@@ -33,12 +34,14 @@ from services.reconciler.jobs.base import JobContext, JobResult, configured_job,
 NAME = "interrupt_timeouts"
 DEFAULT_HARD_TIMEOUT_MS = 45_000
 
-_OVERDUE = """
+# The execution's hard timeout: its mode's (§10.5 OpenAI deep reasoning 180 s), else its platform's.
+HARD_TIMEOUT_MS = interrupt_timeout_ms_sql("hard", "d", "ps", "%(default_hard_ms)s")
+
+_OVERDUE = f"""
 d.kind = 'monitor' AND d.status = 'in_progress' AND d.result_received_at IS NULL
   AND coalesce((d.control_flags ->> 'interrupt_requested')::boolean, false)
   AND d.interrupted_at IS NOT NULL
-  AND d.interrupted_at < now() - make_interval(
-        secs => coalesce(ps.interrupt_hard_timeout_ms, %(default_hard_ms)s) / 1000.0)
+  AND d.interrupted_at < now() - make_interval(secs => {HARD_TIMEOUT_MS} / 1000.0)
 """
 
 _CANDIDATES = f"""
@@ -51,7 +54,7 @@ LIMIT %(limit)s
 _LOCK = f"""
 SELECT d.id, d.tenant_id, d.workspace_id, d.monitor_task_id, d.target_client_id, d.lease_epoch, d.lane,
        d.ai_platform_id, d.interrupt_generation, d.interrupted_at, d.execution_phase, d.control_flags,
-       coalesce(ps.interrupt_hard_timeout_ms, %(default_hard_ms)s) AS hard_timeout_ms,
+       {HARD_TIMEOUT_MS} AS hard_timeout_ms,
        extract(epoch FROM now() - d.interrupted_at) * 1000 AS overdue_ms
 FROM desktop_tasks d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
 WHERE d.id = %(id)s AND {_OVERDUE}

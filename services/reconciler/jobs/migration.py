@@ -18,6 +18,7 @@ reconciler starts).
 from __future__ import annotations
 
 from libs.dispatch_settings import DispatchSettings
+from libs.ingest.lag import ingest_lag_ms
 from libs.tasks import legacy
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
@@ -115,7 +116,21 @@ async def run(ctx: JobContext) -> JobResult:
             "monitor_task_id": orphan["id"], "tenant_id": orphan["tenant_id"], "status": orphan["status"],
             "execution_owner": orphan["execution_owner"], "dispatch_attempts": orphan["dispatch_attempts"],
             "business_date": orphan["business_date"].isoformat()})
+    await _observe_for_rollout(ctx, result, orphans=len(orphans))
     return result
+
+
+# The figures `monitorctl rollout advance` gates a ramp step on (libs/domain/rollout.py), one row a run.
+_OBSERVE = """
+WITH old AS (DELETE FROM rollout_observations WHERE observed_at < now() - interval '60 days')
+INSERT INTO rollout_observations (rollout_percentage, ingest_lag_ms, reconcile_fixes, orphans)
+VALUES (%(pct)s, %(lag_ms)s, %(fixed)s, %(orphans)s)
+"""
+
+
+async def _observe_for_rollout(ctx: JobContext, result: JobResult, *, orphans: int) -> None:
+    await ctx.conn.execute(_OBSERVE, {"pct": ctx.settings.rollout_percentage, "lag_ms": await ingest_lag_ms(ctx.conn),
+                                      "fixed": result.fixed, "orphans": orphans})
 
 
 def interval(_: ReconcilerConfig, settings: DispatchSettings) -> float:
