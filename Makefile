@@ -13,7 +13,7 @@ DATABASE_URL ?= postgresql://postgres@127.0.0.1:5432/monitoring
 AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/
 export DATABASE_URL AMQP_URL
 
-.PHONY: asyncapi install backends lint test test-unit test-integration test-e2e test-deploy run observe migrate bench chaos faults faults-long faults-down soak reshard clean
+.PHONY: asyncapi install backends lint lint-contracts contracts test test-unit test-integration test-e2e test-deploy run observe migrate bench chaos faults faults-long faults-down soak reshard clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ backends:
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(MAKE) --no-print-directory lint-contracts
+
+# The committed API documents (contracts/): @redocly/cli, the exact version contracts/package-lock.json pins
+# (installed by the script on first use; ~2 s a run). `make contracts` regenerates them from the code.
+REDOCLY := REDOCLY_TELEMETRY=off REDOCLY_SUPPRESS_UPDATE_NOTICE=true contracts/node_modules/.bin/redocly
+lint-contracts:
+	bash scripts/ensure-node-tools.sh
+	$(REDOCLY) lint --config contracts/redocly.yaml --format=summary contracts/openapi/*.json
+
+contracts: install
+	$(BIN)/monitorctl contracts write
 
 test: install backends lint
 	bash scripts/ensure-promtool.sh

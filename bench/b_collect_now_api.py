@@ -18,10 +18,11 @@ from pathlib import Path
 import aiohttp
 
 from bench.common import bench_environment, summary
-from libs.auth import TenantPrincipal, issue_gateway_jwt
+from libs.auth import TenantPrincipal
 from libs.config import Settings
 from libs.db.pool import Conn, make_pool
 from libs.demo import seed_demo
+from tests.support.collect_now import gateway_token
 from tests.support.procs import ServiceProcess, service_env
 
 SECRET = "collect-now-bench-gateway-secret-0123456789"
@@ -66,7 +67,7 @@ async def _load_client(conn: Conn, client_id: uuid.UUID, tenant_id: int, brand_i
 
 
 async def _clicks(settings: Settings, url: str, *, tenant_id: int, brand_id: int, n: int,
-                  between: object | None = None) -> list[float]:
+                  between: object | None = None, keyed: bool = False, user_base: int = 10_000) -> list[float]:
     latencies: list[float] = []
     pool = make_pool(settings, name="bench", min_size=1, max_size=2)
     await pool.open(wait=True)
@@ -76,10 +77,13 @@ async def _clicks(settings: Settings, url: str, *, tenant_id: int, brand_id: int
                 if between is not None:
                     async with pool.connection() as conn:
                         await between(conn)  # type: ignore[operator]
-                token = issue_gateway_jwt(SECRET, TenantPrincipal(tenant_id, tenant_id, 10_000 + i))
+                token = gateway_token(TenantPrincipal(tenant_id, tenant_id, user_base + i), SECRET)
+                headers = {"Authorization": f"Bearer {token}"}
+                if keyed:  # a new key per click: the key's lock, lookup and stored answer on every one
+                    headers["Idempotency-Key"] = str(uuid.uuid4())
                 started = time.perf_counter()
                 async with http.post(f"/api/tenant/monitoring/brands/{brand_id}/collect-now", json={},
-                                     headers={"Authorization": f"Bearer {token}"}) as resp:
+                                     headers=headers) as resp:
                     await resp.read()
                     assert resp.status == 202, await resp.text()
                 latencies.append((time.perf_counter() - started) * 1000)
@@ -114,6 +118,10 @@ async def run(args: argparse.Namespace) -> None:
                 result = await _clicks(settings, api.url, tenant_id=idle_tenant["tenant_id"],
                                        brand_id=idle_tenant["brands"][0]["brand_id"], n=clicks)
                 print(f"idle  (1 client, 6 scope tasks)                         click->202 ms: {summary(result)}")
+                result = await _clicks(settings, api.url, tenant_id=idle_tenant["tenant_id"],
+                                       brand_id=idle_tenant["brands"][0]["brand_id"], n=clicks, keyed=True,
+                                       user_base=20_000)  # other users: the window replays none of them
+                print(f"idle, each click with a new Idempotency-Key            click->202 ms: {summary(result)}")
                 busy_tenant = busy["tenants"][0]
                 # The client the API chooses: with equal capacity, the freshest heartbeat; pin it explicitly.
                 target = uuid.UUID(busy_tenant["clients"][0]["client_id"])

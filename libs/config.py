@@ -9,7 +9,10 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
+
+if TYPE_CHECKING:
+    from libs.auth import GatewayVerifier
 
 DEV_JWT_SECRET = "dev-only-gateway-secret-change-me"
 MIN_JWT_SECRET_BYTES = 32
@@ -66,11 +69,18 @@ class Settings:
     dev_mode: bool = False
     gateway_jwt_secret: str = ""
     gateway_jwt_public_key: str = ""
-    # Checked when set: the gateway's tokens must name this audience / issuer.
+    # The gateway's tokens must name this audience / issuer: required outside DEV_MODE (start-up refuses).
     gateway_jwt_audience: str = ""
     gateway_jwt_issuer: str = ""
     # Clock skew tolerated on exp/iat/nbf between the gateway and this service.
     gateway_jwt_leeway_seconds: int = 10
+    # The longest lifetime accepted (exp - iat; a token without either is refused).
+    gateway_jwt_max_lifetime_seconds: int = 3600
+    # The gateway's keys as a JWKS, chosen by the token's `kid` (two live during a rotation): a file (re-read when
+    # it changes) or a URL (cached GATEWAY_JWKS_CACHE_SECONDS). Either one replaces GATEWAY_JWT_SECRET/_PUBLIC_KEY.
+    gateway_jwks_file: str = ""
+    gateway_jwks_url: str = ""
+    gateway_jwks_cache_seconds: int = 300
     # Bearer token for the coordinator's /api/ops/* routes (a Kubernetes Secret); unset: those routes refuse.
     ops_api_token: str = ""
     ingest_shards: int = 16
@@ -130,6 +140,10 @@ class Settings:
     collect_now_tenant_max_in_flight: int = 2
     collect_now_tenant_wait_ms: int = 1000
     collect_now_lock_wait_ms: int = 1000
+    # collect-now's `Idempotency-Key`: how long a key's first answer is kept and replayed, and how often the
+    # service deletes the expired ones (docs/api.md, Idempotency).
+    collect_now_idempotency_key_ttl_hours: int = 24
+    collect_now_idempotency_purge_s: float = 60.0
     # dispatch-hub / desktop
     lease_ttl_seconds: int = 120
     heartbeat_timeout_seconds: int = 30
@@ -214,6 +228,10 @@ class Settings:
                 raise ConfigError(f"{name.upper()} must be at least 1")
         if settings.gateway_jwt_leeway_seconds < 0:
             raise ConfigError("GATEWAY_JWT_LEEWAY_SECONDS must not be negative")
+        if not 60 <= settings.gateway_jwt_max_lifetime_seconds <= 7 * 86400:
+            raise ConfigError("GATEWAY_JWT_MAX_LIFETIME_SECONDS must be from 60 to 604800 (a week)")
+        if settings.gateway_jwks_cache_seconds < 1:
+            raise ConfigError("GATEWAY_JWKS_CACHE_SECONDS must be at least 1")
         if settings.ingest_shards <= 0:
             raise ConfigError("INGEST_SHARDS must be positive")
         if not 0 < settings.ingest_db_outage_hold_seconds < 1800:
@@ -225,13 +243,14 @@ class Settings:
             raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
         settings.trusted_proxy_networks()
         for name, low, high in (("collect_now_tenant_max_in_flight", 1, 64), ("collect_now_tenant_wait_ms", 1, 60_000),
-                                ("collect_now_lock_wait_ms", 1, 60_000)):
+                                ("collect_now_lock_wait_ms", 1, 60_000),
+                                ("collect_now_idempotency_key_ttl_hours", 1, 24 * 30)):
             if not low <= getattr(settings, name) <= high:
                 raise ConfigError(f"{name.upper()}={getattr(settings, name)} must be from {low} to {high}")
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
                      "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
                      "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s",
-                     "write_health_window_s", "write_health_publish_s"):
+                     "write_health_window_s", "write_health_publish_s", "collect_now_idempotency_purge_s"):
             value = getattr(settings, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name.upper()}={value!r} must be a positive number of seconds")
@@ -258,6 +277,41 @@ class Settings:
         )
         return DEV_JWT_SECRET, "HS256"
 
+    def gateway_verifier(self) -> GatewayVerifier:
+        """How gateway tokens are verified (collect-now-api, at start-up); raises ConfigError, so the service does
+        not start, when the key is not a real one (`jwt_key`), a JWKS file is missing or invalid, both a file and a
+        URL are set, or (outside DEV_MODE) GATEWAY_JWT_AUDIENCE or GATEWAY_JWT_ISSUER is unset."""
+        from libs.auth import GatewayVerifier, JwksFile, JwksUrl, KeySource, StaticKey
+
+        if self.gateway_jwks_file and self.gateway_jwks_url:
+            raise ConfigError("set GATEWAY_JWKS_FILE or GATEWAY_JWKS_URL, not both")
+        keys: KeySource
+        if self.gateway_jwks_file:
+            source = JwksFile(self.gateway_jwks_file)
+            try:
+                source.load()
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"GATEWAY_JWKS_FILE={self.gateway_jwks_file!r}: {exc}") from exc
+            keys = source
+        elif self.gateway_jwks_url:
+            if not self.gateway_jwks_url.startswith(("https://", "http://")):
+                raise ConfigError("GATEWAY_JWKS_URL must be an http(s) URL")
+            if not self.dev_mode and not self.gateway_jwks_url.startswith("https://") and not _loopback_url(
+                    self.gateway_jwks_url):
+                raise ConfigError("GATEWAY_JWKS_URL must be https:// (keys fetched in clear could be replaced)")
+            keys = JwksUrl(self.gateway_jwks_url, cache_s=self.gateway_jwks_cache_seconds)
+        else:
+            keys = StaticKey(*self.jwt_key())
+        if not self.dev_mode:
+            missing = [name for name, value in (("GATEWAY_JWT_AUDIENCE", self.gateway_jwt_audience),
+                                                ("GATEWAY_JWT_ISSUER", self.gateway_jwt_issuer)) if not value]
+            if missing:
+                raise ConfigError(f"set {' and '.join(missing)}: outside DEV_MODE the gateway's tokens must name "
+                                  "the audience and issuer this service expects")
+        return GatewayVerifier(keys, audience=self.gateway_jwt_audience or None,
+                               issuer=self.gateway_jwt_issuer or None, leeway_s=self.gateway_jwt_leeway_seconds,
+                               max_lifetime_s=self.gateway_jwt_max_lifetime_seconds)
+
     def trusted_proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         """HUB_TRUSTED_PROXIES parsed; raises ConfigError for an entry that is no address or CIDR (or a CIDR with
         host bits set, which usually means a typo)."""
@@ -279,6 +333,16 @@ class Settings:
         if token and not self.dev_mode:
             _check_secret(token, "OPS_API_TOKEN")
         return token
+
+
+def _loopback_url(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_secret(secret: str, name: str = "GATEWAY_JWT_SECRET") -> None:

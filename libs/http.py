@@ -1,10 +1,13 @@
-"""aiohttp plumbing shared by every service: JSON errors, typed bodies, health and metrics routes."""
+"""aiohttp plumbing shared by every service: RFC 9457 problem answers, request ids, typed bodies, health and metrics
+routes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -17,7 +20,8 @@ from psycopg import errors as pg_errors
 
 from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import ErrorBody
-from libs.telemetry import metrics
+from libs.telemetry import metrics, tracing
+from libs.telemetry.logging import REQUEST_ID
 from libs.telemetry.metrics import exposition
 
 log = logging.getLogger("http")
@@ -28,7 +32,7 @@ READINESS_CHECKS = web.AppKey("readiness_checks", dict[str, ReadinessCheck])
 
 
 class ApiError(Exception):
-    """Raised by handlers; rendered as `{"error", "message", "field"}` with the given status."""
+    """Raised by handlers; rendered as an RFC 9457 problem (`error_response`) with the given status."""
 
     def __init__(self, status: int, code: str, message: str, field: str | None = None, **extra: Any) -> None:
         super().__init__(message)
@@ -39,17 +43,87 @@ class ApiError(Exception):
         self.extra = extra
 
 
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+PROBLEM_TYPE_PREFIX = "urn:monitoring-dispatch:problem:"
+PROBLEM_INSTANCE_PREFIX = "urn:monitoring-dispatch:request:"
+REQUEST_ID_HEADER = "X-Request-Id"
+# An incoming request id is kept when it is this (a UUID, a ULID, a gateway's hex or dotted id); anything else
+# (too long, spaces, control or non-ASCII characters: log injection) is replaced by a fresh one.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:=-]{0,127}")
+_REQUEST_ID_KEY: web.RequestKey[str] = web.RequestKey("request_id", str)
+# The request an error answer is for (its id, the problem's instance, a trace id it sent), set by `request_ids`:
+# an answer made outside a handler's `raise` (`error_response` called directly) still names them.
+_CURRENT: ContextVar[tuple[str, str, str | None] | None] = ContextVar("current_request", default=None)
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
 def json_response(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=msgspec.json.encode(value), status=status, content_type="application/json",
                         headers=headers)
 
 
+def problem_title(code: str) -> str:
+    """The problem type's title: its code in words (`scope_too_large` -> "Scope too large"), the same for every
+    occurrence of the type, as RFC 9457 asks."""
+    return code.replace("_", " ").capitalize()
+
+
+def problem(status: int, code: str, message: str, field: str | None = None, **extra: Any) -> ErrorBody:
+    """The problem body for an error: the RFC's members, the request's id and trace id, and the extensions."""
+    current = _CURRENT.get()
+    request_id, instance, sent_trace_id = current if current is not None else (None, None, None)
+    return ErrorBody(type=PROBLEM_TYPE_PREFIX + code, title=problem_title(code), status=status, detail=message,
+                     instance=instance, request_id=request_id, trace_id=tracing.current_trace_id() or sent_trace_id,
+                     error=code, message=message, field=field, **extra)
+
+
 def error_response(status: int, code: str, message: str, field: str | None = None, **extra: Any) -> web.Response:
-    body = ErrorBody(error=code, message=message, field=field, **extra)
+    body = problem(status, code, message, field, **extra)
     # A 429 or 503 that says when to come back says it in the standard header too (HTTP clients honour it).
     retry_after = extra.get("retry_after_s")
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return json_response(body, status=status, headers=headers)
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type=PROBLEM_CONTENT_TYPE,
+                        headers=headers)
+
+
+def request_id_of(request: web.Request) -> str | None:
+    """The id `request_ids` gave this request (None before that middleware ran)."""
+    return request.get(_REQUEST_ID_KEY)
+
+
+@web.middleware
+async def request_ids(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> (
+    web.StreamResponse
+):
+    """Every answer carries `X-Request-Id`: the caller's when it sent a well-formed one (a gateway's), else a new
+    UUID. The id is in every log line written while the request is handled, and in every problem body."""
+    incoming = request.headers.get(REQUEST_ID_HEADER, "")
+    request_id = incoming if REQUEST_ID_PATTERN.fullmatch(incoming) else str(uuid.uuid4())
+    request[_REQUEST_ID_KEY] = request_id
+    log_token = REQUEST_ID.set(request_id)
+    # With tracing off there is no span, but a caller's `traceparent` still names the trace it is part of.
+    sent = _TRACEPARENT.fullmatch(request.headers.get("traceparent", "").strip().lower())
+    sent_trace_id = sent.group(1) if sent and sent.group(1) != "0" * 32 else None
+    # The problem's `instance` names this occurrence by its request id (not the path: that can echo what the caller
+    # probed, and a path decoded by the router need not be a valid URI reference).
+    current_token = _CURRENT.set((request_id, PROBLEM_INSTANCE_PREFIX + request_id, sent_trace_id))
+    try:
+        response = await handler(request)
+        if response.status >= 400:
+            log.info("http.problem", extra={"status": response.status, "method": request.method,
+                                            "path": request.path})
+        return response
+    finally:
+        _CURRENT.reset(current_token)
+        REQUEST_ID.reset(log_token)
+
+
+async def _stamp_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: the header goes on every answer, a WebSocket handshake's and a streamed one's too
+    (their headers are sent inside the handler, before the middleware sees the response)."""
+    request_id = request_id_of(request)
+    if request_id is not None and REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 # Errors of a transaction that lost to concurrent work and changed nothing: the caller may simply retry.
@@ -221,7 +295,8 @@ async def red_metrics(request: web.Request, handler: Callable[[web.Request], Awa
 
 
 def make_app(*, max_body_bytes: int = 256 * 1024) -> web.Application:
-    app = web.Application(middlewares=[red_metrics, json_errors], client_max_size=max_body_bytes)
+    app = web.Application(middlewares=[request_ids, red_metrics, json_errors], client_max_size=max_body_bytes)
+    app.on_response_prepare.append(_stamp_request_id)
     app[READINESS_CHECKS] = {}
     add_ops_routes(app)
     return app

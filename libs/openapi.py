@@ -9,6 +9,9 @@ import msgspec
 from msgspec import inspect as mi
 
 REF = "#/components/schemas/{name}"
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+REQUEST_ID_HEADER = "X-Request-Id"
+HEADER_REF = "#/components/headers/{name}"
 
 ERROR_BODY = "ErrorBody"
 
@@ -29,22 +32,35 @@ STATUS_TEXT: dict[int, str] = {
 }
 
 
-# What every document's `info.description` ends with: the error body and the 405 answer (`method_not_allowed`).
-CONVENTIONS = ("Errors are `{\"error\", \"message\", \"field\"}`. A method a path does not list answers 405 with "
-               "an `Allow` header (`components.responses.MethodNotAllowed`).")
+# What every document's `info.description` ends with: the error body, the request id and the 405 answer.
+CONVENTIONS = ("Errors are RFC 9457 problems (`application/problem+json`, schema `ErrorBody`): `type`, `title`, "
+               "`status`, `detail`, `instance`, plus the stable code `error` (what a client branches on), "
+               "`message`, `field` when one field is at fault, `request_id` and `trace_id`. Every answer carries "
+               "`X-Request-Id`: the caller's when it sent a well-formed one (1 to 128 of `A-Za-z0-9._:=-`, "
+               "starting alphanumeric), else a new one. A method a path does not list answers 405 with an `Allow` "
+               "header (`components.responses.MethodNotAllowed`).")
 
 
-def document(*, title: str, description: str, schemas: dict[str, Any], security_schemes: dict[str, Any],
-             paths: dict[str, Any], security: list[dict[str, list[str]]] | None = None) -> dict[str, Any]:
-    """An OpenAPI 3.1 document: `description` is followed by `CONVENTIONS`; `security`, when given, is the
-    default of every operation."""
+def document(*, title: str, version: str, description: str, schemas: dict[str, Any],
+             security_schemes: dict[str, Any], paths: dict[str, Any],
+             security: list[dict[str, list[str]]] | None = None) -> dict[str, Any]:
+    """An OpenAPI 3.1 document: `version` is the API's (`info.version`), `description` is followed by
+    `CONVENTIONS`; `security`, when given, is the default of every operation. Every answer of every operation
+    declares the `X-Request-Id` header."""
+    for item in paths.values():
+        for operation in item.values():
+            for answer in operation["responses"].values():
+                answer.setdefault("headers", {})[REQUEST_ID_HEADER] = {"$ref": HEADER_REF.format(name="RequestId")}
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": title, "version": "1.0.0", "description": f"{description} {CONVENTIONS}"},
+        "info": {"title": title, "version": version, "description": f"{description} {CONVENTIONS}"},
         "jsonSchemaDialect": "https://json-schema.org/draft/2020-12/schema",
+        # Each service serves its own API (and this document): paths are relative to wherever it is reached.
+        "servers": [{"url": "/", "description": "the service that serves this document"}],
         "components": {
             "schemas": schemas,
             "responses": {"MethodNotAllowed": method_not_allowed()},
+            "headers": {"RequestId": REQUEST_ID_HEADER_SCHEMA},
             "securitySchemes": security_schemes,
         },
     }
@@ -54,12 +70,22 @@ def document(*, title: str, description: str, schemas: dict[str, Any], security_
     return doc
 
 
+REQUEST_ID_HEADER_SCHEMA: dict[str, Any] = {
+    "required": True, "description": "this request's id: the caller's `X-Request-Id` when well-formed, else a new "
+                                     "UUID; also `request_id` in a problem body and `http_request_id` in the logs",
+    "schema": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:=-]{0,127}$"}}
+
+
 def ref(name: str) -> dict[str, Any]:
     return {"$ref": REF.format(name=name)}
 
 
 def json_content(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
+
+
+def problem_content() -> dict[str, Any]:
+    return {PROBLEM_CONTENT_TYPE: {"schema": ref(ERROR_BODY)}}
 
 
 def response(name: str, description: str) -> dict[str, Any]:
@@ -79,7 +105,7 @@ def errors(*statuses: int, **descriptions: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for status in statuses:
         text = descriptions.get(f"s{status}", STATUS_TEXT[status])
-        out[str(status)] = response(ERROR_BODY, text)
+        out[str(status)] = {"description": text, "content": problem_content()}
         if status in _RETRY_AFTER:
             out[str(status)]["headers"] = {"Retry-After": _RETRY_AFTER[status]}
     return out
@@ -87,6 +113,8 @@ def errors(*statuses: int, **descriptions: str) -> dict[str, Any]:
 
 # `libs.http.error_response` sets Retry-After from `retry_after_s`, which every 429 carries (and some 503s).
 _RETRY_AFTER: dict[int, dict[str, Any]] = {
+    409: {"required": False, "description": "seconds to wait, when a retry can succeed",
+          "schema": {"type": "string", "pattern": "^[0-9]+$"}},
     429: {"required": True, "description": "seconds to wait, as `retry_after_s`",
           "schema": {"type": "string", "pattern": "^[0-9]+$"}},
     503: {"required": False, "description": "seconds to wait, when known",
@@ -147,9 +175,10 @@ def _mark_date_time(schema: dict[str, Any]) -> None:
 def method_not_allowed() -> dict[str, Any]:
     """`components.responses.MethodNotAllowed`: what any path answers for a method it does not list (an operation
     cannot declare it, as no listed method answers it)."""
-    return {"description": STATUS_TEXT[405], "content": json_content(ref(ERROR_BODY)),
+    return {"description": STATUS_TEXT[405], "content": problem_content(),
             "headers": {"Allow": {"required": True, "description": "the methods the path takes",
-                                  "schema": {"type": "string", "minLength": 1}}}}
+                                  "schema": {"type": "string", "minLength": 1}},
+                        REQUEST_ID_HEADER: {"$ref": HEADER_REF.format(name="RequestId")}}}
 
 
 def _plain(description: str, schema: dict[str, Any], content_type: str = "application/json") -> dict[str, Any]:

@@ -21,10 +21,22 @@ from libs.contracts.common import (
     Token,
 )
 
+# The versions of the two HTTP APIs (each document's `info.version`; docs/api.md, Versioning): a minor step for
+# what only adds (a field, an operation, a status a client cannot yet receive), a major one for a change a written
+# client could notice. 2.0.0: RFC 9457 problems, `Idempotency-Key`, a body naming a keyword, question or platform
+# that is not there answered 422 (was 400). The desktop HTTP API's 1.1.0: RFC 9457 problems (members added).
+TENANT_API_VERSION = "2.0.0"
+DESKTOP_HTTP_API_VERSION = "1.1.0"
+
 # ---- errors -----------------------------------------------------------------------------------
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Every error answer of every HTTP API: an RFC 9457 problem (`application/problem+json`). `type`, `title`,
+    `status`, `detail` and `instance` are the RFC's members; `error` (the stable code clients branch on),
+    `message` (= `detail`), `field` and the rest are extension members, kept from before the RFC form so a
+    client that reads `error` keeps working. `request_id` is also the answer's `X-Request-Id` header."""
+
     error: str
     message: str
     field: str | None = None
@@ -33,6 +45,16 @@ class ErrorBody(msgspec.Struct, omit_defaults=True, kw_only=True):
     # `scope_too_large`: how many tasks the collect-now would touch, and the most one may.
     scope_task_count: int | None = None
     max_scope_tasks: int | None = None
+    # RFC 9457 members: `type` is `urn:monitoring-dispatch:problem:<error>` (docs/api.md lists them), `title` the
+    # code in words, `instance` `urn:monitoring-dispatch:request:<request_id>`.
+    type: str
+    title: str
+    status: Annotated[int, msgspec.Meta(ge=400, le=599)]
+    detail: str
+    instance: str | None = None
+    request_id: str | None = None
+    # The W3C trace id (32 hex) of the request's trace, when it has one (tracing on, or a `traceparent` sent).
+    trace_id: str | None = None
 
 
 # ---- tenant: collect-now ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 from collections.abc import Mapping
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 
@@ -13,6 +14,9 @@ from opentelemetry import trace
 
 # Attributes a LogRecord always has; anything else passed through `extra=` becomes a field.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+# The id of the HTTP request being handled (libs.http.request_ids; its `X-Request-Id`): every line logged while it
+# is handled names it, as `http_request_id` (`request_id` names a collect-now request in this code base).
+REQUEST_ID: ContextVar[str | None] = ContextVar("request_id", default=None)
 _REDACT = {"token", "lease_token", "authorization", "answer_text", "password", "secret"}
 
 
@@ -55,6 +59,21 @@ class SafeExtraLogger(logging.Logger):
 
 
 logging.setLoggerClass(SafeExtraLogger)
+
+_make_record = logging.getLogRecordFactory()
+
+
+def _record_with_request_id(*args: Any, **kwargs: Any) -> logging.LogRecord:
+    """Every record made while an HTTP request is handled carries its id (at creation: a handler that formats
+    later, or in another thread, still sees it)."""
+    record = _make_record(*args, **kwargs)
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        record.http_request_id = request_id
+    return record
+
+
+logging.setLogRecordFactory(_record_with_request_id)
 
 
 def configure_logging(service: str, level: str = "INFO") -> None:

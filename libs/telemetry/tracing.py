@@ -217,6 +217,12 @@ def current_traceparent() -> str | None:
     return traceparent_of(trace.get_current_span())
 
 
+def current_trace_id() -> str | None:
+    """The current span's trace id (32 hex digits), or None when no span is current."""
+    span_context = trace.get_current_span().get_span_context()
+    return format(span_context.trace_id, "032x") if span_context.is_valid else None
+
+
 def inject(headers: dict[str, Any]) -> None:
     """Add the current span's `traceparent` to outgoing headers (nothing while tracing is off)."""
     if _state.enabled:

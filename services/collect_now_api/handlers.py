@@ -8,7 +8,7 @@ import uuid
 from aiohttp import web
 from psycopg_pool import AsyncConnectionPool
 
-from libs.auth import AuthError, TenantPrincipal, verify_gateway_jwt
+from libs.auth import AuthError, GatewayVerifier, KeyUnavailable, TenantPrincipal
 from libs.clock import SYSTEM_CLOCK, Clock
 from libs.config import Settings
 from libs.contracts.http import CollectNowRequest
@@ -16,7 +16,7 @@ from libs.db.pool import Conn
 from libs.dispatch_settings import SettingsCache
 from libs.http import ApiError, json_response, read_body
 from libs.runtime import SETTINGS
-from services.collect_now_api.service import TenantGate, collect_now, request_status
+from services.collect_now_api.service import IdempotencyKey, TenantGate, collect_now, request_status
 
 POOL = web.AppKey("pool", AsyncConnectionPool[Conn])
 
@@ -27,6 +27,10 @@ MAX_TASK_PAGE = 500
 # A cursor is the decimal of the previous page's last monitor_task_id; clients pass it back unchanged.
 CURSOR_PATTERN = "^[0-9]{1,19}$"
 MAX_ID = 2**63 - 1
+# `Idempotency-Key`: 1 to 255 visible ASCII characters (a UUID is what we suggest).
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+IDEMPOTENCY_KEY_PATTERN = "^[!-~]{1,255}$"
+_IDEMPOTENCY_KEY = re.compile(IDEMPOTENCY_KEY_PATTERN.strip("^$"))
 _UUID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
@@ -38,23 +42,32 @@ CLOCK: web.AppKey[Clock] = web.AppKey("clock")
 GATE: web.AppKey[TenantGate] = web.AppKey("tenant_gate")
 
 
+# How gateway tokens are checked (keys, aud, iss, lifetime), built from the settings once, at start-up.
+VERIFIER: web.AppKey[GatewayVerifier] = web.AppKey("gateway_verifier")
+
+
 def install_tenant_gate(app: web.Application, settings: Settings) -> None:
     app[GATE] = TenantGate.from_settings(settings)
 
 
-def authenticate(request: web.Request) -> TenantPrincipal:
+def install_verifier(app: web.Application, settings: Settings) -> None:
+    """Fail closed: no real gateway key, or (outside DEV_MODE) no audience and issuer to check, and the service does
+    not start (ConfigError)."""
+    app[VERIFIER] = settings.gateway_verifier()
+
+
+async def authenticate(request: web.Request) -> TenantPrincipal:
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "unauthorized", "send the gateway token as `Authorization: Bearer <jwt>`")
-    settings = request.app[SETTINGS]
-    key, algorithm = settings.jwt_key()
     try:
-        return verify_gateway_jwt(token.strip(), key, algorithm, audience=settings.gateway_jwt_audience or None,
-                                  issuer=settings.gateway_jwt_issuer or None,
-                                  leeway_s=settings.gateway_jwt_leeway_seconds)
+        return await request.app[VERIFIER].verify(token.strip())
     except AuthError as exc:
         raise ApiError(401, exc.code, exc.message) from exc
+    except KeyUnavailable as exc:
+        raise ApiError(503, "gateway_keys_unavailable", "the gateway's signing keys could not be fetched to check "
+                       "the token; retry", retry_after_s=5) from exc
 
 
 def _int_path(request: web.Request, name: str) -> int:
@@ -97,18 +110,33 @@ def _page(request: web.Request) -> tuple[int, int]:
 
 
 async def post_collect_now(request: web.Request) -> web.Response:
-    principal = authenticate(request)
+    principal = await authenticate(request)
     brand_id = _int_path(request, "brand_id")
     body = await read_body(request, CollectNowRequest, max_bytes=MAX_COLLECT_NOW_BODY_BYTES, allow_empty=True)
+    idempotency = _idempotency_key(request, brand_id, body)
     pool = request.app[POOL]
     settings = await request.app[SETTINGS_CACHE].get()
     accepted = await collect_now(pool, principal, brand_id, body, settings, gate=request.app.get(GATE),
-                                 clock=request.app.get(CLOCK, SYSTEM_CLOCK))
-    return json_response(accepted.response, status=200 if accepted.replay else 202)
+                                 clock=request.app.get(CLOCK, SYSTEM_CLOCK), idempotency=idempotency)
+    answer = accepted.answer()
+    # An Idempotency-Key's replay says so in a header: its body is the first answer's, unchanged.
+    headers = {"Idempotent-Replayed": "true"} if accepted.stored is not None else None
+    return web.Response(body=answer.body, status=answer.status, content_type="application/json", headers=headers)
+
+
+def _idempotency_key(request: web.Request, brand_id: int, body: CollectNowRequest) -> IdempotencyKey | None:
+    raw = request.headers.getall(IDEMPOTENCY_KEY_HEADER, [])
+    if not raw:
+        return None
+    if len(raw) > 1 or not _IDEMPOTENCY_KEY.fullmatch(raw[0]):
+        raise ApiError(400, "invalid_field", "Idempotency-Key must be one header of 1 to 255 visible ASCII "
+                       "characters (a UUID is a good key)", IDEMPOTENCY_KEY_HEADER)
+    ttl_hours = request.app[SETTINGS].collect_now_idempotency_key_ttl_hours
+    return IdempotencyKey.of(raw[0], brand_id, body, ttl_hours=ttl_hours)
 
 
 async def get_collect_request(request: web.Request) -> web.Response:
-    principal = authenticate(request)
+    principal = await authenticate(request)
     raw = request.match_info["request_id"]
     request_id = _uuid(raw)
     if request_id is None:

@@ -6,9 +6,22 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from libs.contracts.http import CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody
+from libs.contracts.http import (
+    TENANT_API_VERSION,
+    CollectNowRequest,
+    CollectNowResponse,
+    CollectRequestStatus,
+    ErrorBody,
+)
 from libs.openapi import document, errors, ops_paths, path_parameter, request_body, response, schema_components
-from services.collect_now_api.handlers import CURSOR_PATTERN, DEFAULT_TASK_PAGE, MAX_ID, MAX_TASK_PAGE
+from services.collect_now_api.handlers import (
+    CURSOR_PATTERN,
+    DEFAULT_TASK_PAGE,
+    IDEMPOTENCY_KEY_HEADER,
+    IDEMPOTENCY_KEY_PATTERN,
+    MAX_ID,
+    MAX_TASK_PAGE,
+)
 
 COLLECT_NOW_PATH = "/api/tenant/monitoring/brands/{brand_id}/collect-now"
 REQUEST_STATUS_PATH = "/api/tenant/monitoring/collect-requests/{request_id}"
@@ -18,6 +31,7 @@ REQUEST_STATUS_PATH = "/api/tenant/monitoring/collect-requests/{request_id}"
 def openapi_document() -> dict[str, Any]:
     return document(
         title="collect-now-api",
+        version=TENANT_API_VERSION,
         description="Tenant API for \"collect now\". Authenticated by the tenant-api gateway's JWT (claims "
                     "tenant_id, workspace_id, user_id, exp).",
         schemas=schema_components((CollectNowRequest, CollectNowResponse, CollectRequestStatus, ErrorBody)),
@@ -48,31 +62,51 @@ def _collect_now_operation() -> dict[str, Any]:
             "enabled platforms, today in the tenant's time zone) to the high lane on the chosen "
             "desktop client, cancels that client's queued scheduled executions and asks its running "
             "ones to yield. Idempotent per (user, brand, scope) within the idempotency window "
-            "(200 with idempotent_replay=true). A newer request for the same client supersedes the "
+            "(200 with idempotent_replay=true), and per `Idempotency-Key` for the key's retention (24 h by "
+            "default): the same key of the same user answers the first answer again, status and body unchanged, "
+            "with `Idempotent-Replayed: true`; the same key with another brand or body is refused (422 "
+            "`idempotency_key_reused`), and while the key's first request is still in flight a second one is "
+            "answered 409 `idempotency_key_in_use` (retry to get the answer). A newer request for the same "
+            "client supersedes the "
             "older one. When no client is online the request is accepted unbound "
             "(target_client_id null) and any client that connects before the TTL can take it. "
             "A scope over the operator's limit (dispatch setting collect_now_max_scope_tasks, 500 by "
             "default) is refused with 422 `scope_too_large`."),
         "security": [{"gatewayJwt": []}],
-        "parameters": [path_parameter("brand_id", {"type": "integer", "minimum": 1, "maximum": MAX_ID})],
+        "parameters": [path_parameter("brand_id", {"type": "integer", "minimum": 1, "maximum": MAX_ID}),
+                       {"name": IDEMPOTENCY_KEY_HEADER, "in": "header", "required": False,
+                        "description": "A key of the caller's choosing (a UUID) that makes retries of this request "
+                                       "safe: the first answer to it is replayed.",
+                        "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_PATTERN}}],
         "requestBody": request_body("CollectNowRequest", required=False),
         "responses": {
-            "202": response("CollectNowResponse", "Accepted: a new request."),
-            "200": response("CollectNowResponse", "Idempotent replay of the same request made within the window."),
+            "202": _with_replayed_header(response("CollectNowResponse", "Accepted: a new request (or, with "
+                                                  "`Idempotent-Replayed: true`, an Idempotency-Key's first answer).")),
+            "200": _with_replayed_header(response("CollectNowResponse", "Idempotent replay of the same request made "
+                                                  "within the window.")),
             **_collect_now_errors(),
             **_auth_and_server_errors(),
         },
     }
 
 
+def _with_replayed_header(answer: dict[str, Any]) -> dict[str, Any]:
+    answer["headers"] = {"Idempotent-Replayed": {
+        "required": False, "description": "`true` on an Idempotency-Key's replay", "schema": {"const": "true"}}}
+    return answer
+
+
 def _collect_now_errors() -> dict[str, Any]:
-    return errors(400, 404, 413, 415, 422, 429,
-                  s400="Malformed body or brand_id, or a keyword, question or platform that is not "
-                       "the brand's or the tenant's (`field` names it).",
-                  s404="The brand does not exist in the caller's tenant and workspace.",
-                  s422="Nothing to collect (`empty_scope`: no enabled questions or platforms), or "
-                       "too much (`scope_too_large`, with `scope_task_count` and "
-                       "`max_scope_tasks`).",
+    return errors(400, 404, 409, 413, 415, 422, 429,
+                  s400="Malformed body, brand_id or Idempotency-Key (`field` names it).",
+                  s404="`not_found`: the brand does not exist in the caller's tenant and workspace, or the body "
+                       "names a keyword, question or platform that is not the brand's or not enabled for the "
+                       "tenant (`field` names it).",
+                  s409="`idempotency_key_in_use`: another request with this Idempotency-Key is still in flight; "
+                       "retry after Retry-After to get its answer.",
+                  s422="Nothing to collect (`empty_scope`: no enabled questions or platforms), too much "
+                       "(`scope_too_large`, with `scope_task_count` and `max_scope_tasks`), or an "
+                       "Idempotency-Key already used for another request (`idempotency_key_reused`).",
                   s429="Rate limited: `too_many_active_requests` (active requests per tenant), "
                        "`too_many_requests` (requests per user per hour) or `tenant_busy` (other "
                        "clicks of the tenant still in flight); `retry_after_s` and the "

@@ -17,6 +17,52 @@ LOCK_TENANT = "SELECT pg_advisory_xact_lock(hashtextextended('collect_now.tenant
 # is answered 429: a burst of one tenant's clicks must not hold the connections other tenants' clicks need.
 LOCK_WAIT = "SELECT set_config('lock_timeout', %(lock_wait)s, true)"
 
+# collect-now's Idempotency-Key (migration 045). A request carrying a key first takes the key's lock, without
+# waiting: a second request with the same key while the first is still in its transaction answers 409 at once (it
+# cannot know yet what to replay); after the first committed, the lock is free and the key's row is there.
+TRY_LOCK_IDEMPOTENCY_KEY = """
+SELECT pg_try_advisory_xact_lock(hashtextextended(
+    'collect_now.idempotency:' || %(tenant_id)s::text || ':' || %(user_id)s::text || ':' || %(idempotency_key)s, 0))
+    AS locked
+"""
+
+# The key's unexpired first answer, of this tenant and user only.
+IDEMPOTENCY_KEY = """
+SELECT request_fingerprint, response_status, response_body
+FROM collect_now_idempotency_keys
+WHERE tenant_id = %(tenant_id)s AND user_id = %(user_id)s AND idempotency_key = %(idempotency_key)s
+  AND expires_at > now()
+"""
+
+# Under the key's lock; an expired row of the same key (not yet purged) is replaced.
+STORE_IDEMPOTENCY_KEY = """
+INSERT INTO collect_now_idempotency_keys
+    (tenant_id, user_id, idempotency_key, request_fingerprint, collect_request_id, response_status, response_body,
+     expires_at)
+VALUES (%(tenant_id)s, %(user_id)s, %(idempotency_key)s, %(fingerprint)s, %(collect_request_id)s, %(status)s,
+        %(body)s, now() + make_interval(hours => %(ttl_hours)s))
+ON CONFLICT (tenant_id, user_id, idempotency_key) DO UPDATE
+SET request_fingerprint = excluded.request_fingerprint, collect_request_id = excluded.collect_request_id,
+    response_status = excluded.response_status, response_body = excluded.response_body,
+    created_at = now(), expires_at = excluded.expires_at
+WHERE collect_now_idempotency_keys.expires_at <= now()
+"""
+
+# `wait_for_first_dispatch`: the answer the first caller got after its wait is what the key replays.
+UPDATE_IDEMPOTENT_ANSWER = """
+UPDATE collect_now_idempotency_keys SET response_body = %(body)s
+WHERE tenant_id = %(tenant_id)s AND user_id = %(user_id)s AND idempotency_key = %(idempotency_key)s
+  AND collect_request_id = %(collect_request_id)s
+"""
+
+# A batch of expired keys (any tenant: retention, not a tenant's data); replicas purging at once skip each other's.
+PURGE_IDEMPOTENCY_KEYS = """
+DELETE FROM collect_now_idempotency_keys k
+USING (SELECT tenant_id, user_id, idempotency_key FROM collect_now_idempotency_keys
+       WHERE expires_at <= now() ORDER BY expires_at LIMIT %(limit)s FOR UPDATE SKIP LOCKED) old
+WHERE k.tenant_id = old.tenant_id AND k.user_id = old.user_id AND k.idempotency_key = old.idempotency_key
+"""
+
 BRAND = """
 SELECT b.id, b.workspace_id, t.time_zone, (now() AT TIME ZONE t.time_zone)::date AS business_date
 FROM brands b JOIN tenants t ON t.id = b.tenant_id

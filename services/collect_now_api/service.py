@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
@@ -97,9 +98,42 @@ TENANT_GATE = TenantGate.from_settings(Settings())  # the defaults, for a caller
 
 
 @dataclass(frozen=True, slots=True)
+class StoredAnswer:
+    """An `Idempotency-Key`'s first answer, as it was sent."""
+
+    status: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Accepted:
     response: CollectNowResponse
     replay: bool
+    # Set when this is an `Idempotency-Key` replay: the first answer, sent again byte for byte.
+    stored: StoredAnswer | None = None
+
+    def answer(self) -> StoredAnswer:
+        """(status, body) as the handler sends them: the stored first answer, else 200 for an implicit replay and
+        202 for a new request."""
+        if self.stored is not None:
+            return self.stored
+        return StoredAnswer(200 if self.replay else 202, msgspec.json.encode(self.response))
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyKey:
+    """A request's `Idempotency-Key` (docs/api.md, Idempotency): the key, what the request was (its fingerprint:
+    the brand and the body as decoded, so the same JSON spelled differently is the same request) and how long
+    its first answer is kept."""
+
+    key: str
+    fingerprint: str
+    ttl_hours: int
+
+    @classmethod
+    def of(cls, key: str, brand_id: int, body: CollectNowRequest, *, ttl_hours: int) -> IdempotencyKey:
+        digest = hashlib.sha256(f"{brand_id}\n".encode() + msgspec.json.encode(body)).hexdigest()
+        return cls(key, digest, ttl_hours)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,22 +190,31 @@ _scope = msgspec.json.Decoder(list[_ScopeRow])
 async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
                       body: CollectNowRequest, settings: DispatchSettings, *,
                       first_dispatch_wait_s: float = 5.0, gate: TenantGate | None = None,
-                      clock: Clock = SYSTEM_CLOCK) -> Accepted:
+                      clock: Clock = SYSTEM_CLOCK, idempotency: IdempotencyKey | None = None) -> Accepted:
     """Accept (or replay) a collect-now request; optionally wait for its first dispatch. Traced: the span's
     context goes into the request row and the outbox events, and with them to the coordinator and the hub.
-    `clock`: its date (in UTC) decides which business dates the replay lookup expects (`_scope_hashes`)."""
+    `clock`: its date (in UTC) decides which business dates the replay lookup expects (`_scope_hashes`).
+    `idempotency`: the request's Idempotency-Key; its first answer is stored in the same transaction and replayed
+    to the same key (422 for the same key with another request, 409 while the first is still in flight)."""
     tracing.set_attributes(tenant_id=principal.tenant_id, brand_id=brand_id)
     gate = gate or TENANT_GATE
     async with gate.slot(principal.tenant_id):
-        accepted = await _accept_with_retries(pool, principal, brand_id, body, settings, clock.now().date(), gate)
+        accepted = await _accept_with_retries(pool, principal, brand_id, body, settings, clock.now().date(), gate,
+                                              idempotency)
     if body.wait_for_first_dispatch and not accepted.replay and accepted.response.status == "accepted":
-        accepted = await _wait_for_first_dispatch(pool, principal, accepted, first_dispatch_wait_s)
+        waited = await _wait_for_first_dispatch(pool, principal, accepted, first_dispatch_wait_s)
+        if idempotency is not None and waited.response.status != accepted.response.status:
+            async with pool.connection() as conn:  # the key replays what this caller is about to get
+                await conn.execute(q.UPDATE_IDEMPOTENT_ANSWER, {
+                    "tenant_id": principal.tenant_id, "user_id": principal.user_id, "idempotency_key": idempotency.key,
+                    "collect_request_id": waited.response.request_id, "body": waited.answer().body})
+        accepted = waited
     return accepted
 
 
 async def _accept_with_retries(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
                                body: CollectNowRequest, settings: DispatchSettings, today: date,
-                               gate: TenantGate) -> Accepted:
+                               gate: TenantGate, idempotency: IdempotencyKey | None = None) -> Accepted:
     """The accept transaction, again after a deadlock or serialization failure (up to DEADLOCK_RETRIES times) and
     once after a lost connection: a pooled connection that died (a database restart or failover, a terminated
     backend) takes the pool's other idle connections with it, so they are checked and replaced first. A click whose
@@ -183,7 +226,8 @@ async def _accept_with_retries(pool: AsyncConnectionPool[Conn], principal: Tenan
         try:
             async with pool.connection() as conn:
                 try:
-                    return await _collect_now_tx(conn, principal, brand_id, body, settings, today, gate.lock_wait)
+                    return await _collect_now_tx(conn, principal, brand_id, body, settings, today, gate.lock_wait,
+                                                 idempotency)
                 except psycopg.OperationalError:
                     if not conn.broken or reconnected:
                         raise
@@ -243,24 +287,89 @@ class _Promotion:
 
 
 async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int, body: CollectNowRequest,
-                          settings: DispatchSettings, today: date, lock_wait: str) -> Accepted:
+                          settings: DispatchSettings, today: date, lock_wait: str,
+                          idempotency: IdempotencyKey | None = None) -> Accepted:
     """The steps of docs/architecture.md §17.1 in one short transaction, pipelined: three round trips (the tenant's
     lock and every read; preemption and promotion; the request row, events and COMMIT) instead of ~20 statements
-    one by one, which keeps click -> commit at a few ms."""
+    one by one, which keeps click -> commit at a few ms. A request with an Idempotency-Key takes two more: the
+    key's lock and first answer before, the answer stored (once it is known) before the COMMIT."""
     click = _Click(principal, brand_id, body, settings, today, lock_wait)
     async with pipelined_transaction(conn) as pipe:
+        if idempotency is not None:
+            stored = await _claim_idempotency_key(conn, pipe, principal, idempotency)
+            if stored is not None:
+                return stored
         replay = await _lock_and_read(conn, pipe, click)
         if replay is not None:
+            if idempotency is not None:
+                await _store_answer(conn, principal, idempotency, replay)
             return replay
         _choose_client_and_check_limits(click)
         promotion = await _preempt_and_promote(conn, pipe, click)
         request_cur, superseded_cur = await _record_request(conn, click, promotion)
+        if idempotency is not None:
+            # The answer (its TTL and what it superseded come back from the statements) is stored before COMMIT.
+            await pipe.sync()
+            accepted = await _read_accepted(click, promotion, request_cur, superseded_cur)
+            await _store_answer(conn, principal, idempotency, accepted)
+            return accepted
         # No sync here: the COMMIT is queued behind these statements when the transaction block ends, and
         # the pipeline sends them all at once (the results are read after the commit).
+    return await _read_accepted(click, promotion, request_cur, superseded_cur)
+
+
+async def _read_accepted(click: _Click, promotion: _Promotion, request_cur: AsyncCursor[dict[str, Any]],
+                         superseded_cur: AsyncCursor[dict[str, Any]] | None) -> Accepted:
     request_row = await request_cur.fetchone()
     assert request_row is not None
     superseded = [r["id"] for r in await superseded_cur.fetchall()] if superseded_cur else []
     return Accepted(_accepted(click, promotion, request_row["ttl_expires_at"], superseded), replay=False)
+
+
+async def _claim_idempotency_key(conn: Conn, pipe: AsyncPipeline, principal: TenantPrincipal,
+                                 idempotency: IdempotencyKey) -> Accepted | None:
+    """The key's lock (409 when another request with it is in flight) and its first answer: the replay when this
+    is the same request, 422 when it is another. None: the key is new (or expired), and this request's."""
+    params = {"tenant_id": principal.tenant_id, "user_id": principal.user_id, "idempotency_key": idempotency.key}
+    lock_cur = await conn.execute(q.TRY_LOCK_IDEMPOTENCY_KEY, params)
+    stored_cur = await conn.execute(q.IDEMPOTENCY_KEY, params)
+    await pipe.sync()
+    lock = await lock_cur.fetchone()
+    row = await stored_cur.fetchone()
+    assert lock is not None
+    if not lock["locked"]:
+        raise ApiError(409, "idempotency_key_in_use", "a request with this Idempotency-Key is still being processed; "
+                       "retry in a moment to get its answer", "Idempotency-Key", retry_after_s=1)
+    if row is None:
+        return None
+    if row["request_fingerprint"] != idempotency.fingerprint:
+        raise ApiError(422, "idempotency_key_reused", "this Idempotency-Key was used for a different request (another "
+                       "brand or body); send a new key with a new request", "Idempotency-Key")
+    stored = StoredAnswer(int(row["response_status"]), bytes(row["response_body"]))
+    response = msgspec.json.decode(stored.body, type=CollectNowResponse)
+    tracing.set_attributes(collect_request_id=response.request_id, replay=True)
+    return Accepted(response, replay=True, stored=stored)
+
+
+async def _store_answer(conn: Conn, principal: TenantPrincipal, idempotency: IdempotencyKey,
+                        accepted: Accepted) -> None:
+    """The key's first answer, in the click's transaction (queued: sent with the COMMIT)."""
+    answer = accepted.answer()
+    await conn.execute(q.STORE_IDEMPOTENCY_KEY, {
+        "tenant_id": principal.tenant_id, "user_id": principal.user_id, "idempotency_key": idempotency.key,
+        "fingerprint": idempotency.fingerprint, "collect_request_id": accepted.response.request_id,
+        "status": answer.status, "body": answer.body, "ttl_hours": idempotency.ttl_hours})
+
+
+async def purge_idempotency_keys(pool: AsyncConnectionPool[Conn], *, batch: int = 1000) -> int:
+    """Delete expired Idempotency-Key rows, a batch at a time, until none is left; the number deleted."""
+    deleted = 0
+    while True:
+        async with pool.connection() as conn:
+            cur = await conn.execute(q.PURGE_IDEMPOTENCY_KEYS, {"limit": batch})
+        deleted += cur.rowcount
+        if cur.rowcount < batch:
+            return deleted
 
 
 async def _lock_and_read(conn: Conn, pipe: AsyncPipeline, click: _Click) -> Accepted | None:
@@ -283,7 +392,8 @@ async def _lock_and_read(conn: Conn, pipe: AsyncPipeline, click: _Click) -> Acce
     if reads["brand_id"] is None:
         raise ApiError(404, "not_found", "brand not found", "brand_id")
     if not reads["keyword_ok"]:
-        raise ApiError(400, "invalid_field", f"keyword {body.keyword_id} does not belong to brand {click.brand_id}",
+        # Well-formed, naming nothing of this brand: not found (404), not malformed (400).
+        raise ApiError(404, "not_found", f"keyword {body.keyword_id} not found in brand {click.brand_id}",
                        "keyword_id")
     click.reads = reads
     business_date: date = reads["business_date"]
@@ -469,13 +579,13 @@ def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest, *, max_tasks: 
     if body.question_ids:
         missing = sorted(set(body.question_ids) - {r.question_id for r in scope})
         if missing:
-            raise ApiError(400, "invalid_field", f"question(s) {missing} are not enabled questions of this brand "
-                           "(for this keyword and the tenant's enabled platforms)", "question_ids")
+            raise ApiError(404, "not_found", f"question(s) {missing} not found among the enabled questions of this "
+                           "brand (for this keyword and the tenant's enabled platforms)", "question_ids")
     if body.ai_platform_ids:
         missing = sorted(set(body.ai_platform_ids) - {r.ai_platform_id for r in scope})
         if missing:
-            raise ApiError(400, "invalid_field", f"platform(s) {missing} are not enabled for this tenant",
-                           "ai_platform_ids")
+            raise ApiError(404, "not_found", f"platform(s) {missing} not found among the platforms enabled for "
+                           "this tenant", "ai_platform_ids")
     if not scope:
         raise ApiError(422, "empty_scope", "nothing to collect: the brand (or keyword) has no enabled questions "
                        "or the tenant has no enabled platforms")

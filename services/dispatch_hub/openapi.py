@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from libs.contracts.http import (
+    DESKTOP_HTTP_API_VERSION,
     CancelRequest,
     CancelResponse,
     ErrorBody,
@@ -51,6 +52,7 @@ _RETIRED_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", 
 def openapi_document() -> dict[str, Any]:
     return document(
         title="dispatch-hub desktop API",
+        version=DESKTOP_HTTP_API_VERSION,
         description="Desktop gateway: WebSocket push plus pull-lease, extend, cancel and result. "
                     "Authenticated by a per-client token.",
         schemas=schema_components(_SCHEMA_TYPES),
@@ -144,5 +146,5 @@ def _retired_events_path() -> dict[str, Any]:
         "operationId": f"retiredEvents{method.capitalize()}",
         "summary": "Retired server-sent events endpoint",
         "security": [],
-        "responses": {"410": response("ErrorBody", "Gone: use the WebSocket.")},
+        "responses": errors(410, s410="Gone: use the WebSocket."),
     } for method in _RETIRED_METHODS}

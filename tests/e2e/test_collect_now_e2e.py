@@ -281,7 +281,9 @@ async def test_e_f_isolation_stale_leases_and_malformed_input(settings: Settings
                             headers=bearer(stack.jwt(theirs))) as resp:
             assert resp.status in (403, 404) and "tasks" not in await resp.json()
         body = await stack.collect_now(theirs, mine["brands"][1]["brand_id"], {}, expect=(403, 404))
-        assert "request_id" not in body
+        # A problem names only the HTTP request's own id (its X-Request-Id), never a collect-now request.
+        assert body["error"] == "not_found" and body["request_id"] != accepted["request_id"]
+        assert body["instance"] == f"urn:monitoring-dispatch:request:{body['request_id']}"
         # (e) desktop API: another tenant's client token gets 404 and no data; a stale lease is refused.
         async with http.post(f"{stack.hub_url}/api/desktop/monitor/lease", json={"max_tasks": 1},
                              headers=bearer(token)) as resp:

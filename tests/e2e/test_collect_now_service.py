@@ -51,6 +51,11 @@ async def test_service_refuses_to_start_without_a_real_gateway_key(settings: Set
         env.pop("DEV_MODE", None)
         error, _ = await refused_start("collect-now-api", env, tmp_path)
         assert why in error, (secret, error[-2000:])
+    # A real key but no audience to check: no service either (the issuer's twin case: tests/unit/test_gateway_auth.py).
+    env = service_env(settings, GATEWAY_JWT_SECRET=JWT_SECRET, GATEWAY_JWT_AUDIENCE="")
+    env.pop("DEV_MODE", None)
+    error, _ = await refused_start("collect-now-api", env, tmp_path)
+    assert "set GATEWAY_JWT_AUDIENCE" in error, error[-2000:]
     # DEV_MODE is the explicit escape hatch for local stacks
     dev = ServiceProcess("collect-now-api", service_env(settings, GATEWAY_JWT_SECRET="", DEV_MODE="1"),
                          log_dir=tmp_path)

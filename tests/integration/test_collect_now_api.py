@@ -19,13 +19,13 @@ from libs.db.pool import Conn, connect
 from libs.dispatch_settings import set_setting
 from libs.telemetry import metrics
 from tests.support.collect_now import (
-    JWT_SECRET,
     World,
     api_client,
     business_task,
     execution,
     fetch_all,
     fetch_one,
+    gateway_token,
     make_world,
     set_online,
     today,
@@ -375,10 +375,9 @@ async def test_another_tenants_token_gets_404_and_no_data(settings: Settings, po
         unknown = await http.get(status_path(str(uuid.uuid4())), headers=world.auth())
         no_token = await http.post(collect_path(world.brand_id), json={})
         bad_token = await http.get(status_path(mine["request_id"]), headers={"Authorization": "Bearer not.a.jwt"})
-        from libs.auth import issue_gateway_jwt
-        wrong_key = issue_gateway_jwt("another-secret-of-at-least-32-bytes!", world.principal())
+        wrong_key = gateway_token(world.principal(), "another-secret-of-at-least-32-bytes!")
         forged = await http.get(status_path(mine["request_id"]), headers={"Authorization": f"Bearer {wrong_key}"})
-        expired_token = issue_gateway_jwt(JWT_SECRET, world.principal(), ttl_s=-60)  # past the leeway
+        expired_token = gateway_token(world.principal(), ttl_s=-60)  # past the leeway
         expired = await http.get(status_path(mine["request_id"]), headers={"Authorization": f"Bearer {expired_token}"})
         foreign_post_body = await foreign_post.text()
         foreign_get_body = await foreign_get.text()
@@ -388,7 +387,11 @@ async def test_another_tenants_token_gets_404_and_no_data(settings: Settings, po
         assert (await expired.json())["error"] == "token_expired"
     assert foreign_post.status == 404 and foreign_get.status == 404 and unknown.status == 404
     assert mine["request_id"] not in foreign_get_body
-    assert "brand" in foreign_post_body and str(world.tenant_id) not in foreign_post_body
+    # The problem names the brand, never the tenant (its own request id, a random UUID, and status left aside).
+    foreign_problem = msgspec.json.decode(foreign_post_body)
+    told = msgspec.json.encode({k: v for k, v in foreign_problem.items()
+                                if k not in ("request_id", "instance", "status")}).decode()
+    assert "brand" in told and str(world.tenant_id) not in told
     async with pool.connection() as conn:
         requests = await fetch_all(conn, "SELECT tenant_id FROM monitoring_collect_requests")
         assert requests == [{"tenant_id": world.tenant_id}]
@@ -425,15 +428,21 @@ async def test_fields_that_do_not_fit_the_brand_and_oversize_bodies(settings: Se
     async with pool.connection() as conn:
         world = await make_world(conn, tenants=2, brands=2, questions=1)
     other_brand = world.tenant["brands"][1]
+    other_tenants_brand = world.seed["tenants"][1]["brands"][0]
     async with api_client(settings) as http:
+        # Well-formed, naming something that is not there (another brand's, another tenant's, none): 404, not 400.
         cases = [
             ({"keyword_id": other_brand["keyword_ids"][0]}, "keyword_id"),
+            ({"keyword_id": other_tenants_brand["keyword_ids"][0]}, "keyword_id"),
             ({"question_ids": other_brand["question_ids"]}, "question_ids"),
+            ({"question_ids": other_tenants_brand["question_ids"]}, "question_ids"),
             ({"ai_platform_ids": [999_999]}, "ai_platform_ids"),
         ]
         for body, field in cases:
             resp = await http.post(collect_path(world.brand_id), json=body, headers=world.auth())
-            assert (resp.status, (await resp.json()).get("field")) == (400, field)
+            problem = await resp.json()
+            assert (resp.status, problem["error"], problem.get("field")) == (404, "not_found", field), problem
+            assert resp.content_type == "application/problem+json" and problem["status"] == 404
         bad_path = await http.post(collect_path("abc"), json={}, headers=world.auth())
         assert (bad_path.status, (await bad_path.json())["field"]) == (400, "brand_id")
         bad_id = await http.get(status_path("nope"), headers=world.auth())

@@ -19,7 +19,11 @@ DOC_URI = "urn:collect-now-api:openapi"
 def validate(doc: dict[str, Any], path: str, method: str, status: int, body: Any) -> None:
     operation = doc["paths"][path][method]
     assert str(status) in operation["responses"], f"{method.upper()} {path} answered undocumented {status}"
-    schema = operation["responses"][str(status)]["content"]["application/json"]["schema"]
+    content = operation["responses"][str(status)]["content"]
+    # Answers are JSON, errors RFC 9457 problems (the one content type each declares).
+    expected = "application/problem+json" if status >= 400 else "application/json"
+    assert set(content) == {expected}, content
+    schema = content[expected]["schema"]
     registry: Registry[Any] = Registry().with_resource(DOC_URI, Resource.from_contents(
         doc, default_specification=DRAFT202012))
     ref = schema["$ref"] if "$ref" in schema else None

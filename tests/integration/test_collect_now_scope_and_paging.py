@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from libs.auth import TenantPrincipal, issue_gateway_jwt
+from libs.auth import TenantPrincipal
 from libs.config import Settings
 from libs.dispatch_settings import set_setting
 from services.collect_now_api.openapi import COLLECT_NOW_PATH, REQUEST_STATUS_PATH
-from tests.support.collect_now import JWT_SECRET, api_client, make_world
+from tests.support.collect_now import api_client, gateway_token, make_world
 
 
 def collect_path(brand_id: int) -> str:
@@ -21,7 +21,7 @@ def status_path(request_id: str) -> str:
 
 
 def bearer(principal: TenantPrincipal) -> dict[str, str]:
-    return {"Authorization": f"Bearer {issue_gateway_jwt(JWT_SECRET, principal)}"}
+    return {"Authorization": f"Bearer {gateway_token(principal)}"}
 
 
 async def test_a_request_is_not_found_from_another_workspace_of_the_same_tenant(settings: Settings, pool) -> None:

@@ -351,7 +351,9 @@ async def test_openapi_document_matches_real_responses(hub: TestServer, http: ai
     def check(path: str, method: str, status: int, body: Any) -> None:
         responses = document["paths"][path][method]["responses"]
         assert str(status) in responses, (path, status)
-        schema = responses[str(status)]["content"]["application/json"]["schema"]
+        # Answers are JSON, errors RFC 9457 problems.
+        media = "application/problem+json" if status >= 400 else "application/json"
+        schema = responses[str(status)]["content"][media]["schema"]
         jsonschema.validate(body, {**schema, "components": components})
 
     async with pool.connection() as conn:

@@ -36,7 +36,7 @@ import msgspec
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from libs.auth import TenantPrincipal, issue_gateway_jwt
+from libs.auth import TenantPrincipal
 from libs.config import Settings
 from libs.db.pool import Conn
 from libs.demo import seed_demo
@@ -44,6 +44,7 @@ from libs.dispatch_settings import set_setting
 from libs.domain.schedule import execution_owner_for
 from libs.ingest.runs import incoming_wins
 from libs.mq.topology import Topology, delete_all
+from tests.support.collect_now import gateway_token
 from tests.support.procs import ServiceProcess, service_env
 from tests.support.projection import as_rows, recomputed_from_facts, stored
 from tests.support.tcpproxy import TcpProxy
@@ -332,7 +333,7 @@ class ChaosStack:
         """A user's click (the gateway's JWT for the tenant's demo user); (status, body), whatever the status."""
         principal = TenantPrincipal(tenant_id=tenant["tenant_id"], workspace_id=tenant["workspace_id"],
                                     user_id=tenant["user_id"])
-        token = issue_gateway_jwt(self.settings.gateway_jwt_secret, principal)
+        token = gateway_token(principal, self.settings.gateway_jwt_secret)
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http, http.post(
                     f"{self.api_url}/api/tenant/monitoring/brands/{brand_id}/collect-now", json=body,

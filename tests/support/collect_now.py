@@ -21,10 +21,20 @@ from libs.domain.shard import ingest_shard_key
 
 # >= 32 bytes: PyJWT warns about shorter HMAC keys, and the test suite turns warnings into errors.
 JWT_SECRET = "collect-now-tests-gateway-secret-0123456789"
+# What the test gateway's tokens name and the services under test require (outside DEV_MODE both are required).
+GATEWAY_AUDIENCE = "collect-now-api"
+GATEWAY_ISSUER = "tenant-api-gateway-tests"
 
 
 def with_jwt_secret(settings: Settings) -> Settings:
-    return replace(settings, gateway_jwt_secret=JWT_SECRET)
+    return replace(settings, gateway_jwt_secret=JWT_SECRET,
+                   gateway_jwt_audience=settings.gateway_jwt_audience or GATEWAY_AUDIENCE,
+                   gateway_jwt_issuer=settings.gateway_jwt_issuer or GATEWAY_ISSUER)
+
+
+def gateway_token(principal: TenantPrincipal, key: str = JWT_SECRET, **claims: Any) -> str:
+    """A token as the test gateway issues it: the audience and issuer the services under test expect."""
+    return issue_gateway_jwt(key, principal, **{"audience": GATEWAY_AUDIENCE, "issuer": GATEWAY_ISSUER, **claims})
 
 
 @dataclass
@@ -59,7 +69,7 @@ class World:
         return TenantPrincipal(tenant["tenant_id"], tenant["workspace_id"], user_id or tenant["user_id"])
 
     def auth(self, tenant_index: int = 0, user_id: int | None = None) -> dict[str, str]:
-        token = issue_gateway_jwt(JWT_SECRET, self.principal(tenant_index, user_id))
+        token = gateway_token(self.principal(tenant_index, user_id))
         return {"Authorization": f"Bearer {token}"}
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO
 
 from libs.config import Settings
+from tests.support.collect_now import GATEWAY_AUDIENCE, GATEWAY_ISSUER
 
 BIN = Path(sys.executable).parent
 
@@ -47,6 +48,9 @@ def service_env(settings: Settings, **extra: str | int) -> dict[str, str]:
         "MQ_PREFIX": settings.mq_prefix,
         "INGEST_SHARDS": str(settings.ingest_shards),
         "GATEWAY_JWT_SECRET": settings.gateway_jwt_secret,
+        # Required outside DEV_MODE; the test gateway's tokens (tests/support/collect_now.py) name these.
+        "GATEWAY_JWT_AUDIENCE": settings.gateway_jwt_audience or GATEWAY_AUDIENCE,
+        "GATEWAY_JWT_ISSUER": settings.gateway_jwt_issuer or GATEWAY_ISSUER,
         "LOG_LEVEL": "INFO",
         "SHUTDOWN_GRACE_SECONDS": "5",
         "DB_POOL_MAX": "4",

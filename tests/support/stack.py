@@ -12,9 +12,10 @@ from typing import Any
 import aio_pika
 import aiohttp
 
-from libs.auth import TenantPrincipal, issue_gateway_jwt
+from libs.auth import TenantPrincipal
 from libs.config import Settings
 from libs.mq.topology import Topology, delete_all
+from tests.support.collect_now import gateway_token
 from tests.support.procs import ServiceProcess, service_env
 
 # Everything a click needs to reach a desktop and its result to reach the raw facts.
@@ -39,7 +40,7 @@ class Stack:
         """A gateway JWT for a principal, or for a `seed_demo` tenant (its tenant, workspace and user ids)."""
         principal = who if isinstance(who, TenantPrincipal) else TenantPrincipal(
             tenant_id=who["tenant_id"], workspace_id=who["workspace_id"], user_id=who["user_id"])
-        return issue_gateway_jwt(self.settings.gateway_jwt_secret, principal)
+        return gateway_token(principal, self.settings.gateway_jwt_secret)
 
     async def collect_now(self, who: TenantPrincipal | Mapping[str, Any], brand_id: int,
                           body: dict[str, Any] | None = None, *,

@@ -8,6 +8,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator
 
+from libs.contracts.http import TENANT_API_VERSION
 from services.collect_now_api.openapi import COLLECT_NOW_PATH, REQUEST_STATUS_PATH, openapi_document
 from services.dispatch_hub.openapi import openapi_document as hub_document
 
@@ -26,7 +27,9 @@ def _refs(value: Any) -> list[str]:
 def test_document_is_openapi_3_1_shaped() -> None:
     doc = openapi_document()
     assert doc["openapi"].startswith("3.1.")
-    assert doc["info"]["title"] and doc["info"]["version"]
+    assert doc["info"]["title"] and doc["info"]["version"] == TENANT_API_VERSION != "1.0.0"
+    header = next(p for p in doc["paths"][COLLECT_NOW_PATH]["post"]["parameters"] if p["in"] == "header")
+    assert header["name"] == "Idempotency-Key" and header["required"] is False
     assert set(doc["paths"]) >= {COLLECT_NOW_PATH, REQUEST_STATUS_PATH}
     operation_ids = []
     for path, item in doc["paths"].items():
@@ -52,12 +55,20 @@ def test_every_reference_resolves_and_every_schema_is_valid() -> None:
     schemas = doc["components"]["schemas"]
     assert {"CollectNowRequest", "CollectNowResponse", "CollectRequestStatus", "ErrorBody"} <= set(schemas)
     for ref in _refs(doc):
-        assert ref.startswith("#/components/schemas/") and ref.rsplit("/", 1)[1] in schemas, ref
+        kind, name = ref.removeprefix("#/components/").split("/")
+        assert name in doc["components"][kind], ref
     for schema in schemas.values():
         Draft202012Validator.check_schema(schema)
-    for status in ("400", "401", "404", "413", "429"):
+    for status in ("400", "401", "404", "409", "413", "422", "429"):
         response = doc["paths"][COLLECT_NOW_PATH]["post"]["responses"][status]
-        assert response["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
+        problem = {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
+        assert response["content"] == {"application/problem+json": problem}
+    # Every answer of every operation declares its request id.
+    for item in doc["paths"].values():
+        for operation in item.values():
+            for response in operation["responses"].values():
+                assert response["headers"]["X-Request-Id"] == {"$ref": "#/components/headers/RequestId"}
+    assert {"type", "title", "status", "detail"} <= set(schemas["ErrorBody"]["required"])
 
 
 def _date_time_fields(schema: dict[str, Any]) -> set[str]:
@@ -91,7 +102,8 @@ def test_the_hub_document_is_as_well_formed() -> None:
     doc = hub_document()
     schemas = doc["components"]["schemas"]
     for ref in _refs(doc):
-        assert ref.rsplit("/", 1)[1] in schemas, ref
+        kind, name = ref.removeprefix("#/components/").split("/")
+        assert name in doc["components"][kind], ref
     for schema in schemas.values():
         Draft202012Validator.check_schema(schema)
     ids = [op["operationId"] for item in doc["paths"].values() for op in item.values()]

@@ -88,4 +88,4 @@ async def test_a_json_405_keeps_the_allow_header() -> None:
     resp = await json_errors(make_mocked_request("DELETE", "/readyz"), handler)
     assert isinstance(resp, web.Response) and resp.status == 405 and isinstance(resp.body, bytes)
     assert set(resp.headers["Allow"].split(",")) == {"GET", "HEAD"}
-    assert resp.content_type == "application/json" and json.loads(resp.body)["error"] == "method_not_allowed"
+    assert resp.content_type == "application/problem+json" and json.loads(resp.body)["error"] == "method_not_allowed"

@@ -23,6 +23,10 @@ async def run(args: argparse.Namespace, ctx: Context) -> int:
     key, algorithm = ctx.settings.jwt_key()
     if algorithm != "HS256":
         return fail("only HS256 tokens can be issued here (RS256 needs the gateway's private key)")
-    token = issue_gateway_jwt(key, TenantPrincipal(args.tenant, args.workspace, args.user), ttl_s=args.ttl)
+    settings = ctx.settings
+    # The audience and issuer the service checks (required outside DEV_MODE), so the token is one it accepts.
+    token = issue_gateway_jwt(key, TenantPrincipal(args.tenant, args.workspace, args.user), ttl_s=args.ttl,
+                              audience=settings.gateway_jwt_audience or None,
+                              issuer=settings.gateway_jwt_issuer or None)
     ctx.emit({"token": token}, token)
     return 0

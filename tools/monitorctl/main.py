@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "cmd_trace",
     "cmd_roles",
     "cmd_ingest",
+    "cmd_contracts",
 )
 
 
