@@ -52,7 +52,10 @@ title?: (string | null)
 position?: (number | null)
 }
 /**
- * A desktop HTTP body (the dispatch-hub OpenAPI document is authoritative).
+ * Every error answer of every HTTP API: an RFC 9457 problem (`application/problem+json`). `type`, `title`,
+ * `status`, `detail` and `instance` are the RFC's members; `error` (the stable code clients branch on),
+ * `message` (= `detail`), `field` and the rest are extension members, kept from before the RFC form so a
+ * client that reads `error` keeps working. `request_id` is also the answer's `X-Request-Id` header.
  */
 export interface ErrorBody {
 error: string
@@ -62,6 +65,13 @@ current_generation?: (number | null)
 retry_after_s?: (number | null)
 scope_task_count?: (number | null)
 max_scope_tasks?: (number | null)
+type: string
+title: string
+status: number
+detail: string
+instance?: (string | null)
+request_id?: (string | null)
+trace_id?: (string | null)
 }
 export interface ErrorEvent {
 type: "error"
