@@ -58,7 +58,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "monitoring_collect_tasks": (S, U),
         "safe_point_histogram": (S, INS, U),
         "safe_point_client_histogram": (S, INS, U),
-        "platform_mode_settings": READ,  # the lease carries the task's mode
+        "platform_mode_settings": READ, "monitoring_plans": READ,  # the lease carries the task's mode (its plan's)
         # Which routing epoch (shard count) a result is published by (libs/ingest/routing.py).
         "ingest_routing_epochs": READ, "ingest_routing_drains": READ,
     },
