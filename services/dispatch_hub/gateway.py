@@ -1,9 +1,9 @@
 """The WebSocket side of the hub: which clients are connected here, the replay on (re)connect, online/offline,
 and forwarding of dispatch events to the right sockets.
 
-The hub's queue is bound to every client's routing keys at start (`declare_hub_queue`), not per connected
-client: a connect or disconnect costs the broker nothing, and the hub drops the events of clients connected
-elsewhere. Online, offline and replay are batched across sockets (`Batcher`): what a reconnect storm costs the
+The hub's queue has one binding, to the events the outbox relay routed to this hub (`libs/mq/hub_routing.py`:
+by the presence its online statement writes), not one per connected client: a connect or disconnect costs the
+broker nothing, and the hub receives only the events of the clients it holds. Online, offline and replay are batched across sockets (`Batcher`): what a reconnect storm costs the
 database grows with its batches, not with its sockets."""
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ class Gateway:
         self._queue: AbstractQueue | None = None
         self.heartbeats = HeartbeatWriter(pool, hub=hub_id, interval_s=heartbeat_flush_s,
                                           is_connected=lambda c: c in self._sockets, write_health=write_health,
-                                          refresh_s=heartbeat_interval_s)
+                                          refresh_s=heartbeat_interval_s, on_revived=self._replay_revived)
         self.max_sockets_per_client = max_sockets_per_client
         self.revocation_check_s = revocation_check_s
         self._on_revoked = on_revoked
+        self.received = 0  # dispatch events this hub's queue took (targeted delivery: only its clients')
         self.forwarded = 0
         self.for_other_hubs = 0
         self.revoked = 0
@@ -133,13 +134,16 @@ class Gateway:
                 await self._channel.close()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        self.received += 1
+        metrics.hub_dispatch_events_received_total.inc()
         client_id = client_id_from_routing_key(message.routing_key or "")
         if client_id is None:
             log.warning("dispatch event with an unexpected routing key", extra={"routing_key": message.routing_key})
             return
         conns = tuple(self._sockets.get(client_id, ()))
-        if not conns:  # a client of another hub (or of none)
+        if not conns:  # a client that left this hub after the event was routed here (its replay covers it)
             self.for_other_hubs += 1
+            metrics.hub_dispatch_events_not_here_total.inc()
             return
         arrived = time.monotonic()
         if tracing.enabled():
@@ -175,6 +179,13 @@ class Gateway:
         log.warning("broker connection restored; replaying to connected clients")
         for client_id, conns in list(self._sockets.items()):
             for conn in tuple(conns):
+                self._spawn(self._replay_into(conn), name=f"replay-{client_id}")
+
+    def _replay_revived(self, client_ids: list[uuid.UUID]) -> None:
+        """Clients a heartbeat marked online again (with their presence here): what was routed to the hub that
+        marked them offline comes from a replay."""
+        for client_id in client_ids:
+            for conn in tuple(self._sockets.get(client_id, ())):
                 self._spawn(self._replay_into(conn), name=f"replay-{client_id}")
 
     async def _replay_into(self, conn: Connection) -> None:

@@ -148,11 +148,15 @@ RETURNING c.id, c.tenant_id
 """
 
 # One statement per flush for every client that showed a sign of life (ids sorted: no deadlocks); a disabled
-# client's heartbeats are ignored. Only the clients that were offline come back (they get `client.online`).
+# client's heartbeats are ignored. Only the clients that were offline come back (they get `client.online`, and
+# the hub replays to them). A beat does not take the presence (where dispatch events are routed) of a client that
+# is online on another hub: only an attach or a revival moves it (a flush that lost a race with the client's
+# attach elsewhere would otherwise route its events to a hub it left).
 HEARTBEAT_BATCH = """
 WITH beat AS (
     UPDATE desktop_clients c
-    SET last_heartbeat_at = now(), online = true, connected_hub = %(hub)s, offline_since = NULL
+    SET last_heartbeat_at = now(), online = true, offline_since = NULL,
+        connected_hub = CASE WHEN p.was_online THEN coalesce(c.connected_hub, %(hub)s) ELSE %(hub)s END
     FROM (SELECT id, online AS was_online FROM desktop_clients
           WHERE id = ANY(%(ids)s) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
     WHERE c.id = p.id

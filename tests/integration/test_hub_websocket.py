@@ -23,6 +23,7 @@ from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.mq.topology import Topology
 from tests.support.desktop import dispatch_execution, request_interrupt, running_hub
+from tests.support.hub_routing import routed
 from tests.support.wait import eventually
 
 
@@ -55,11 +56,12 @@ async def receive(ws: aiohttp.ClientWebSocketResponse, timeout: float = 5.0) -> 
     return event
 
 
-async def publish(amqp: AbstractRobustConnection, topology: Topology, routing_key: str,
-                  message: msgspec.Struct) -> None:
+async def publish(amqp: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
+                  routing_key: str, message: msgspec.Struct) -> None:
+    """As the outbox relay publishes it: towards the hub that holds the client (none: no hub gets it)."""
     channel = await amqp.channel()
     exchange = await channel.declare_exchange(topology.dispatch_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
-    await exchange.publish(aio_pika.Message(msgspec.json.encode(message)), routing_key=routing_key)
+    await exchange.publish(aio_pika.Message(msgspec.json.encode(message)), routing_key=await routed(pool, routing_key))
     await channel.close()
 
 
@@ -106,9 +108,9 @@ async def test_hello_then_replay_in_lane_order_then_live_events(
 
     # Live: an event for this client arrives unchanged; one for another client does not.
     other = seed["tenants"][1]["clients"][0]["client_id"]
-    await publish(amqp, topology, f"monitor.high.{other}", available(other))
+    await publish(amqp, topology, pool, f"monitor.high.{other}", available(other))
     event = available(client)
-    await publish(amqp, topology, f"monitor.high.{client}", event)
+    await publish(amqp, topology, pool, f"monitor.high.{client}", event)
     live = await receive(ws)
     assert live == msgspec.json.decode(msgspec.json.encode(event))
     await ws.close()
@@ -132,7 +134,7 @@ async def test_reconnect_replays_what_was_published_while_away(
     async with pool.connection() as conn:
         missed = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client, lane="high",
                                           generation=2)
-    await publish(amqp, topology, f"monitor.high.{client}", available(client))
+    await publish(amqp, topology, pool, f"monitor.high.{client}", available(client))
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT routing_key FROM outbox WHERE routing_key LIKE 'client.%%' ORDER BY id")
         assert [r["routing_key"] for r in await cur.fetchall()] == ["client.online", "client.offline"]
@@ -157,7 +159,7 @@ async def test_two_sockets_of_one_client_share_a_binding(
     await first.close()
     # The binding stays while one socket is left, and the client stays online.
     event = available(client)
-    await publish(amqp, topology, f"monitor.control.{client}", event)
+    await publish(amqp, topology, pool, f"monitor.control.{client}", event)
     assert (await receive(second))["task_id"] == str(event.task_id)
     assert (await client_row(pool, client))["online"] is True
     await second.close()
