@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable
@@ -22,7 +23,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind
-from libs.contracts.wire import Hello, TaskAvailable, dispatch_decoder
+from libs.contracts.wire import HUB_DRAINING_CLOSE, Hello, TaskAvailable, dispatch_decoder, draining_close_reason
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
@@ -403,14 +404,26 @@ class Gateway:
                     with contextlib.suppress(Exception):
                         await conn.ws.ping()
 
-    async def close_all(self) -> None:
-        """SIGTERM: tell every client to go elsewhere (1001 going away); handlers then clean up."""
+    async def close_all(self, *, reconnect_spread_ms: int = 0, deadline_s: float = 10.0) -> int:
+        """SIGTERM: no new sockets; every client is told to reconnect elsewhere after its own delay, drawn from
+        [0, `reconnect_spread_ms`] (`HUB_DRAINING_CLOSE`), so a hub's clients arrive at the others spread out
+        instead of in one storm; handlers then clean up. Close handshakes still open after `deadline_s` are
+        abandoned (the connections are dropped as the process exits). Returns the sockets told."""
         self.closing = True
         conns = self.all_connections()
+        rng = random.Random()
+        closes = []
         for conn in conns:
-            conn.closed_with = GOING_AWAY
-        await asyncio.gather(*(c.ws.close(code=GOING_AWAY, message=b"server shutting down") for c in conns),
-                             return_exceptions=True)
+            conn.closed_with = HUB_DRAINING_CLOSE
+            reason = draining_close_reason(rng.randint(0, max(0, reconnect_spread_ms))).encode()
+            closes.append(asyncio.ensure_future(conn.ws.close(code=HUB_DRAINING_CLOSE, message=reason)))
+        if closes:
+            _, pending = await asyncio.wait(closes, timeout=deadline_s)
+            for close in pending:
+                close.cancel()
+            log.info("draining: every client told to reconnect elsewhere", extra={
+                "sockets": len(conns), "unfinished_closes": len(pending), "spread_ms": reconnect_spread_ms})
+        return len(conns)
 
 
 async def _finished(submitted: Coroutine[Any, Any, V]) -> V:

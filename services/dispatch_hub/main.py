@@ -104,7 +104,9 @@ async def _drain_gateway(app: web.Application, pool: AsyncConnectionPool[Conn], 
 
 
 async def _close_sockets(app: web.Application) -> None:
-    await app[GATEWAY].close_all()
+    settings = app[SETTINGS]
+    await app[GATEWAY].close_all(reconnect_spread_ms=settings.hub_drain_reconnect_spread_ms,
+                                 deadline_s=settings.hub_drain_deadline_s)
 
 
 def _run_loops(app: web.Application) -> None:

@@ -1,5 +1,5 @@
 """dispatch-hub WebSocket on real Postgres and RabbitMQ: hello + replay, per-client forwarding,
-bindings per connected client, heartbeats, malformed messages, online/offline, going-away on shutdown."""
+bindings per connected client, heartbeats, malformed messages, online/offline, the drain on shutdown."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestServer
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
-from libs.contracts.wire import TaskAvailable, TaskControl
+from libs.contracts.wire import HUB_DRAINING_CLOSE, TaskAvailable, TaskControl, reconnect_delay_ms
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.mq.topology import Topology
@@ -214,17 +214,19 @@ async def test_unauthenticated_socket_is_refused(hub: TestServer, http: aiohttp.
     assert info.value.status == 401
 
 
-async def test_shutdown_closes_sockets_going_away_and_marks_offline(
+async def test_shutdown_drains_sockets_with_a_reconnect_delay_and_marks_offline(
         settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
         pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
     tenant = seed["tenants"][0]
     client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
-    async with running_hub(settings) as hub:
+    async with running_hub(settings, hub_drain_reconnect_spread_ms=3000) as hub:
         ws = await connect(http, hub, token)
         assert (await receive(ws))["type"] == "hello"
         closing = asyncio.create_task(ws.receive(timeout=10))
     msg = await closing
-    assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1001
+    assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == HUB_DRAINING_CLOSE
+    delay = reconnect_delay_ms(msg.extra)
+    assert delay is not None and 0 <= delay <= 3000, msg.extra
     assert (await client_row(pool, client))["online"] is False
 
 

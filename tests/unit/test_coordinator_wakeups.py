@@ -29,9 +29,10 @@ class _Message:
         self.body = msgspec.json.encode(LifecycleEvent(event=event, tenant_id=tenant_id,  # type: ignore[arg-type]
                                                        occurred_at=datetime.now(UTC)))
         self.acked = False
+        self.multiple = False
 
-    async def ack(self) -> None:
-        self.acked = True
+    async def ack(self, multiple: bool = False) -> None:
+        self.acked, self.multiple = True, multiple
 
 
 class _FakeDispatcher:
@@ -237,3 +238,14 @@ async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_pending() 
         loop.clock.advance(0.01)
         await fake.read_pairs({(2, 7)})  # the next read (which would list that high work)
         assert not await woken(1)
+
+
+async def test_a_storm_of_client_online_events_is_one_wake_up_and_one_ack() -> None:
+    async with _running() as loop:
+        passes = loop.dispatcher.full_passes
+        storm = [_Message("client.online", tenant_id=n % 7 + 1) for n in range(1000)]
+        await loop.coordinator.handle_lifecycle_batch("dlq", storm)  # type: ignore[arg-type]
+        await loop.idle()
+        assert loop.dispatcher.full_passes == passes + 1
+        acked = [m for m in storm if m.acked]
+        assert acked == [storm[-1]] and storm[-1].multiple, "one ack settles the batch"
