@@ -55,6 +55,25 @@ MAINTENANCE_INTERVAL_S = 2.0
 SCAN_INTERVAL_S = 1.0
 
 
+class _Deliveries:
+    """A consumer's deliveries, handed over in batches of whatever arrived since the last one."""
+
+    def __init__(self) -> None:
+        self._buffered: list[AbstractIncomingMessage] = []
+        self._arrived = asyncio.Event()
+
+    async def take(self, message: AbstractIncomingMessage) -> None:
+        self._buffered.append(message)
+        self._arrived.set()
+
+    async def next_batch(self, *, timeout: float) -> list[AbstractIncomingMessage]:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._arrived.wait(), timeout)
+        self._arrived.clear()
+        batch, self._buffered = self._buffered, []
+        return batch
+
+
 async def check_execution_paths(conn: Conn) -> dict[str, Any]:
     """Work in flight per execution path, and the tasks with live work on the path they are not owned by."""
     cur = await conn.execute(legacy.IN_FLIGHT_BY_PATH)
@@ -360,22 +379,13 @@ class Coordinator:
                 queue = await declare_lifecycle(channel, topology, "coordinator", routing_keys=LIFECYCLE_KEYS)
                 for key in RETIRED_LIFECYCLE_KEYS:
                     await queue.unbind(topology.lifecycle_exchange, routing_key=key)
-                buffered: list[AbstractIncomingMessage] = []
-                arrived = asyncio.Event()
-
-                async def take(message: AbstractIncomingMessage) -> None:
-                    buffered.append(message)
-                    arrived.set()
-
-                tag = await queue.consume(take)
+                buffer = _Deliveries()
+                tag = await queue.consume(buffer.take)
                 self.consuming.set()
                 while not channel.is_closed:
                     # Whatever arrived while the previous batch was handled is the next batch (a storm's
                     # thousands of `client.online` become a handful of wake-ups and acks).
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(arrived.wait(), 5.0)
-                    arrived.clear()
-                    batch, buffered[:] = list(buffered), []
+                    batch = await buffer.next_batch(timeout=5.0)
                     if batch:
                         await self.handle_lifecycle_batch(dlq, batch)
                 with contextlib.suppress(Exception):

@@ -3,7 +3,8 @@ and forwarding of dispatch events to the right sockets.
 
 The hub's queue has one binding, to the events the outbox relay routed to this hub (`libs/mq/hub_routing.py`:
 by the presence its online statement writes), not one per connected client: a connect or disconnect costs the
-broker nothing, and the hub receives only the events of the clients it holds. Online, offline and replay are batched across sockets (`Batcher`): what a reconnect storm costs the
+broker nothing, and the hub receives only the events of the clients it holds. Online, offline and replay are
+batched across sockets (`Batcher`): what a reconnect storm costs the
 database grows with its batches, not with its sockets."""
 
 from __future__ import annotations

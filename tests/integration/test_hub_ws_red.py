@@ -76,7 +76,8 @@ async def _publish(amqp: AbstractRobustConnection, topology: Topology, pool: Asy
     exchange = await channel.declare_exchange(topology.dispatch_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
     event = TaskAvailable(kind="monitor", task_id=uuid.uuid4(), target_client_id=uuid.UUID(client), priority=5000,
                           lane="high", interrupt_generation=1, updated_at=datetime.now(UTC))
-    await exchange.publish(aio_pika.Message(msgspec.json.encode(event)), routing_key=await routed(pool, f"monitor.high.{client}"))
+    await exchange.publish(aio_pika.Message(msgspec.json.encode(event)),
+                           routing_key=await routed(pool, f"monitor.high.{client}"))
     await channel.close()
 
 
