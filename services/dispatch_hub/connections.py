@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import deque
 
 from aiohttp import web
@@ -45,6 +46,7 @@ class Connection:
                  max_outbound: int = MAX_OUTBOUND) -> None:
         self.ws = ws
         self.principal = principal
+        self.socket_id = uuid.uuid4()  # its row in hub_sockets (the fleet-wide socket cap)
         self.live = False
         self.last_seen = time.monotonic()
         self.opened_at = self.last_seen

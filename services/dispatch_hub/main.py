@@ -62,6 +62,7 @@ async def _start(life: Lifetime) -> None:
     publisher = await life.start(AmqpResultPublisher(amqp, topology, timeout=settings.hub_result_confirm_timeout_s))
     health = writer_health(settings, "hub")
     gateway = _gateway(app, settings, pool, amqp, topology, health)
+    gateway.on_live_hubs = app[UPGRADE_LIMITS].share_among
     await gateway.start()
     _install(app, settings, pool, gateway, publisher, health)
     life.on_stop(lambda: _drain_gateway(app, pool, gateway))

@@ -27,3 +27,10 @@ async def routed(pool: AsyncConnectionPool[Conn], routing_key: str) -> str:
         event = _Event(routing_key, int(row["tenant_id"]))
         hubs = await hub_routing.read_client_hubs(conn, hub_routing.clients_to_resolve([event], DISPATCH))
     return hub_routing.routed_key(event, DISPATCH, hubs)
+
+
+def logical_key(routing_key: str) -> str:
+    """A dispatch event's key as its writer wrote it (`hub.<hub>.monitor.high.<client>` -> `monitor.high.<client>`)."""
+    if routing_key.startswith(f"{hub_routing.HUB_KEY_PREFIX}."):
+        return routing_key.split(".", 2)[2]
+    return routing_key
