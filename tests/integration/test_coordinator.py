@@ -153,7 +153,8 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
         await eventually(lambda: _ge(len(cap.messages), 3), timeout=10, message="task_available published")
         events = [msgspec.json.decode(m.body, type=TaskAvailable) for m in cap.messages]
         assert {e.task_id for e in events} == {r["id"] for r in rows}
-        assert {logical_key(m.routing_key) for m in cap.messages} == {f"monitor.normal.{r['target_client_id']}" for r in rows}
+        assert {logical_key(m.routing_key) for m in cap.messages} == {
+            f"monitor.normal.{r['target_client_id']}" for r in rows}
 
         # A completion (lifecycle event) frees the platform: the next task goes at once, not on the 60 s tick.
         done = rows[0]
