@@ -64,71 +64,69 @@ async def _live_rows(pool: AsyncConnectionPool[Conn], client: str) -> list[str]:
         return [r["hub_id"] for r in await cur.fetchall()]
 
 
-async def test_a_client_cannot_exceed_its_socket_cap_by_spreading_sockets_over_two_hubs(
+async def test_two_hubs_hold_one_socket_cap_and_a_sigtermed_one_drains_within_its_deadline(
         settings: Settings, tmp_path: Path, pool: AsyncConnectionPool[Conn], seed: dict[str, Any],
         http: aiohttp.ClientSession) -> None:
-    client = seed["tenants"][0]["clients"][0]
-    env = {"HUB_MAX_SOCKETS_PER_CLIENT": 2, "HUB_REVOCATION_CHECK_S": 0.3, "HUB_UPGRADE_BURST_PER_CLIENT": 20}
+    """One pair of hub processes for both (a hub process takes seconds to start on a loaded box)."""
+    clients = seed["tenants"][0]["clients"]
+    spread_ms, deadline_s = 2000, 3.0
+    env = {"HUB_MAX_SOCKETS_PER_CLIENT": 2, "HUB_REVOCATION_CHECK_S": 0.3, "HUB_UPGRADE_BURST_PER_CLIENT": 20,
+           "HUB_DRAIN_RECONNECT_SPREAD_MS": spread_ms, "HUB_DRAIN_DEADLINE_S": deadline_s}
     hub_a, hub_b = _hub(settings, tmp_path, **env), _hub(settings, tmp_path, **env)
     await asyncio.gather(asyncio.to_thread(hub_a.start), asyncio.to_thread(hub_b.start))
     try:
-        # Alternating hubs, so neither hub alone ever holds more than the cap: only the fleet-wide count can close.
-        order = [hub_a, hub_b, hub_a, hub_b]
-        sockets = []
-        for hub in order:
-            sockets.append(await _socket(http, hub, client["token"]))
-        first, second, third, fourth = sockets
-        # The two oldest (one on each hub) were replaced by the newer two: each closed by the hub holding it.
-        assert await asyncio.wait_for(_closed_with(first), 15) == (REPLACED, "replaced by a newer connection of "
-                                                                   "this client")
-        assert (await asyncio.wait_for(_closed_with(second), 15))[0] == REPLACED
-        assert not third.closed and not fourth.closed
-
-        async def two_live() -> list[str] | None:
-            rows = await _live_rows(pool, client["client_id"])
-            return rows if len(rows) == 2 else None
-
-        assert len(set(await eventually(two_live, message="two live sockets in the fleet"))) == 2  # one per hub
-        for ws in (third, fourth):
-            await ws.close()
-
-        async def none_left() -> bool:
-            async with pool.connection() as conn:
-                cur = await conn.execute("SELECT count(*) AS n FROM hub_sockets WHERE client_id = %s",
-                                         (client["client_id"],))
-                row = await cur.fetchone()
-                return row is not None and row["n"] == 0
-
-        await eventually(none_left, message="closed sockets' rows deleted")
+        await _cap_holds_across_hubs(http, pool, hub_a, hub_b, clients[0])
+        await _drains(http, hub_a, clients, spread_ms=spread_ms, deadline_s=deadline_s)
     finally:
         await asyncio.gather(asyncio.to_thread(hub_a.stop), asyncio.to_thread(hub_b.stop))
+        hub_a.kill()  # closes its log (stop leaves that to a process it stopped itself)
 
 
-async def test_a_sigtermed_hub_drains_with_jittered_reconnect_delays_and_exits_within_its_deadline(
-        settings: Settings, tmp_path: Path, seed: dict[str, Any], http: aiohttp.ClientSession) -> None:
-    spread_ms, deadline_s = 2000, 3.0
-    hub = _hub(settings, tmp_path, HUB_DRAIN_RECONNECT_SPREAD_MS=spread_ms, HUB_DRAIN_DEADLINE_S=deadline_s,
-               SHUTDOWN_GRACE_SECONDS=5)
-    await asyncio.to_thread(hub.start)
-    try:
-        clients = seed["tenants"][0]["clients"]
-        sockets = [await _socket(http, hub, c["token"]) for c in clients]
-        closes = [asyncio.create_task(_closed_with(ws)) for ws in sockets]
-        assert hub.proc is not None
-        started = time.monotonic()
-        hub.proc.terminate()
-        told = await asyncio.wait_for(asyncio.gather(*closes), 15)
-        assert {code for code, _ in told} == {HUB_DRAINING_CLOSE}, told
-        delays = [reconnect_delay_ms(reason) for _, reason in told]
-        assert all(d is not None and 0 <= d <= spread_ms for d in delays), told
-        # No new socket while draining (refused at the upgrade, or the listener is already gone).
-        with pytest.raises((aiohttp.WSServerHandshakeError, aiohttp.ClientConnectionError)):
-            await http.ws_connect(f"{hub.url}/api/desktop/ws",
-                                  headers={"Authorization": f"Bearer {clients[0]['token']}"})
-        code = await asyncio.to_thread(hub.proc.wait, 30)
-        exited_after = time.monotonic() - started
-        assert code == 0, hub.logs()[-3000:]
-        assert exited_after < deadline_s + 5 + 2, f"exited {exited_after:.1f} s after SIGTERM"
-    finally:
-        await asyncio.to_thread(hub.stop)
-        hub.kill()  # closes its log (stop leaves it to a process it stopped itself)
+async def _cap_holds_across_hubs(http: aiohttp.ClientSession, pool: AsyncConnectionPool[Conn],
+                                 hub_a: ServiceProcess, hub_b: ServiceProcess, client: dict[str, Any]) -> None:
+    # Alternating hubs, so neither hub alone ever holds more than the cap: only the fleet-wide count can close.
+    sockets = [await _socket(http, hub, client["token"]) for hub in (hub_a, hub_b, hub_a, hub_b)]
+    first, second, third, fourth = sockets
+    # The two oldest (one on each hub) were replaced by the newer two: each closed by the hub holding it.
+    assert await asyncio.wait_for(_closed_with(first), 15) == (REPLACED, "replaced by a newer connection of "
+                                                               "this client")
+    assert (await asyncio.wait_for(_closed_with(second), 15))[0] == REPLACED
+    assert not third.closed and not fourth.closed
+
+    async def two_live() -> list[str] | None:
+        rows = await _live_rows(pool, client["client_id"])
+        return rows if len(rows) == 2 else None
+
+    assert len(set(await eventually(two_live, message="two live sockets in the fleet"))) == 2  # one per hub
+    for ws in (third, fourth):
+        await ws.close()
+
+    async def none_left() -> bool:
+        async with pool.connection() as conn:
+            cur = await conn.execute("SELECT count(*) AS n FROM hub_sockets WHERE client_id = %s",
+                                     (client["client_id"],))
+            row = await cur.fetchone()
+            return row is not None and row["n"] == 0
+
+    await eventually(none_left, message="closed sockets' rows deleted")
+
+
+async def _drains(http: aiohttp.ClientSession, hub: ServiceProcess, clients: list[dict[str, Any]], *,
+                  spread_ms: int, deadline_s: float) -> None:
+    sockets = [await _socket(http, hub, c["token"]) for c in clients]
+    closes = [asyncio.create_task(_closed_with(ws)) for ws in sockets]
+    assert hub.proc is not None
+    started = time.monotonic()
+    hub.proc.terminate()
+    told = await asyncio.wait_for(asyncio.gather(*closes), 15)
+    assert {code for code, _ in told} == {HUB_DRAINING_CLOSE}, told
+    delays = [reconnect_delay_ms(reason) for _, reason in told]
+    assert all(d is not None and 0 <= d <= spread_ms for d in delays), told
+    # No new socket while draining (refused at the upgrade, or the listener is already gone).
+    with pytest.raises((aiohttp.WSServerHandshakeError, aiohttp.ClientConnectionError)):
+        await http.ws_connect(f"{hub.url}/api/desktop/ws", headers={"Authorization": f"Bearer {clients[0]['token']}"})
+    code = await asyncio.to_thread(hub.proc.wait, 30)
+    exited_after = time.monotonic() - started
+    assert code == 0, hub.logs()[-3000:]
+    # The drain's deadline plus the service's shutdown grace (tests/support/procs.py: 5 s) at most.
+    assert exited_after < deadline_s + 5, f"exited {exited_after:.1f} s after SIGTERM"
