@@ -50,6 +50,9 @@ log = logging.getLogger("dispatch.coordinator")
 # Lifecycle events after which a dispatch pass may find room (cross-service contract 3).
 WAKE_EVENTS = frozenset({"task.completed", "task.failed", "task.aborted", "task.released", "client.online",
                          "collect_now.accepted"})
+# Wake-ups that only their own tenant's pending work can use: a freed slot (a completion), a client that came
+# online (a reconnect storm of a fleet with nothing pending wakes no pass at all).
+TENANT_SCOPED_WAKES = frozenset({"task.completed", "client.online"})
 SETTINGS_MAX_AGE_S = 1.0
 MAINTENANCE_INTERVAL_S = 2.0
 SCAN_INTERVAL_S = 1.0
@@ -427,7 +430,7 @@ class Coordinator:
                 # high pass (a second pass would only compete with the first). This is the fallback for a
                 # NOTIFY lost with the LISTEN connection.
                 wake_high = wake_high or not self.listening.is_set()
-            elif event.event in WAKE_EVENTS and not (event.event == "task.completed"
+            elif event.event in WAKE_EVENTS and not (event.event in TENANT_SCOPED_WAKES
                                                      and self._nothing_ready_for(event.tenant_id)):
                 wake = True
         if wake_high:
@@ -439,11 +442,11 @@ class Coordinator:
             await last_good.ack(multiple=len(messages) > 1)
 
     def _nothing_ready_for(self, tenant_id: int) -> bool:
-        """A completion frees capacity (a client slot, a platform account slot) that only its own tenant's work can
-        use. The dispatcher's pending pairs list every (tenant, platform) with a pending task, of any lane: read
-        before a full pass when a second old, and added to at once by the scanner. When they have none for the
-        tenant, the completion wakes no pass. They are not trusted before their first read, nor when a
-        collect-now came after it (its promoted tasks may be waiting for exactly this slot); other pending work
-        comes back with its own wake-up (a yield, a release, a retry)."""
+        """A completion frees capacity (a client slot, a platform account slot), and a client coming online brings
+        capacity, that only its own tenant's work can use. The dispatcher's pending pairs list every (tenant,
+        platform) with a pending task, of any lane: read before a full pass when a second old, and added to at once
+        by the scanner. When they have none for the tenant, the event wakes no pass. They are not trusted before
+        their first read, nor when a collect-now came after it (its promoted tasks may be waiting for exactly this
+        slot); other pending work comes back with its own wake-up (a yield, a release, a retry)."""
         d = self.dispatcher
         return d.pairs_read_at > self._high_woken_at and not d.has_pending(tenant_id)
