@@ -263,6 +263,19 @@ def _others_cpu_s(stack: Stack, fleet: list[ClientProcess]) -> dict[str, float]:
     return times
 
 
+async def _leader(stack: Stack) -> tuple[float, float]:
+    """The coordinator's CPU seconds and dispatch passes so far."""
+    proc = stack.procs["dispatch-coordinator"].proc
+    assert proc is not None
+    return _pid_cpu_s(proc.pid), await stack.metric("dispatch-coordinator", "dispatch_pass_duration_ms_count")
+
+
+def _leader_note(before: tuple[float, float], after: tuple[float, float], seconds: float) -> str:
+    cpu, passes = after[0] - before[0], after[1] - before[1]
+    share = cpu / max(seconds, 1e-9) * 100
+    return f"leader (coordinator) {cpu:.1f} s CPU ({share:.0f}% of a core), {passes:.0f} passes"
+
+
 def _cpu_note(before: dict[str, float], after: dict[str, float]) -> str:
     return ", ".join(f"{name} {after[name] - before.get(name, 0.0):.1f} s" for name in after)
 
@@ -486,7 +499,7 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
     hub.kill()
     await asyncio.to_thread(hub.start, timeout=60)
     up = time.time()
-    cpu0 = _cpu_s(stack)
+    cpu0, leader0 = _cpu_s(stack), await _leader(stack)
     async with Profile(stack, "storm"):
         status, done = await _until_ready(fleet, since=killed, deadline_s=STORM_DEADLINE_S, stack=stack,
                                           label="storm")
@@ -496,7 +509,8 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
           f"{'' if done else f' -- deadline of {STORM_DEADLINE_S:.0f} s reached'}; hub RSS {_rss_mib(stack):.0f} MiB, "
           f"hub CPU {_cpu_s(stack) - cpu0:.1f} s; handshake failures seen by clients: {status['errors']}; "
           f"listen queue overflows {_listen_overflows() - overflows}; {_load()}; CPU meanwhile: "
-          f"{_cpu_note(others, _others_cpu_s(stack, fleet))}", flush=True)
+          f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; "
+          f"{_leader_note(leader0, await _leader(stack), time.time() - up)}", flush=True)
 
 
 async def _write_events(settings: Settings, clients: list[tuple[str, str]], written: list[str],
@@ -535,6 +549,7 @@ async def _rolling_restart(stack: Stack, fleet: list[ClientProcess], world: Worl
     try:
         for n, hub in enumerate(_hubs(stack), start=1):
             others, drained0 = _others_cpu_s(stack, fleet), (await _status(fleet, 0.0))["drained"]
+            leader0 = await _leader(stack)
             terminated = time.time()
             assert hub.proc is not None
             hub.proc.terminate()
@@ -550,7 +565,8 @@ async def _rolling_restart(stack: Stack, fleet: list[ClientProcess], world: Worl
                   f"{status['drained'] - drained0} sockets told to reconnect elsewhere; every client back with "
                   f"its replay {settled:.1f} s after SIGTERM{'' if done else ' -- deadline reached'} (hub up "
                   f"{up - terminated:.1f} s after it); {_load()}; CPU meanwhile: "
-                  f"{_cpu_note(others, _others_cpu_s(stack, fleet))}", flush=True)
+                  f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; "
+                  f"{_leader_note(leader0, await _leader(stack), time.time() - terminated)}", flush=True)
     finally:
         stop.set()
         await writer
@@ -603,6 +619,7 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
     fleet += await asyncio.gather(*(ClientProcess.start(hub_urls, chunk, folder, i, offset=i * CLIENTS_PER_PROCESS)
                                     for i, chunk in enumerate(chunks)))
     rss0, cpu0, overflows, others = _rss_mib(stack), _cpu_s(stack), _listen_overflows(), _others_cpu_s(stack, fleet)
+    leader0 = await _leader(stack)
     async with Profile(stack, "connect"):
         started = time.time()
         await asyncio.gather(*(p.ask(cmd="connect") for p in fleet))
@@ -615,15 +632,17 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
           f"{'' if done else f' -- deadline of {CONNECT_DEADLINE_S:.0f} s reached'}; hub RSS {rss0:.0f} -> "
           f"{rss:.0f} MiB ({per:.1f} KiB per connection), hub CPU {_cpu_s(stack) - cpu0:.1f} s; handshake failures "
           f"seen by clients: {status['errors']}; listen queue overflows {_listen_overflows() - overflows}; {_load()}; "
-          f"CPU meanwhile: {_cpu_note(others, _others_cpu_s(stack, fleet))}", flush=True)
+          f"CPU meanwhile: {_cpu_note(others, _others_cpu_s(stack, fleet))}; "
+          f"{_leader_note(leader0, await _leader(stack), time.time() - started)}", flush=True)
     if not done:
         return
     phases = os.environ.get("HUB_SCALE_PHASES", "fan-out,probe,storm,rolling").split(",")
-    cpu0 = _cpu_s(stack)
+    cpu0, leader0 = _cpu_s(stack), await _leader(stack)
     async with Profile(stack, "steady"):
         await asyncio.sleep(12)  # a heartbeat interval: every client heartbeated once, the hub pinged every socket
     print(f"  steady: hub RSS {_rss_mib(stack):.0f} MiB after a heartbeat interval; hub CPU "
-          f"{(_cpu_s(stack) - cpu0) / 12 * 100:.0f}% of a core; {_load()}", flush=True)
+          f"{(_cpu_s(stack) - cpu0) / 12 * 100:.0f}% of a core; {_leader_note(leader0, await _leader(stack), 12)}; "
+          f"{_load()}", flush=True)
     if "fan-out" in phases:
         async with Profile(stack, "fan-out"):
             await _fan_out(stack, fleet, world.fleet)
