@@ -201,7 +201,7 @@ async def _status(fleet: list[ClientProcess], since: float) -> dict[str, Any]:
 
 
 async def _until_ready(fleet: list[ClientProcess], *, since: float, deadline_s: float,
-                       stack: Stack, label: str) -> tuple[dict[str, Any], bool]:
+                       stack: Stack, label: str, shown_from: float | None = None) -> tuple[dict[str, Any], bool]:
     """Poll the fleet until every client's current socket had its hello and replay after `since`."""
     total = sum(p.size for p in fleet)
     deadline = time.monotonic() + deadline_s
@@ -213,7 +213,8 @@ async def _until_ready(fleet: list[ClientProcess], *, since: float, deadline_s: 
             return status, True
         if time.monotonic() >= next_note:
             next_note += 10
-            print(f"    {label}: {status['ready']}/{total} ready after {time.time() - since:.0f} s; hub RSS "
+            elapsed = time.time() - (shown_from or since)
+            print(f"    {label}: {status['ready']}/{total} ready after {elapsed:.0f} s; hub RSS "
                   f"{_rss_mib(stack):.0f} MiB; handshake failures so far {status['errors']}", flush=True)
         await asyncio.sleep(0.1)  # polling the fleet's processes with a deadline
     return status, False
@@ -569,7 +570,7 @@ async def _rolling_restart(stack: Stack, fleet: list[ClientProcess], world: Worl
             await asyncio.to_thread(hub.start, timeout=60)
             up = time.time()
             status, done = await _until_ready(fleet, since=0.0, deadline_s=ROLL_DEADLINE_S, stack=stack,
-                                              label=f"roll hub {n}")
+                                              label=f"roll hub {n}", shown_from=terminated)
             settled = max(status["last_ready"], up) - terminated
             print(f"  rolling restart, hub {n}: exit {exited - terminated:.1f} s after SIGTERM (code {code}); "
                   f"{status['drained'] - drained0} sockets told to reconnect elsewhere; every client back with "

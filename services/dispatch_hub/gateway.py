@@ -125,6 +125,7 @@ class Gateway:
         self._detaching: Batcher[ClientPrincipal, None] = Batcher(
             self._detach_batch, default=None, name="detach", max_batch=SOCKET_BATCH)
         self.closing = False
+        self.draining = False  # SIGTERM: sockets told to reconnect elsewhere (no offline writes for them)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -369,11 +370,17 @@ class Gateway:
             self._by_socket_id.pop(conn.socket_id, None)
             self._sockets_changed += 1
             metrics.desktop_websocket_connections.dec()
-            self._spawn(self._forget_socket(conn), name=f"socket-closed-{client_id}")
+            if not self.draining:
+                self._spawn(self._forget_socket(conn), name=f"socket-closed-{client_id}")
             if conns:
                 return
             del self._sockets[client_id]
             self.heartbeats.forget(client_id)
+            if self.draining:
+                # Told to reconnect elsewhere within the spread: no offline write, no `client.offline` (nor a
+                # `client.online` when it attaches to the next hub); one that never comes back is marked offline by
+                # the reconciler at its heartbeat timeout, as after a crash. Its socket rows went in one statement.
+                return
             try:
                 await _finished(self._detaching.submit(principal))
             except Exception:
@@ -492,8 +499,13 @@ class Gateway:
         [0, `reconnect_spread_ms`] (`HUB_DRAINING_CLOSE`), so a hub's clients arrive at the others spread out
         instead of in one storm; handlers then clean up. Close handshakes still open after `deadline_s` are
         abandoned (the connections are dropped as the process exits). Returns the sockets told."""
-        self.closing = True
+        self.closing = self.draining = True
         conns = self.all_connections()
+        try:  # this replica's socket rows and its place among the live replicas, in one statement
+            async with self._pool.connection() as db:
+                await db.execute(q.HUB_DRAINING, {"hub": self.hub_id})
+        except Exception:  # left to the other replicas' clean-up of a silent one (DEAD_HUB_S)
+            log.exception("could not remove this hub's socket rows while draining")
         rng = random.Random()
         closes = []
         for conn in conns:

@@ -242,3 +242,9 @@ WITH gone AS (
 )
 DELETE FROM hub_sockets WHERE hub_id IN (SELECT hub_id FROM gone)
 """
+
+# A draining hub: its sockets' rows and its own row, at once (its clients count against their cap elsewhere now).
+HUB_DRAINING = """
+WITH sockets AS (DELETE FROM hub_sockets WHERE hub_id = %(hub)s)
+DELETE FROM hub_instances WHERE hub_id = %(hub)s
+"""

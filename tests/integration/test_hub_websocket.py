@@ -214,7 +214,7 @@ async def test_unauthenticated_socket_is_refused(hub: TestServer, http: aiohttp.
     assert info.value.status == 401
 
 
-async def test_shutdown_drains_sockets_with_a_reconnect_delay_and_marks_offline(
+async def test_shutdown_drains_sockets_with_a_reconnect_delay_and_writes_no_offline(
         settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
         pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
     tenant = seed["tenants"][0]
@@ -227,7 +227,14 @@ async def test_shutdown_drains_sockets_with_a_reconnect_delay_and_marks_offline(
     assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == HUB_DRAINING_CLOSE
     delay = reconnect_delay_ms(msg.extra)
     assert delay is not None and 0 <= delay <= 3000, msg.extra
-    assert (await client_row(pool, client))["online"] is False
+    # Told to reconnect elsewhere at once: no offline write and no client.offline for the leader (a client that
+    # never comes back is marked offline by the reconciler at its heartbeat timeout); its socket rows are gone.
+    assert (await client_row(pool, client))["online"] is True
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) AS n FROM outbox WHERE routing_key = 'client.offline'")
+        assert (await cur.fetchone())["n"] == 0
+        cur = await conn.execute("SELECT count(*) AS n FROM hub_sockets WHERE client_id = %s", (client,))
+        assert (await cur.fetchone())["n"] == 0
 
 
 async def test_one_clients_bad_platform_health_never_fails_another_clients_heartbeat(
