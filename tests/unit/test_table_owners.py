@@ -48,3 +48,22 @@ def test_every_owner_module_writes_its_table() -> None:
     for module, table in expected.items():
         tables = {m.group(1) for m in WRITE.finditer((OWNERS / module).read_text())}
         assert table in tables, module
+
+
+# The hub fleet's own tables (migration 055): written only by the dispatch-hub service.
+HUB_OWNED = ("hub_sockets", "hub_instances")
+HUB_WRITE = re.compile(r"\b(?:INSERT\s+INTO|UPDATE|DELETE\s+FROM)\s+(" + "|".join(HUB_OWNED) + r")\b", re.IGNORECASE)
+HUB_OWNER = ROOT / "services" / "dispatch_hub"
+
+
+def test_only_the_hub_writes_its_fleet_tables() -> None:
+    found = []
+    for top in SHIPPED:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if HUB_OWNER in path.parents:
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if not line.lstrip().startswith("#") and (m := HUB_WRITE.search(line)):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: writes {m.group(1)}")
+    assert found == []
+    assert HUB_WRITE.search("DELETE FROM hub_sockets WHERE") and HUB_WRITE.search("insert into hub_instances (x)")
