@@ -512,8 +512,9 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
     up = time.time()
     cpu0, leader0 = _cpu_s(stack), await _leader(stack)
     async with Profile(stack, "storm"):
-        status, done = await _until_ready(fleet, since=killed, deadline_s=STORM_DEADLINE_S, stack=stack,
-                                          label="storm")
+        # Every client ready again, counting those of the other hubs that never left (since=0: ready at all).
+        status, done = await _until_ready(fleet, since=0.0 if len(_hubs(stack)) > 1 else killed,
+                                          deadline_s=STORM_DEADLINE_S, stack=stack, label="storm", shown_from=killed)
     last = status["last_ready"]
     print(f"  reconnect storm: {status['ready']}/{total} reconnected with their replay; kill -> all ready "
           f"{last - killed:.1f} s (hub back up after {up - killed:.1f} s; up -> all ready {last - up:.1f} s)"
