@@ -148,7 +148,10 @@ class Gateway:
         self._channel = await self._amqp.channel()
         await self._channel.set_qos(prefetch_count=1000)
         self._queue = await declare_hub_queue(self._channel, self._topology, self.hub_id)
-        await self.fleet_sweep()  # registered before its first socket's row
+        try:
+            await self.fleet_sweep()  # registered among the replicas before its first socket's row
+        except Exception:  # the database is away: the sweep loop registers it once it is back
+            log.warning("could not register this hub among the replicas; the sweep will retry", exc_info=True)
         await self._queue.consume(self._on_message, no_ack=True)
         self._amqp.reconnect_callbacks.add(self._on_reconnect)
 
