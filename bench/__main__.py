@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default all): {available()}")
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke check")
     parser.add_argument("--clients", type=int, help="hub_scale: WebSocket clients on the one hub (default 10000)")
+    parser.add_argument("--hubs", type=int, help="hub_scale: hub replicas behind a simulated load balancer (default 1)")
     parser.add_argument("--tracing", action="store_true",
                         help="collect_now: the services trace every request (100%%) into a local trace sink")
     parser.add_argument("--legacy", action="store_true",

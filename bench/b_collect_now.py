@@ -38,6 +38,7 @@ from libs.contracts.wire import TaskAvailable
 from libs.db.pool import Conn, connect
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
+from libs.mq.hub_routing import hub_routing_key
 from libs.mq.topology import Topology
 from tests.support.procs import die_with_parent, free_port
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
@@ -147,6 +148,15 @@ async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, clie
     """The hub's own share: an event published straight to the dispatch exchange -> on the socket (`gap_s` apart:
     a busy hub's share is measured with room between the samples)."""
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    db = await connect(settings.database_url)
+    try:  # the key the outbox relay would publish with: towards the client's hub
+        cur = await db.execute("SELECT connected_hub FROM desktop_clients WHERE id = %s", (client_id,))
+        row = await cur.fetchone()
+    finally:
+        await db.close()
+    key = f"monitor.high.{client_id}"
+    if row is not None and row["connected_hub"]:
+        key = hub_routing_key(row["connected_hub"], key)
     connection = await aio_pika.connect_robust(settings.amqp_url)
     hops: list[float] = []
     try:
@@ -156,8 +166,7 @@ async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, clie
             event = TaskAvailable(kind="monitor", task_id=uuid.uuid4(), target_client_id=uuid.UUID(client_id),
                                   priority=5000, lane="high", updated_at=datetime.now(UTC))
             sent = time.perf_counter()
-            await exchange.publish(aio_pika.Message(msgspec.json.encode(event)),
-                                   routing_key=f"monitor.high.{client_id}")
+            await exchange.publish(aio_pika.Message(msgspec.json.encode(event)), routing_key=key)
             while msgspec.json.decode((await ws.receive(timeout=10)).data).get("task_id") != str(event.task_id):
                 pass
             hops.append((time.perf_counter() - sent) * 1000)

@@ -11,15 +11,26 @@ execution, so every (re)connect carries a replay. Measured, in this order:
    and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path);
 4. reconnect storm: the hub is killed (SIGKILL) and started again; until every client has its new hello and replay.
 
+With `--hubs N` the fleet is spread over N hub replicas by a simulated load balancer (bench/hub_scale_client.py:
+desktop i to hub i % N first, the next hub after a refusal), and it also measures
+- intake per hub: how many of the fan-out's dispatch events each hub's queue took, against its share of sockets
+  (targeted delivery: each hub should take only its own clients' events);
+- rolling restart: each hub in turn SIGTERM'd (it drains: 4503 with a jittered reconnect delay), started again,
+  until every client is back with its replay: the time per hub, the hub's exit time, and the events lost among
+  task_available events written through the outbox for random fleet clients meanwhile (each must reach its
+  client, live or in a replay);
+- the leader's (dispatch-coordinator's) CPU in each phase: the connect and each drain are storms of
+  client.online / client.offline events.
+
 All clients share 127.0.0.1, so the hub runs with HUB_UPGRADE_BURST_PER_ADDRESS and
 HUB_UPGRADES_PER_ADDRESS_PER_S far above the fleet (the per-address bucket would otherwise refuse the storm); the
 per-client limits stay at their defaults. The soft file-descriptor limit is raised to the hard one, for this
 process and the children (hub, clients) it starts.
 
-    .venv/bin/python -m bench hub_scale [--clients 10000] [--quick]
+    .venv/bin/python -m bench hub_scale [--clients 10000] [--hubs 1] [--quick]
     HUB_SCALE_PROFILE=/tmp/prof .venv/bin/python -m bench hub_scale   (py-spy, when installed, samples the hub in
                                                                        each phase; the hottest frames are printed)
-    HUB_SCALE_PHASES=fan-out,probe,storm (the default: all of them; connect always runs first)
+    HUB_SCALE_PHASES=fan-out,probe,storm,rolling (the default: all of them; connect always runs first)
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import resource
 import signal
 import sys
@@ -58,8 +70,10 @@ from libs.contracts.wire import TaskAvailable
 from libs.db.pool import connect
 from libs.demo import seed_demo
 from libs.domain.lanes import lane_spec
-from libs.mq.topology import Topology
-from tests.support.procs import die_with_parent
+from libs.mq.hub_routing import hub_routing_key
+from libs.mq.topology import DISPATCH, Topology
+from libs.outbox.writer import enqueue
+from tests.support.procs import ServiceProcess, die_with_parent, service_env
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 
 JWT_SECRET = "bench-hub-scale-gateway-secret-0123456789"
@@ -83,6 +97,21 @@ SELECT gen_random_uuid(), 'publish', c.tenant_id, c.workspace_id, c.id, 'queued'
 FROM desktop_clients c WHERE c.tenant_id = ANY(%(tenants)s)
 """
 
+# One more queued publish execution for one fleet client, with its task_available through the outbox (the rolling
+# restart's "events lost": each must reach its client, live or in the replay of its next connect).
+_ONE_TASK = """
+INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
+                           source)
+SELECT %(id)s, 'publish', c.tenant_id, c.workspace_id, c.id, 'queued', %(priority)s, 'normal', %(weight)s, 'publish'
+FROM desktop_clients c WHERE c.id = %(client)s
+RETURNING tenant_id
+"""
+ROLLING_EVENT_EVERY_S = 0.25
+# Clicks made while the fleet connects (a storm of client.online on the hub and the leader), on questions of
+# their own (a click on a question clicked already is an idempotent replay, with no new task).
+STORM_CLICKS = 30
+ROLL_DEADLINE_S = 120.0
+
 
 @dataclass(frozen=True, slots=True)
 class World:
@@ -93,7 +122,8 @@ class World:
 async def _prepare(settings: Settings, *, fleet: int, clicks: int) -> World:
     conn = await connect(settings.database_url)
     try:
-        probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks, clients=1, platforms=("openai",),
+        probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks + STORM_CLICKS, clients=1,
+                                platforms=("openai",),
                                 due=False)
         cur = await conn.execute(_TENANTS, {"n": math.ceil(fleet / CLIENTS_PER_TENANT)})
         tenants = [int(r["id"]) for r in await cur.fetchall()]
@@ -123,9 +153,9 @@ class ClientProcess:
         self.size = size
 
     @classmethod
-    async def start(cls, hub: str, tokens: list[str], folder: Path, index: int) -> ClientProcess:
+    async def start(cls, hubs: list[str], tokens: list[str], folder: Path, index: int, offset: int) -> ClientProcess:
         config = folder / f"fleet-{index}.json"
-        config.write_text(json.dumps({"hub": hub, "tokens": tokens}))
+        config.write_text(json.dumps({"hubs": hubs, "tokens": tokens, "offset": offset}))
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "bench.hub_scale_client", str(config), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, limit=1 << 24, preexec_fn=die_with_parent)
@@ -166,11 +196,12 @@ async def _status(fleet: list[ClientProcess], since: float) -> dict[str, Any]:
         for key, n in a["errors"].items():
             errors[key] = errors.get(key, 0) + n
     return {"ready": sum(a["ready"] for a in answers), "last_ready": max(a["last_ready"] for a in answers),
-            "open": sum(a["open"] for a in answers), "hellos": sum(a["hellos"] for a in answers), "errors": errors}
+            "open": sum(a["open"] for a in answers), "hellos": sum(a["hellos"] for a in answers), "errors": errors,
+            "drained": sum(a.get("drained", 0) for a in answers)}
 
 
 async def _until_ready(fleet: list[ClientProcess], *, since: float, deadline_s: float,
-                       stack: Stack, label: str) -> tuple[dict[str, Any], bool]:
+                       stack: Stack, label: str, shown_from: float | None = None) -> tuple[dict[str, Any], bool]:
     """Poll the fleet until every client's current socket had its hello and replay after `since`."""
     total = sum(p.size for p in fleet)
     deadline = time.monotonic() + deadline_s
@@ -182,7 +213,8 @@ async def _until_ready(fleet: list[ClientProcess], *, since: float, deadline_s: 
             return status, True
         if time.monotonic() >= next_note:
             next_note += 10
-            print(f"    {label}: {status['ready']}/{total} ready after {time.time() - since:.0f} s; hub RSS "
+            elapsed = time.time() - (shown_from or since)
+            print(f"    {label}: {status['ready']}/{total} ready after {elapsed:.0f} s; hub RSS "
                   f"{_rss_mib(stack):.0f} MiB; handshake failures so far {status['errors']}", flush=True)
         await asyncio.sleep(0.1)  # polling the fleet's processes with a deadline
     return status, False
@@ -191,23 +223,33 @@ async def _until_ready(fleet: list[ClientProcess], *, since: float, deadline_s: 
 # ---- the hub process ------------------------------------------------------------------------------
 
 
+def _hubs(stack: Stack) -> list[ServiceProcess]:
+    """The hub replicas: `dispatch-hub` and the extra ones (`dispatch-hub-2`, ...)."""
+    return [proc for name, proc in stack.procs.items() if name.startswith("dispatch-hub")]
+
+
 def _hub_pid(stack: Stack) -> int:
     proc = stack.procs["dispatch-hub"].proc
     assert proc is not None
     return proc.pid
 
 
-def _rss_mib(stack: Stack) -> float:
+def _pid_rss_mib(pid: int) -> float:
     with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{_hub_pid(stack)}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
 
+def _rss_mib(stack: Stack) -> float:
+    """The hubs' RSS together."""
+    return sum(_pid_rss_mib(h.proc.pid) for h in _hubs(stack) if h.proc is not None)
+
+
 def _cpu_s(stack: Stack) -> float:
-    """The hub's CPU time so far (user + system), seconds."""
-    return _pid_cpu_s(_hub_pid(stack))
+    """The hubs' CPU time so far (user + system, together), seconds."""
+    return sum(_pid_cpu_s(h.proc.pid) for h in _hubs(stack) if h.proc is not None)
 
 
 def _pid_cpu_s(pid: int) -> float:
@@ -221,9 +263,22 @@ def _others_cpu_s(stack: Stack, fleet: list[ClientProcess]) -> dict[str, float]:
     """CPU seconds so far of the fleet's processes (together) and of the other services."""
     times = {"fleet": sum(_pid_cpu_s(p.proc.pid) for p in fleet)}
     for name, service in stack.procs.items():
-        if name != "dispatch-hub" and service.proc is not None:
+        if not name.startswith("dispatch-hub") and service.proc is not None:
             times[name] = _pid_cpu_s(service.proc.pid)
     return times
+
+
+async def _leader(stack: Stack) -> tuple[float, float]:
+    """The coordinator's CPU seconds and dispatch passes so far."""
+    proc = stack.procs["dispatch-coordinator"].proc
+    assert proc is not None
+    return _pid_cpu_s(proc.pid), await stack.metric("dispatch-coordinator", "dispatch_pass_duration_ms_count")
+
+
+def _leader_note(before: tuple[float, float], after: tuple[float, float], seconds: float) -> str:
+    cpu, passes = after[0] - before[0], after[1] - before[1]
+    share = cpu / max(seconds, 1e-9) * 100
+    return f"leader (coordinator) {cpu:.1f} s CPU ({share:.0f}% of a core), {passes:.0f} passes"
 
 
 def _cpu_note(before: dict[str, float], after: dict[str, float]) -> str:
@@ -306,12 +361,43 @@ def _hub_errors(stack: Stack) -> list[str]:
 # ---- phases ---------------------------------------------------------------------------------------
 
 
-async def _fan_out(settings: Settings, fleet: list[ClientProcess], clients: list[tuple[str, str]]) -> None:
-    """One `task_available` per client, published straight to the dispatch exchange. The publishes are marshalled
-    before the clock starts and written to the broker in one go: a Python publisher's own cost (~130-500 µs a
-    message on this box, over a second for 10,000) would otherwise be most of the figure, and in production the
-    events come from publishers on other machines."""
+async def _hub_metric(hub: ServiceProcess, sample: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(hub.url + "/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    return 0.0
+
+
+async def _per_hub(stack: Stack, sample: str) -> list[float]:
+    return list(await asyncio.gather(*(_hub_metric(h, sample) for h in _hubs(stack))))
+
+
+async def _routed_keys(settings: Settings, clients: list[tuple[str, str]]) -> dict[str, str]:
+    """Each client's `monitor.normal.<client>` as the outbox relay would publish it (towards its hub)."""
+    conn = await connect(settings.database_url)
+    try:
+        cur = await conn.execute("SELECT id::text AS id, connected_hub FROM desktop_clients WHERE id = ANY(%s)",
+                                 ([uuid.UUID(c) for c, _ in clients],))
+        hubs = {r["id"]: r["connected_hub"] for r in await cur.fetchall()}
+    finally:
+        await conn.close()
+    return {c: (hub_routing_key(hubs[c], f"monitor.normal.{c}") if hubs.get(c) else f"monitor.normal.{c}")
+            for c, _ in clients}
+
+
+async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple[str, str]]) -> None:
+    """One `task_available` per client, published straight to the dispatch exchange, each towards its client's hub
+    (the key the outbox relay would choose, read before the clock starts). The publishes are marshalled before the
+    clock starts and written to the broker in one go: a Python publisher's own cost (~130-500 µs a message on this
+    box, over a second for 10,000) would otherwise be most of the figure, and in production the events come from
+    publishers on other machines. After the rounds: each hub's intake against its share of the sockets."""
+    settings = stack.settings
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    keys = await _routed_keys(settings, clients)
+    intake0 = await _per_hub(stack, "hub_dispatch_events_received_total")
     connection = await aio_pika.connect(settings.amqp_url)
     try:
         channel: Any = await (await connection.channel(publisher_confirms=False)).get_underlay_channel()
@@ -323,8 +409,7 @@ async def _fan_out(settings: Settings, fleet: list[ClientProcess], clients: list
                 body = msgspec.json.encode(TaskAvailable(
                     kind="monitor", task_id=marker, target_client_id=uuid.UUID(client_id), priority=100,
                     lane="normal", updated_at=now))
-                frames += [spec.Basic.Publish(exchange=topology.dispatch_exchange,
-                                              routing_key=f"monitor.normal.{client_id}"),
+                frames += [spec.Basic.Publish(exchange=topology.dispatch_exchange, routing_key=keys[client_id]),
                            ContentHeader(properties=spec.Basic.Properties(delivery_mode=1), body_size=len(body)),
                            ContentBody(body)]
             written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -348,11 +433,23 @@ async def _fan_out(settings: Settings, fleet: list[ClientProcess], clients: list
             await asyncio.sleep(1)
     finally:
         await connection.close()
+    intake = [b - a for a, b in zip(intake0, await _per_hub(stack, "hub_dispatch_events_received_total"),
+                                    strict=True)]
+    sockets = await _per_hub(stack, "desktop_websocket_connections")
+    total_in, total_sockets = max(1.0, sum(intake)), max(1.0, sum(sockets))
+    shares = [f"hub {i + 1}: {int(n)} events for {int(k)} sockets ({n / total_in * 100:.1f}% of the intake, "
+              f"{k / total_sockets * 100:.1f}% of the sockets; off by "
+              f"{(n / total_in) / max(1e-9, k / total_sockets) * 100 - 100:+.1f}%)"
+              for i, (n, k) in enumerate(zip(intake, sockets, strict=True))]
+    print(f"  intake per hub over {FANOUT_ROUNDS} rounds: " + "; ".join(shares), flush=True)
 
 
-async def _probe(stack: Stack, world: World, clicks: int) -> list[float]:
-    """Click -> high task_available on the probe's socket; then lease and post the result, as a desktop does."""
+async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: asyncio.Event | None = None) -> list[float]:
+    """Click -> high task_available on the probe's socket; then lease and post the result, as a desktop does.
+    `during_storm`: click the storm's own questions until it is set, and measure no hub hop."""
     probe = world.probe
+    questions = probe["brands"][0]["question_ids"]
+    question_ids = questions[clicks:] if during_storm is not None else questions[:clicks]
     client, brand = probe["clients"][0], probe["brands"][0]
     jwt = stack.jwt(probe)
     hub, api = stack.hub_url, stack.api_url
@@ -361,7 +458,9 @@ async def _probe(stack: Stack, world: World, clicks: int) -> list[float]:
     async with aiohttp.ClientSession() as http, http.ws_connect(f"{hub}/api/desktop/ws", headers=auth) as ws:
         assert msgspec.json.decode((await ws.receive(timeout=30)).data)["type"] == "hello"
         refused = 0
-        for question_id in brand["question_ids"][:clicks]:
+        for question_id in question_ids:
+            if during_storm is not None and during_storm.is_set():
+                break
             for _ in range(10):  # a click refused while the tenant's previous one still holds its lock: again
                 clicked = time.perf_counter()
                 async with http.post(f"{api}/api/tenant/monitoring/brands/{brand['brand_id']}/collect-now",
@@ -389,9 +488,10 @@ async def _probe(stack: Stack, world: World, clicks: int) -> list[float]:
                         headers=auth) as resp:
                     await resp.read()
             await asyncio.sleep(0.1)  # clicks are human-paced; keep them apart
-        hops = await _hub_hop(stack, ws, client["client_id"], samples=clicks)
-        print(f"  probe: hub hop (event published straight to the exchange -> on the probe's socket, ms): "
-              f"{summary(hops)}", flush=True)
+        if during_storm is None:
+            hops = await _hub_hop(stack, ws, client["client_id"], samples=clicks)
+            print(f"  probe: hub hop (event published straight to the exchange -> on the probe's socket, ms): "
+                  f"{summary(hops)}", flush=True)
     if refused:
         print(f"  probe: {refused} clicks refused as busy (409/429) and clicked again", flush=True)
     return to_socket
@@ -410,25 +510,96 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
     hub.kill()
     await asyncio.to_thread(hub.start, timeout=60)
     up = time.time()
-    cpu0 = _cpu_s(stack)
+    cpu0, leader0 = _cpu_s(stack), await _leader(stack)
     async with Profile(stack, "storm"):
-        status, done = await _until_ready(fleet, since=killed, deadline_s=STORM_DEADLINE_S, stack=stack,
-                                          label="storm")
+        # Every client ready again, counting those of the other hubs that never left (since=0: ready at all).
+        status, done = await _until_ready(fleet, since=0.0 if len(_hubs(stack)) > 1 else killed,
+                                          deadline_s=STORM_DEADLINE_S, stack=stack, label="storm", shown_from=killed)
     last = status["last_ready"]
     print(f"  reconnect storm: {status['ready']}/{total} reconnected with their replay; kill -> all ready "
           f"{last - killed:.1f} s (hub back up after {up - killed:.1f} s; up -> all ready {last - up:.1f} s)"
           f"{'' if done else f' -- deadline of {STORM_DEADLINE_S:.0f} s reached'}; hub RSS {_rss_mib(stack):.0f} MiB, "
           f"hub CPU {_cpu_s(stack) - cpu0:.1f} s; handshake failures seen by clients: {status['errors']}; "
           f"listen queue overflows {_listen_overflows() - overflows}; {_load()}; CPU meanwhile: "
-          f"{_cpu_note(others, _others_cpu_s(stack, fleet))}", flush=True)
+          f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; "
+          f"{_leader_note(leader0, await _leader(stack), time.time() - up)}", flush=True)
 
 
-async def _scenario(clients: int, clicks: int) -> None:
+async def _write_events(settings: Settings, clients: list[tuple[str, str]], written: list[str],
+                        stop: asyncio.Event) -> None:
+    """Until `stop`: every ROLLING_EVENT_EVERY_S a queued execution for a random fleet client and its
+    task_available, in one transaction (the coordinator's shape of a dispatch)."""
+    spec = lane_spec("publish", "normal")
+    conn = await connect(settings.database_url)
+    rng = random.Random(7)
+    try:
+        while not stop.is_set():
+            client_id, _ = rng.choice(clients)
+            task_id = uuid.uuid4()
+            async with conn.transaction():
+                cur = await conn.execute(_ONE_TASK, {"id": task_id, "client": client_id, "priority":
+                                                     spec.default_priority, "weight": spec.weight})
+                row = await cur.fetchone()
+                assert row is not None
+                await enqueue(conn, exchange=DISPATCH, routing_key=f"publish.{client_id}", tenant_id=row["tenant_id"],
+                              message=TaskAvailable(kind="publish", task_id=task_id, priority=spec.default_priority,
+                                                    target_client_id=uuid.UUID(client_id), lane="normal",
+                                                    updated_at=datetime.now(UTC)))
+            written.append(str(task_id))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), ROLLING_EVENT_EVERY_S)
+    finally:
+        await conn.close()
+
+
+async def _rolling_restart(stack: Stack, fleet: list[ClientProcess], world: World, total: int) -> None:
+    """Each hub in turn: SIGTERM (it drains), started again, until every client of the fleet is back with its
+    replay; meanwhile task_available events through the outbox for random clients, none of which may be lost."""
+    written: list[str] = []
+    stop = asyncio.Event()
+    writer = asyncio.create_task(_write_events(stack.settings, world.fleet, written, stop))
+    try:
+        for n, hub in enumerate(_hubs(stack), start=1):
+            others, drained0 = _others_cpu_s(stack, fleet), (await _status(fleet, 0.0))["drained"]
+            leader0 = await _leader(stack)
+            terminated = time.time()
+            assert hub.proc is not None
+            hub.proc.terminate()
+            code = await asyncio.to_thread(hub.proc.wait, 60)
+            exited = time.time()
+            hub.kill()  # closes its log
+            await asyncio.to_thread(hub.start, timeout=60)
+            up = time.time()
+            status, done = await _until_ready(fleet, since=0.0, deadline_s=ROLL_DEADLINE_S, stack=stack,
+                                              label=f"roll hub {n}", shown_from=terminated)
+            settled = max(status["last_ready"], up) - terminated
+            print(f"  rolling restart, hub {n}: exit {exited - terminated:.1f} s after SIGTERM (code {code}); "
+                  f"{status['drained'] - drained0} sockets told to reconnect elsewhere; every client back with "
+                  f"its replay {settled:.1f} s after SIGTERM{'' if done else ' -- deadline reached'} (hub up "
+                  f"{up - terminated:.1f} s after it); {_load()}; CPU meanwhile: "
+                  f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; "
+                  f"{_leader_note(leader0, await _leader(stack), time.time() - terminated)}", flush=True)
+    finally:
+        stop.set()
+        await writer
+    deadline = time.monotonic() + 30
+    missing = set(written)
+    while missing and time.monotonic() < deadline:
+        answers = await asyncio.gather(*(p.ask(cmd="arrived", task_ids=sorted(missing)) for p in fleet))
+        missing -= {t for a in answers for t in a["arrived"]}
+        await asyncio.sleep(0.5)  # polling the fleet's processes with a deadline
+    print(f"  rolling restart: {len(written)} task_available events written through the outbox during the roll, "
+          f"{len(written) - len(missing)} reached their clients (live or replayed), events lost: {len(missing)}",
+          flush=True)
+
+
+async def _scenario(clients: int, clicks: int, hubs: int = 1) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     fleet_size = clients - 1  # the probe is the last client
     processes = math.ceil(fleet_size / CLIENTS_PER_PROCESS)
-    print(f"  {clients} clients ({fleet_size} in {processes} fleet processes + 1 probe); file descriptors: soft "
+    print(f"  {clients} clients ({fleet_size} in {processes} fleet processes + 1 probe) over {hubs} hub(s); "
+          f"file descriptors: soft "
           f"limit {soft} raised to {hard} for this process and its children; {_load()}", flush=True)
     async with bench_environment(shards=16) as base:
         settings = replace(base, gateway_jwt_secret=JWT_SECRET)
@@ -437,6 +608,11 @@ async def _scenario(clients: int, clicks: int) -> None:
             env: dict[str, Any] = {"DB_POOL_MAX": 6, "HUB_UPGRADE_BURST_PER_ADDRESS": 4 * clients + 1000,
                                    "HUB_UPGRADES_PER_ADDRESS_PER_S": 4 * clients + 1000}
             async with running_stack(settings, Path(logs), services=DISPATCH_SERVICES, **env) as stack:
+                hub_env = service_env(settings, **env)
+                extra = {f"dispatch-hub-{n}": ServiceProcess("dispatch-hub", hub_env, log_dir=Path(logs))
+                         for n in range(2, hubs + 1)}
+                stack.procs.update(extra)  # stopped with the stack
+                await asyncio.gather(*(asyncio.to_thread(h.start) for h in extra.values()))
                 fleet: list[ClientProcess] = []
                 try:
                     await _run(stack, world, fleet, Path(logs), clicks=clicks)
@@ -451,14 +627,23 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
     tokens = [token for _, token in world.fleet]
     total = len(tokens)
     chunks = [tokens[i:i + CLIENTS_PER_PROCESS] for i in range(0, total, CLIENTS_PER_PROCESS)]
-    fleet += await asyncio.gather(*(ClientProcess.start(stack.hub_url, chunk, folder, i)
+    hub_urls = [h.url for h in _hubs(stack)]
+    fleet += await asyncio.gather(*(ClientProcess.start(hub_urls, chunk, folder, i, offset=i * CLIENTS_PER_PROCESS)
                                     for i, chunk in enumerate(chunks)))
     rss0, cpu0, overflows, others = _rss_mib(stack), _cpu_s(stack), _listen_overflows(), _others_cpu_s(stack, fleet)
+    leader0 = await _leader(stack)
+    connected = asyncio.Event()
+    clicking = asyncio.create_task(_probe(stack, world, clicks, during_storm=connected))
     async with Profile(stack, "connect"):
         started = time.time()
         await asyncio.gather(*(p.ask(cmd="connect") for p in fleet))
         status, done = await _until_ready(fleet, since=started, deadline_s=CONNECT_DEADLINE_S, stack=stack,
                                           label="connect")
+    connected.set()
+    storm_clicks = await clicking
+    print(f"  clicks during the connect storm: click -> task_available (ms): "
+          f"{summary(storm_clicks) if storm_clicks else 'none arrived'}; p99 {percentile(storm_clicks, 99):.1f} ms",
+          flush=True)
     rss = _rss_mib(stack)
     per = (rss - rss0) * 1024 / max(1, status["ready"])
     took = f"{status['last_ready'] - started:.1f} s" if status["ready"] else "-"
@@ -466,18 +651,20 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
           f"{'' if done else f' -- deadline of {CONNECT_DEADLINE_S:.0f} s reached'}; hub RSS {rss0:.0f} -> "
           f"{rss:.0f} MiB ({per:.1f} KiB per connection), hub CPU {_cpu_s(stack) - cpu0:.1f} s; handshake failures "
           f"seen by clients: {status['errors']}; listen queue overflows {_listen_overflows() - overflows}; {_load()}; "
-          f"CPU meanwhile: {_cpu_note(others, _others_cpu_s(stack, fleet))}", flush=True)
+          f"CPU meanwhile: {_cpu_note(others, _others_cpu_s(stack, fleet))}; "
+          f"{_leader_note(leader0, await _leader(stack), time.time() - started)}", flush=True)
     if not done:
         return
-    phases = os.environ.get("HUB_SCALE_PHASES", "fan-out,probe,storm").split(",")
-    cpu0 = _cpu_s(stack)
+    phases = os.environ.get("HUB_SCALE_PHASES", "fan-out,probe,storm,rolling").split(",")
+    cpu0, leader0 = _cpu_s(stack), await _leader(stack)
     async with Profile(stack, "steady"):
         await asyncio.sleep(12)  # a heartbeat interval: every client heartbeated once, the hub pinged every socket
     print(f"  steady: hub RSS {_rss_mib(stack):.0f} MiB after a heartbeat interval; hub CPU "
-          f"{(_cpu_s(stack) - cpu0) / 12 * 100:.0f}% of a core; {_load()}", flush=True)
+          f"{(_cpu_s(stack) - cpu0) / 12 * 100:.0f}% of a core; {_leader_note(leader0, await _leader(stack), 12)}; "
+          f"{_load()}", flush=True)
     if "fan-out" in phases:
         async with Profile(stack, "fan-out"):
-            await _fan_out(stack.settings, fleet, world.fleet)
+            await _fan_out(stack, fleet, world.fleet)
     if "probe" in phases:
         cpu0 = _cpu_s(stack)
         async with Profile(stack, "probe"):
@@ -487,18 +674,21 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
               f"hub CPU {_cpu_s(stack) - cpu0:.1f} s; {_load()}", flush=True)
     if "storm" in phases:
         await _storm(stack, fleet, total)
+    if "rolling" in phases:
+        await _rolling_restart(stack, fleet, world, total)
 
 
 async def run(args: argparse.Namespace) -> None:
     clients = int(getattr(args, "clients", None) or (1000 if args.quick else 10_000))
     clicks = 20 if args.quick else 100
-    await _scenario(clients, clicks)
+    await _scenario(clients, clicks, hubs=max(1, int(getattr(args, "hubs", None) or 1)))
 
 
 if __name__ == "__main__":  # `python -m bench.b_hub_scale` works too
     parser = argparse.ArgumentParser()
     parser.add_argument("--clients", type=int)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--hubs", type=int)
     import uvloop
 
     uvloop.run(run(parser.parse_args()))

@@ -8,14 +8,18 @@ the hub it measured on the benchmark's two cores (the handshakes, and a heartbea
 
     python -m bench.hub_scale_client CONFIG.json
 
-CONFIG: {"hub": "http://127.0.0.1:PORT", "tokens": [...]}. Commands arrive on stdin as JSON lines, answers go to
-stdout as JSON lines; clocks are `time.time()`, so the benchmark compares them across processes on one machine.
+CONFIG: {"hubs": ["http://127.0.0.1:PORT", ...], "tokens": [...], "offset": N}. A simulated load balancer: desktop i
+of the process goes to hub (offset + i) % len(hubs) first, and to the next hub after a refused connection or
+handshake. A hub that drains (close code 4503) names the delay after which its desktop reconnects; others are
+reconnected with the simulator's backoff. Commands arrive on stdin as JSON lines, answers go to stdout as JSON
+lines; clocks are `time.time()`, so the benchmark compares them across processes on one machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import os
 import random
@@ -30,6 +34,7 @@ from urllib.parse import urlsplit
 import msgspec
 import uvloop
 
+from libs.contracts.wire import HUB_DRAINING_CLOSE, reconnect_delay_ms
 from tools.desktop_sim.rules import backoff_delay
 
 # The desktop simulator's reconnect policy (tools/desktop_sim/client.py): exponential, jittered, 0.1 s to 5 s.
@@ -65,6 +70,7 @@ HEARTBEAT = client_frame(TEXT, b'{"type":"heartbeat"}')
 @dataclass(slots=True)
 class Desktop:
     token: str
+    home: int = 0  # the hub the load balancer sends it to first
     # When the current socket's hello and its whole replay had arrived (0: not ready).
     ready_at: float = 0.0
     hellos: int = 0
@@ -76,8 +82,8 @@ class Desktop:
 class Socket(asyncio.Protocol):
     """One desktop's WebSocket: the upgrade, then frames; `done` resolves with how it ended."""
 
-    def __init__(self, fleet: Fleet, desktop: Desktop) -> None:
-        self.fleet, self.desktop = fleet, desktop
+    def __init__(self, fleet: Fleet, desktop: Desktop, host: str) -> None:
+        self.fleet, self.desktop, self.host = fleet, desktop, host
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
@@ -85,11 +91,12 @@ class Socket(asyncio.Protocol):
         self.expected = -1  # replay messages still to come after the hello
         self.handshake_timer: asyncio.TimerHandle | None = None
         self.beat_timer: asyncio.TimerHandle | None = None
+        self.reconnect_after_s: float | None = None  # what a draining hub's close named
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
         key = base64.b64encode(os.urandom(16)).decode()
-        self.transport.write((f"GET /api/desktop/ws HTTP/1.1\r\nHost: {self.fleet.host}\r\nUpgrade: websocket\r\n"
+        self.transport.write((f"GET /api/desktop/ws HTTP/1.1\r\nHost: {self.host}\r\nUpgrade: websocket\r\n"
                          f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
                          f"Authorization: Bearer {self.desktop.token}\r\n\r\n").encode())
         self.handshake_timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._timeout)
@@ -134,6 +141,10 @@ class Socket(asyncio.Protocol):
             elif opcode == PING and self.transport is not None:
                 self.transport.write(client_frame(PONG, payload))
             elif opcode == CLOSE:
+                if len(payload) >= 2 and struct.unpack_from("!H", payload)[0] == HUB_DRAINING_CLOSE:
+                    delay_ms = reconnect_delay_ms(payload[2:].decode(errors="replace"))
+                    self.reconnect_after_s = None if delay_ms is None else delay_ms / 1000
+                    self.fleet.drained += 1
                 self._end("closed")
                 return
 
@@ -176,11 +187,12 @@ class Socket(asyncio.Protocol):
 
 
 class Fleet:
-    def __init__(self, hub: str, tokens: list[str]) -> None:
-        url = urlsplit(hub)
-        self.host, self.address = url.netloc, (url.hostname or "127.0.0.1", url.port or 80)
-        self.desktops = [Desktop(token) for token in tokens]
+    def __init__(self, hubs: list[str], tokens: list[str], offset: int = 0) -> None:
+        urls = [urlsplit(hub) for hub in hubs]
+        self.hubs = [(url.netloc, (url.hostname or "127.0.0.1", url.port or 80)) for url in urls]
+        self.desktops = [Desktop(token, home=(offset + i) % len(hubs)) for i, token in enumerate(tokens)]
         self.handshake_errors: dict[str, int] = {}
+        self.drained = 0  # sockets a draining hub closed with a reconnect delay
         self.stopping = asyncio.Event()
         self.sockets: set[Socket] = set()
         self.rng = random.Random()
@@ -188,21 +200,30 @@ class Fleet:
     async def run_one(self, desktop: Desktop) -> None:
         loop = asyncio.get_running_loop()
         attempt = 0
+        hub = desktop.home
         while not self.stopping.is_set():
+            host, address = self.hubs[hub]
+            delay: float | None = None
             try:
-                _, socket = await loop.create_connection(lambda: Socket(self, desktop), *self.address)
+                _, socket = await loop.create_connection(functools.partial(Socket, self, desktop, host), *address)
             except OSError as exc:
                 self._count(type(exc).__name__)
+                hub = (hub + 1) % len(self.hubs)  # the load balancer tries the next hub
             else:
                 self.sockets.add(socket)
                 why = await socket.done
                 self.sockets.discard(socket)
                 if socket.upgraded:
                     attempt = 0
+                    delay = socket.reconnect_after_s
+                    if delay is not None:  # drained: the load balancer's next pick is another hub
+                        hub = (hub + 1) % len(self.hubs)
                 else:
                     self._count(why)
-            delay = backoff_delay(attempt, base_s=RECONNECT_BASE_S, max_s=RECONNECT_MAX_S, rng=self.rng)
-            attempt += 1
+                    hub = (hub + 1) % len(self.hubs)
+            if delay is None:
+                delay = backoff_delay(attempt, base_s=RECONNECT_BASE_S, max_s=RECONNECT_MAX_S, rng=self.rng)
+                attempt += 1
             try:
                 await asyncio.wait_for(self.stopping.wait(), delay)
             except TimeoutError:
@@ -215,7 +236,8 @@ class Fleet:
         ready = [d.ready_at for d in self.desktops if d.ready_at and d.ready_at >= since]
         return {"clients": len(self.desktops), "ready": len(ready), "last_ready": max(ready, default=0.0),
                 "open": sum(1 for d in self.desktops if d.connected),
-                "hellos": sum(d.hellos for d in self.desktops), "errors": self.handshake_errors}
+                "hellos": sum(d.hellos for d in self.desktops), "errors": self.handshake_errors,
+                "drained": self.drained}
 
     def arrivals(self, task_id: str) -> list[float]:
         return [d.arrivals[task_id] for d in self.desktops if task_id in d.arrivals]
@@ -243,7 +265,7 @@ async def main(config_path: str) -> None:
     with open(config_path) as f:  # noqa: ASYNC230 - read once, before any socket opens
         config = json.load(f)
     fd_limit = _raise_fd_limit()
-    fleet = Fleet(config["hub"], config["tokens"])
+    fleet = Fleet(config["hubs"], config["tokens"], int(config.get("offset", 0)))
     loop = asyncio.get_running_loop()
     commands = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(commands), sys.stdin)
@@ -258,6 +280,9 @@ async def main(config_path: str) -> None:
             _answer(fleet.status(float(command.get("since", 0.0))))
         elif command["cmd"] == "arrivals":
             _answer({"times": fleet.arrivals(command["task_id"])})
+        elif command["cmd"] == "arrived":  # which of these tasks reached a desktop of this process
+            wanted = set(command["task_ids"])
+            _answer({"arrived": sorted({t for d in fleet.desktops for t in d.arrivals if t in wanted})})
         elif command["cmd"] == "stop":
             break
     fleet.stopping.set()

@@ -176,6 +176,10 @@ class Settings:
     hub_auth_negative_cache_s: float = 30.0
     # How often a hub writes the safe-point intervals it received into the shared histogram.
     hub_safe_point_flush_s: float = 10.0
+    # SIGTERM drain: every socket is closed with 4503 and a delay drawn from [0, spread] after which its client
+    # reconnects (to another hub); close handshakes still open after the deadline are abandoned.
+    hub_drain_reconnect_spread_ms: int = 10_000
+    hub_drain_deadline_s: float = 5.0
     # ingest-shard-workers
     # Results per ingest transaction (at most) and unacked deliveries per shard channel. Measured: 200/400
     # -> ~3,700-4,200 results/s with 2 workers, 500/1000 -> ~4,200-5,000 (fewer commits and round trips).
@@ -239,6 +243,8 @@ class Settings:
                               "consumer_timeout)")
         if settings.hub_max_sockets_per_client < 1:
             raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")
+        if not 0 <= settings.hub_drain_reconnect_spread_ms <= 600_000:
+            raise ConfigError("HUB_DRAIN_RECONNECT_SPREAD_MS must be from 0 to 600000")
         if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:
             raise ConfigError("HUB_UPGRADE_BURST_PER_CLIENT and HUB_UPGRADE_BURST_PER_ADDRESS must be at least 1")
         settings.trusted_proxy_networks()
@@ -250,7 +256,8 @@ class Settings:
         for name in ("hub_ping_interval_s", "hub_heartbeat_flush_s", "hub_result_confirm_timeout_s",
                      "hub_upgrades_per_client_per_s", "hub_upgrades_per_address_per_s", "hub_revocation_check_s",
                      "hub_auth_cache_s", "hub_auth_negative_cache_s", "hub_safe_point_flush_s",
-                     "write_health_window_s", "write_health_publish_s", "collect_now_idempotency_purge_s"):
+                     "hub_drain_deadline_s", "write_health_window_s", "write_health_publish_s",
+                     "collect_now_idempotency_purge_s"):
             value = getattr(settings, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name.upper()}={value!r} must be a positive number of seconds")

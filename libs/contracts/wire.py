@@ -124,3 +124,23 @@ ClientMessage = Heartbeat
 server_event_decoder: msgspec.json.Decoder[ServerEvent] = msgspec.json.Decoder(ServerEvent)
 dispatch_decoder: msgspec.json.Decoder[DispatchMessage] = msgspec.json.Decoder(DispatchMessage)
 client_message_decoder: msgspec.json.Decoder[Heartbeat] = msgspec.json.Decoder(Heartbeat)
+
+# WebSocket close code of a hub that is draining (SIGTERM: a rolling restart, a scale-down): reconnect after the
+# delay the close reason names (`draining; reconnect after <N> ms`, N drawn per socket so a hub's clients spread
+# out instead of all arriving at the next hub at once), to any hub.
+HUB_DRAINING_CLOSE = 4503
+_DRAINING_REASON = "draining; reconnect after {} ms"
+
+
+def draining_close_reason(delay_ms: int) -> str:
+    """The close reason a draining hub sends with `HUB_DRAINING_CLOSE`."""
+    return _DRAINING_REASON.format(max(0, int(delay_ms)))
+
+
+def reconnect_delay_ms(reason: str) -> int | None:
+    """The delay a `HUB_DRAINING_CLOSE` reason names, or None when it names none (reconnect with backoff)."""
+    head, _, tail = reason.partition("reconnect after ")
+    number, _, unit = tail.partition(" ")
+    if not head.startswith("draining") or unit != "ms" or not number.isdigit():
+        return None
+    return int(number)

@@ -13,6 +13,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
 from libs.ingest.routing import Routing, queue_suffix
+from libs.mq.hub_routing import hub_binding
 
 DISPATCH = "desktop.task.dispatch"
 RESULT = "monitor.result"
@@ -24,12 +25,12 @@ LOGICAL_EXCHANGES = (DISPATCH, RESULT, PROJECTION, LIFECYCLE)
 INGEST_DELIVERY_LIMIT = 5
 TALLY_MAX_LENGTH = 100_000
 PROJECTION_DELIVERY_LIMIT = 5
-# What a hub's queue is bound to: every client's dispatch events (`monitor.<lane>.<client>`, `publish.<client>`);
-# the hub forwards those of the clients connected to it and drops the rest. Not one binding per connected client:
-# a binding is a broker round trip and a Mnesia write, ~800 a second measured on RabbitMQ 3.10, so a hub restart
-# reconnecting 10,000 clients spent 25 s binding (and the broker as long again deleting the dead hub's bindings).
-# The price: every hub replica receives every dispatch event (docs/benchmarks.md, "Hub at scale").
-HUB_DISPATCH_KEYS = ("monitor.*.*", "publish.*")
+# The dispatch routing keys publishers write (`monitor.<lane>.<client>`, `publish.<client>`). The outbox relay
+# publishes them towards the client's hub (`hub.<hub>.<key>`, libs/mq/hub_routing.py), and a hub's queue has one
+# binding, `hub.<itself>.#`: a hub receives only the events of the clients it holds. Not one binding per connected
+# client: a binding is a broker round trip and a Mnesia write, ~800 a second measured on RabbitMQ 3.10, so a hub
+# restart reconnecting 10,000 clients spent 25 s binding (docs/architecture.md, "Targeted delivery").
+CLIENT_DISPATCH_KEYS = ("monitor.*.*", "publish.*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,7 @@ async def declare_lifecycle(channel: AbstractChannel, topology: Topology, consum
 
 
 async def declare_hub_queue(channel: AbstractChannel, topology: Topology, instance_id: str) -> AbstractQueue:
-    """A hub instance's own queue: exclusive, auto-delete; bound to every client's dispatch routing keys."""
+    """A hub instance's own queue: exclusive, auto-delete; bound to the events routed to this hub (one binding)."""
     await declare_exchanges(channel, topology)
     await _declare_dlq(channel, topology, topology.hub_dlq)
     queue = await channel.declare_queue(
@@ -218,8 +219,7 @@ async def declare_hub_queue(channel: AbstractChannel, topology: Topology, instan
         auto_delete=True,
         arguments=_dead_letter_args(topology, topology.hub_dlq),
     )
-    for key in HUB_DISPATCH_KEYS:
-        await queue.bind(topology.dispatch_exchange, routing_key=key)
+    await queue.bind(topology.dispatch_exchange, routing_key=hub_binding(instance_id))
     return queue
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from collections import defaultdict
@@ -32,8 +33,9 @@ from psycopg_pool import AsyncConnectionPool
 from libs.contracts.amqp import MESSAGE_TYPES
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
+from libs.mq import hub_routing
 from libs.mq.connection import connect as mq_connect
-from libs.mq.topology import LOGICAL_EXCHANGES, Topology, declare_exchanges
+from libs.mq.topology import DISPATCH, LOGICAL_EXCHANGES, Topology, declare_exchanges
 from libs.outbox import queries as q
 from libs.outbox.state import (
     TRANSITION_EVENT,
@@ -254,8 +256,9 @@ class OutboxRelay:
             else:
                 chains[event.ordering_key].append(event)
         outcomes: dict[int, tuple[Outcome, Any]] = {}
-        runs = [*chains.values(), *singles]
         try:
+            # Unresolved (the database went away): nothing is published, every row is released unattempted.
+            runs = await self._route_to_hubs([*chains.values(), *singles])
             if len(runs) == 1:  # the usual writer's batch: publish now, not from a task scheduled for later
                 await self._publish_chain(runs[0], outcomes)
             else:
@@ -263,6 +266,17 @@ class OutboxRelay:
         finally:
             await asyncio.shield(self._record(batch, outcomes, keys=list(chains)))
         return sum(1 for o, _ in outcomes.values() if o == "published")
+
+    async def _route_to_hubs(self, runs: list[list[ClaimedEvent]]) -> list[list[ClaimedEvent]]:
+        """Dispatch events re-keyed towards the hub that holds their client, read now, after their commit
+        (libs/mq/hub_routing.py: why then); other events unchanged. One statement per batch with dispatch events."""
+        wanted = hub_routing.clients_to_resolve([e for run in runs for e in run], DISPATCH)
+        if not wanted:
+            return runs
+        async with self._pool.connection() as conn:
+            hubs = await hub_routing.read_client_hubs(conn, wanted)
+        return [[dataclasses.replace(e, routing_key=hub_routing.routed_key(e, DISPATCH, hubs)) for e in run]
+                for run in runs]
 
     async def _record(self, batch: list[ClaimedEvent], outcomes: dict[int, tuple[Outcome, Any]],
                       *, keys: list[str]) -> None:

@@ -243,6 +243,14 @@ desktop_ws_send_failures_total = ExactCounter(
     "desktop_ws_send_failures_total",
     "Frame writes to a desktop socket that failed (the socket was closing or gone; what was queued behind it is "
     "dropped, the client gets it again from its replay on reconnect).")
+hub_dispatch_events_received_total = ExactCounter(
+    "hub_dispatch_events_received_total",
+    "Dispatch events this hub's queue took (targeted delivery: only those routed to it by its clients' presence; "
+    "per replica, its share of the fleet's dispatch events).")
+hub_dispatch_events_not_here_total = ExactCounter(
+    "hub_dispatch_events_not_here_total",
+    "Dispatch events routed to this hub for a client it no longer holds (it moved or went away after the event "
+    "was routed; its replay on reconnect carries the task).")
 # Edge limits (one client or tenant cannot take what others need).
 edge_rejected_total = ExactCounter(
     "edge_rejected_total", "Requests refused by a per-client, per-address or per-tenant limit, by reason.",

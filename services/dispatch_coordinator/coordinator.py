@@ -50,9 +50,31 @@ log = logging.getLogger("dispatch.coordinator")
 # Lifecycle events after which a dispatch pass may find room (cross-service contract 3).
 WAKE_EVENTS = frozenset({"task.completed", "task.failed", "task.aborted", "task.released", "client.online",
                          "collect_now.accepted"})
+# Wake-ups that only their own tenant's pending work can use: a freed slot (a completion), a client that came
+# online (a reconnect storm of a fleet with nothing pending wakes no pass at all).
+TENANT_SCOPED_WAKES = frozenset({"task.completed", "client.online"})
 SETTINGS_MAX_AGE_S = 1.0
 MAINTENANCE_INTERVAL_S = 2.0
 SCAN_INTERVAL_S = 1.0
+
+
+class _Deliveries:
+    """A consumer's deliveries, handed over in batches of whatever arrived since the last one."""
+
+    def __init__(self) -> None:
+        self._buffered: list[AbstractIncomingMessage] = []
+        self._arrived = asyncio.Event()
+
+    async def take(self, message: AbstractIncomingMessage) -> None:
+        self._buffered.append(message)
+        self._arrived.set()
+
+    async def next_batch(self, *, timeout: float) -> list[AbstractIncomingMessage]:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._arrived.wait(), timeout)
+        self._arrived.clear()
+        batch, self._buffered = self._buffered, []
+        return batch
 
 
 async def check_execution_paths(conn: Conn) -> dict[str, Any]:
@@ -75,9 +97,14 @@ class CoordinatorConfig:
     relay_lease_seconds: float = 5.0
 
 
-# The lifecycle events the coordinator consumes: completions and client changes wake dispatch; a collect-now's
-# acceptance is the fallback wake-up of the high pass when its NOTIFY was lost with the LISTEN connection.
-LIFECYCLE_KEYS = ("task.#", "client.#", "collect_now.#")
+# The lifecycle events the coordinator consumes: completions and clients coming online wake dispatch; a
+# collect-now's acceptance is the fallback wake-up of the high pass when its NOTIFY was lost with the LISTEN
+# connection. Not `client.offline`: it wakes nothing here, and half of a reconnect storm's events are offlines.
+LIFECYCLE_KEYS = ("task.#", "client.online", "collect_now.#")
+# Bound by an earlier version of the queue: unbound at start (a binding outlives the consumer that made it).
+RETIRED_LIFECYCLE_KEYS = ("client.#",)
+# Lifecycle events taken from the broker before the consumer handles them: one batch, one wake-up, one ack.
+LIFECYCLE_PREFETCH = 1000
 
 
 class Dispatching(Protocol):
@@ -146,6 +173,7 @@ class Coordinator:
         self.listening = asyncio.Event()
         self.consuming = asyncio.Event()
         self.dispatched_total = 0
+        self.lifecycle_batches = 0  # batches of lifecycle events handled (each: at most one wake-up, one ack)
 
     def wake(self) -> None:
         """Something may be dispatchable (a completion, new tasks): run a full pass now."""
@@ -350,12 +378,22 @@ class Coordinator:
             channel = None
             try:
                 channel = await self._amqp.channel()
-                await channel.set_qos(prefetch_count=200)
+                await channel.set_qos(prefetch_count=LIFECYCLE_PREFETCH)
                 queue = await declare_lifecycle(channel, topology, "coordinator", routing_keys=LIFECYCLE_KEYS)
+                for key in RETIRED_LIFECYCLE_KEYS:
+                    await queue.unbind(topology.lifecycle_exchange, routing_key=key)
+                buffer = _Deliveries()
+                tag = await queue.consume(buffer.take)
                 self.consuming.set()
-                async with queue.iterator() as messages:
-                    async for message in messages:
-                        await self.handle_lifecycle(dlq, message)
+                while not channel.is_closed:
+                    # Whatever arrived while the previous batch was handled is the next batch (a storm's
+                    # thousands of `client.online` become a handful of wake-ups and acks).
+                    batch = await buffer.next_batch(timeout=5.0)
+                    if batch:
+                        await self.handle_lifecycle_batch(dlq, batch)
+                with contextlib.suppress(Exception):
+                    await queue.cancel(tag)
+                raise ConnectionError("lifecycle channel closed")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -370,31 +408,45 @@ class Coordinator:
                         await asyncio.wait_for(channel.close(), 5)
 
     async def handle_lifecycle(self, dlq: str, message: AbstractIncomingMessage) -> None:
-        """One `monitor.lifecycle` event: wake the pass it may make room for, then ack it (an undecodable one goes
-        to `dlq`)."""
-        try:
-            event = lifecycle_decoder.decode(message.body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            assert self._dead_letters is not None
-            await dead_letter_or_give_back(self._dead_letters, dlq, message, f"undecodable lifecycle event: {exc}")
-            return
-        if event.event == "collect_now.accepted":
-            # The request's transaction also sent a NOTIFY; while LISTEN is up that one already woke the
-            # high pass (a second pass would only compete with the first). This is the fallback for a
-            # NOTIFY lost with the LISTEN connection.
-            if not self.listening.is_set():
-                self.wake_high()
-        elif event.event in WAKE_EVENTS and not (event.event == "task.completed"
-                                                 and self._nothing_ready_for(event.tenant_id)):
+        """One `monitor.lifecycle` event (a batch of one)."""
+        await self.handle_lifecycle_batch(dlq, [message])
+
+    async def handle_lifecycle_batch(self, dlq: str, messages: Sequence[AbstractIncomingMessage]) -> None:
+        """A batch of `monitor.lifecycle` events (in delivery order): at most one wake of each pass for all of
+        them, then one ack for the batch (an undecodable one goes to `dlq` first, on its own)."""
+        wake = wake_high = False
+        last_good: AbstractIncomingMessage | None = None
+        self.lifecycle_batches += 1
+        for message in messages:
+            try:
+                event = lifecycle_decoder.decode(message.body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                assert self._dead_letters is not None
+                await dead_letter_or_give_back(self._dead_letters, dlq, message, f"undecodable lifecycle event: {exc}")
+                continue
+            last_good = message
+            if event.event == "collect_now.accepted":
+                # The request's transaction also sent a NOTIFY; while LISTEN is up that one already woke the
+                # high pass (a second pass would only compete with the first). This is the fallback for a
+                # NOTIFY lost with the LISTEN connection.
+                wake_high = wake_high or not self.listening.is_set()
+            elif event.event in WAKE_EVENTS and not (event.event in TENANT_SCOPED_WAKES
+                                                     and self._nothing_ready_for(event.tenant_id)):
+                wake = True
+        if wake_high:
+            self.wake_high()
+        elif wake:
             self.wake()
-        await message.ack()
+        if last_good is not None:
+            # Every earlier delivery of the batch is settled (acked here, or dead-lettered/given back above).
+            await last_good.ack(multiple=len(messages) > 1)
 
     def _nothing_ready_for(self, tenant_id: int) -> bool:
-        """A completion frees capacity (a client slot, a platform account slot) that only its own tenant's work can
-        use. The dispatcher's pending pairs list every (tenant, platform) with a pending task, of any lane: read
-        before a full pass when a second old, and added to at once by the scanner. When they have none for the
-        tenant, the completion wakes no pass. They are not trusted before their first read, nor when a
-        collect-now came after it (its promoted tasks may be waiting for exactly this slot); other pending work
-        comes back with its own wake-up (a yield, a release, a retry)."""
+        """A completion frees capacity (a client slot, a platform account slot), and a client coming online brings
+        capacity, that only its own tenant's work can use. The dispatcher's pending pairs list every (tenant,
+        platform) with a pending task, of any lane: read before a full pass when a second old, and added to at once
+        by the scanner. When they have none for the tenant, the event wakes no pass. They are not trusted before
+        their first read, nor when a collect-now came after it (its promoted tasks may be waiting for exactly this
+        slot); other pending work comes back with its own wake-up (a yield, a release, a retry)."""
         d = self.dispatcher
         return d.pairs_read_at > self._high_woken_at and not d.has_pending(tenant_id)

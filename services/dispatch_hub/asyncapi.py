@@ -46,6 +46,7 @@ from services.dispatch_hub.gateway import (
     CLIENT_DISABLED_CLOSE,
     GOING_AWAY,
     HEARTBEAT_TIMEOUT_CLOSE,
+    HUB_DRAINING_CLOSE,
     REPLACED_CLOSE,
     REPLAY_LIMIT,
     TOKEN_ROTATED_CLOSE,
@@ -99,6 +100,11 @@ CLOSE_CODES: tuple[CloseCode, ...] = (
               "reconnect with backoff; heartbeat at the hello's interval", True),
     CloseCode(REPLACED_CLOSE, "replaced", "a newer socket with the same token replaced this one",
               "stop: two processes share one token", False),
+    CloseCode(HUB_DRAINING_CLOSE, "draining", "the hub is draining (SIGTERM: a rolling restart, a scale-in); "
+              "its reason reads `draining; reconnect after <N> ms`, N drawn per socket from 0 to "
+              "HUB_DRAIN_RECONNECT_SPREAD_MS",
+              "wait N ms, then reconnect to any hub (backoff after that); the replay carries what was dispatched "
+              "meanwhile", True),
 )
 
 # Answers to the upgrade other than 101 (a JSON error body, `error` as named here).

@@ -16,10 +16,12 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import deque
 
 from aiohttp import web
 
+from libs.contracts.wire import HUB_DRAINING_CLOSE
 from libs.telemetry import metrics
 from services.dispatch_hub.auth import ClientPrincipal
 
@@ -30,10 +32,11 @@ log = logging.getLogger("hub.ws")
 MAX_OUTBOUND = 2000
 TOO_SLOW_CLOSE = 1013
 # How a socket may end without an error: closed normally (1000), going away (1001: a client quitting, a hub
-# shutting down) or deliberately by the hub (gateway.py: 4401 token rotated, 4403 client disabled, 4409 replaced).
+# shutting down) or deliberately by the hub (gateway.py: 4401 token rotated, 4403 client disabled, 4409 replaced,
+# 4503 the hub is draining).
 # Any other code is an abnormal close, counted by code; a code outside ABNORMAL_CODES is counted as "other" (a
 # client chooses its own close code: it must not make a new series each).
-NORMAL_CLOSES = frozenset({1000, 1001, 4401, 4403, 4409})
+NORMAL_CLOSES = frozenset({1000, 1001, 4401, 4403, 4409, HUB_DRAINING_CLOSE})
 ABNORMAL_CODES = frozenset({1002, 1003, 1006, 1007, 1008, 1009, 1010, 1011, TOO_SLOW_CLOSE, 4408})
 DROPPED = 1006  # no close frame: the connection was lost
 
@@ -43,6 +46,7 @@ class Connection:
                  max_outbound: int = MAX_OUTBOUND) -> None:
         self.ws = ws
         self.principal = principal
+        self.socket_id = uuid.uuid4()  # its row in hub_sockets (the fleet-wide socket cap)
         self.live = False
         self.last_seen = time.monotonic()
         self.opened_at = self.last_seen

@@ -1,9 +1,10 @@
 """The WebSocket side of the hub: which clients are connected here, the replay on (re)connect, online/offline,
 and forwarding of dispatch events to the right sockets.
 
-The hub's queue is bound to every client's routing keys at start (`declare_hub_queue`), not per connected
-client: a connect or disconnect costs the broker nothing, and the hub drops the events of clients connected
-elsewhere. Online, offline and replay are batched across sockets (`Batcher`): what a reconnect storm costs the
+The hub's queue has one binding, to the events the outbox relay routed to this hub (`libs/mq/hub_routing.py`:
+by the presence its online statement writes), not one per connected client: a connect or disconnect costs the
+broker nothing, and the hub receives only the events of the clients it holds. Online, offline and replay are
+batched across sockets (`Batcher`): what a reconnect storm costs the
 database grows with its batches, not with its sockets."""
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -22,7 +25,14 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind
-from libs.contracts.wire import PROTOCOL_VERSION, Hello, TaskAvailable, dispatch_decoder
+from libs.contracts.wire import (
+    HUB_DRAINING_CLOSE,
+    PROTOCOL_VERSION,
+    Hello,
+    TaskAvailable,
+    dispatch_decoder,
+    draining_close_reason,
+)
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
@@ -56,6 +66,21 @@ SOCKET_BATCH = 1000
 PING_SLICE = 200
 
 
+# A replica is alive while it sweeps (HUB_SEEN every HUB_REVOCATION_CHECK_S); the rows of one silent this long are
+# deleted (its sockets no longer count against their clients' cap), looked for this often.
+LIVE_HUB_S = 15.0
+DEAD_HUB_S = 60.0
+FORGET_DEAD_HUBS_EVERY_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Attaching:
+    """One socket of an attach batch (two sockets of a client are two entries, one online write)."""
+
+    principal: ClientPrincipal
+    socket_id: uuid.UUID
+
+
 def task_available_from_row(row: dict[str, Any]) -> TaskAvailable:
     return TaskAvailable(kind=row["kind"], task_id=row["id"], target_client_id=row["target_client_id"],
                          priority=int(row["priority"]), lane=row["lane"],
@@ -78,27 +103,36 @@ class Gateway:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._sockets: dict[uuid.UUID, set[Connection]] = {}
+        self._by_socket_id: dict[uuid.UUID, Connection] = {}
+        self.live_hubs = 1  # replicas sweeping (this one included): its share of the fleet-wide upgrade budgets
+        self.on_live_hubs: Callable[[int], None] | None = None
+        self.replaced_elsewhere = 0  # sockets closed because another hub's attach put them beyond the cap
+        self._last_forget = 0.0
         self._client_locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
         self.heartbeats = HeartbeatWriter(pool, hub=hub_id, interval_s=heartbeat_flush_s,
                                           is_connected=lambda c: c in self._sockets, write_health=write_health,
-                                          refresh_s=heartbeat_interval_s)
+                                          refresh_s=heartbeat_interval_s, on_revived=self._replay_revived)
         self.max_sockets_per_client = max_sockets_per_client
         self.revocation_check_s = revocation_check_s
         self._on_revoked = on_revoked
+        self.received = 0  # dispatch events this hub's queue took (targeted delivery: only its clients')
         self.forwarded = 0
         self.for_other_hubs = 0
         self.revoked = 0
         self._sockets_changed = 0  # bumped whenever a socket is registered or removed
         self._sweep_params: tuple[int, list[dict[str, str]]] = (-1, [])
-        self._attaching: Batcher[ClientPrincipal, tuple[int, list[str]]] = Batcher(
+        self._attaching: Batcher[Attaching, tuple[int, list[str]]] = Batcher(
             self._attach_batch, default=(0, []), name="attach", max_batch=SOCKET_BATCH)
+        self._forgetting: Batcher[uuid.UUID, None] = Batcher(
+            self._forget_batch, default=None, name="sockets-closed", max_batch=SOCKET_BATCH)
         self._replaying: Batcher[ClientPrincipal, list[str]] = Batcher(
             self._replay_batch, default=[], name="replay", max_batch=SOCKET_BATCH)
         self._detaching: Batcher[ClientPrincipal, None] = Batcher(
             self._detach_batch, default=None, name="detach", max_batch=SOCKET_BATCH)
         self.closing = False
+        self.draining = False  # SIGTERM: sockets told to reconnect elsewhere (no offline writes for them)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -121,6 +155,10 @@ class Gateway:
         self._channel = await self._amqp.channel()
         await self._channel.set_qos(prefetch_count=1000)
         self._queue = await declare_hub_queue(self._channel, self._topology, self.hub_id)
+        try:
+            await self.fleet_sweep()  # registered among the replicas before its first socket's row
+        except Exception:  # the database is away: the sweep loop registers it once it is back
+            log.warning("could not register this hub among the replicas; the sweep will retry", exc_info=True)
         await self._queue.consume(self._on_message, no_ack=True)
         self._amqp.reconnect_callbacks.add(self._on_reconnect)
 
@@ -133,13 +171,16 @@ class Gateway:
                 await self._channel.close()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        self.received += 1
+        metrics.hub_dispatch_events_received_total.inc()
         client_id = client_id_from_routing_key(message.routing_key or "")
         if client_id is None:
             log.warning("dispatch event with an unexpected routing key", extra={"routing_key": message.routing_key})
             return
         conns = tuple(self._sockets.get(client_id, ()))
-        if not conns:  # a client of another hub (or of none)
+        if not conns:  # a client that left this hub after the event was routed here (its replay covers it)
             self.for_other_hubs += 1
+            metrics.hub_dispatch_events_not_here_total.inc()
             return
         arrived = time.monotonic()
         if tracing.enabled():
@@ -177,6 +218,13 @@ class Gateway:
             for conn in tuple(conns):
                 self._spawn(self._replay_into(conn), name=f"replay-{client_id}")
 
+    def _replay_revived(self, client_ids: list[uuid.UUID]) -> None:
+        """Clients a heartbeat marked online again (with their presence here): what was routed to the hub that
+        marked them offline comes from a replay."""
+        for client_id in client_ids:
+            for conn in tuple(self._sockets.get(client_id, ())):
+                self._spawn(self._replay_into(conn), name=f"replay-{client_id}")
+
     async def _replay_into(self, conn: Connection) -> None:
         try:
             for text in await self._replaying.submit(conn.principal):
@@ -185,7 +233,7 @@ class Gateway:
             log.exception("replay after broker reconnect failed", extra={"client_id": conn.client_id})
 
     @property
-    def attaching(self) -> Batcher[ClientPrincipal, tuple[int, list[str]]]:
+    def attaching(self) -> Batcher[Attaching, tuple[int, list[str]]]:
         """The batcher of attaching sockets (online + replay); its `calls` and `largest` tell how they shared."""
         return self._attaching
 
@@ -220,11 +268,12 @@ class Gateway:
         client_id = principal.client_id
         async with self._lock(client_id):
             self._sockets.setdefault(client_id, set()).add(conn)
+            self._by_socket_id[conn.socket_id] = conn
             self._sockets_changed += 1
             metrics.desktop_websocket_connections.inc()
             self._close_oldest_beyond_limit(client_id)
             # Under the client's lock, so a concurrent last-socket close cannot mark it offline before this.
-            generation, replay = await _finished(self._attaching.submit(principal))
+            generation, replay = await _finished(self._attaching.submit(Attaching(principal, conn.socket_id)))
         available = sum(1 for t in replay if '"task_available"' in t)
         hello = Hello(client_id=client_id, tenant_id=principal.tenant_id, hub_instance=self.hub_id,
                       server_time=datetime.now(UTC),
@@ -235,19 +284,66 @@ class Gateway:
                                             "replayed": len(replay)})
         return [msgspec.json.encode(hello).decode(), *replay]
 
-    async def _attach_batch(self, principals: list[ClientPrincipal]) -> dict[ClientPrincipal, tuple[int, list[str]]]:
-        """Online (one statement; a client that was offline gets its `client.online` event), then the replay,
-        for a batch of attaching sockets: their interrupt generations and replays."""
+    async def _attach_batch(self, sockets: list[Attaching]) -> dict[Attaching, tuple[int, list[str]]]:
+        """Online (one statement; a client that was offline gets its `client.online` event), the sockets' rows
+        and the fleet-wide cap, then the replay, for a batch of attaching sockets: their interrupt generations
+        and replays."""
+        principals = list(dict.fromkeys(s.principal for s in sockets))
         async with self._pool.connection() as db:
             async with pipelined_transaction(db) as pipe:
                 cur = await db.execute(q.CLIENTS_ONLINE, {"ids": [p.client_id for p in principals],
                                                           "hub": self.hub_id})
+                await db.execute(q.SOCKETS_OPENED, {
+                    "socket_ids": [s.socket_id for s in sockets], "hub": self.hub_id,
+                    "client_ids": [s.principal.client_id for s in sockets],
+                    "tenant_ids": [s.principal.tenant_id for s in sockets]})
+                beyond = await db.execute(q.SOCKETS_BEYOND_CAP, {
+                    "client_ids": [p.client_id for p in principals], "tenant_ids": [p.tenant_id for p in principals],
+                    "cap": self.max_sockets_per_client})
                 await pipe.sync()
                 rows = await cur.fetchall()
+                replaced = await beyond.fetchall()
                 await _lifecycle(db, "client.online", [r for r in rows if not r["was_online"]])
             replays = await self._read_replays(db, principals)
+        self._close_replaced(r["socket_id"] for r in replaced if r["hub_id"] == self.hub_id)
         generations = {r["id"]: int(r["interrupt_generation"]) for r in rows}
-        return {p: (generations.get(p.client_id, 0), replays.get(p, [])) for p in principals}
+        return {s: (generations.get(s.principal.client_id, 0), replays.get(s.principal, [])) for s in sockets}
+
+    def _close_replaced(self, socket_ids: Iterable[uuid.UUID]) -> int:
+        """Close this hub's sockets that a newer socket of their client (on any hub) put beyond the cap."""
+        closed = 0
+        for socket_id in socket_ids:
+            conn = self._by_socket_id.get(socket_id)
+            if conn is None or conn.closing:
+                continue
+            log.info("closing a client's oldest socket: a newer one replaced it",
+                     extra={"client_id": conn.client_id, "limit": self.max_sockets_per_client})
+            self._close(conn, REPLACED_CLOSE, b"replaced by a newer connection of this client")
+            closed += 1
+        return closed
+
+    async def _forget_batch(self, socket_ids: list[uuid.UUID]) -> dict[uuid.UUID, None]:
+        async with self._pool.connection() as db:
+            await db.execute(q.SOCKETS_CLOSED, {"socket_ids": socket_ids, "hub": self.hub_id})
+        return {}
+
+    async def fleet_sweep(self) -> None:
+        """This hub is alive; the replicas that are (its share of the upgrade budgets); its sockets another hub's
+        attach replaced (closed here, 4409); now and then the rows of replicas that died without cleaning up."""
+        async with self._pool.connection() as db:
+            cur = await db.execute(q.HUB_SEEN, {"hub": self.hub_id, "live_s": LIVE_HUB_S})
+            row = await cur.fetchone()
+            if time.monotonic() - self._last_forget > FORGET_DEAD_HUBS_EVERY_S:
+                self._last_forget = time.monotonic()
+                await db.execute(q.FORGET_DEAD_HUBS, {"dead_s": DEAD_HUB_S})
+        assert row is not None
+        self.replaced_elsewhere += self._close_replaced(row["replaced"])
+        live = max(1, int(row["live"]))
+        if live != self.live_hubs:
+            log.info("hub replicas alive changed", extra={"from": self.live_hubs, "to": live})
+        self.live_hubs = live
+        if self.on_live_hubs is not None:
+            self.on_live_hubs(live)
 
     async def _replay_batch(self, principals: list[ClientPrincipal]) -> dict[ClientPrincipal, list[str]]:
         async with self._pool.connection() as db:
@@ -281,17 +377,31 @@ class Gateway:
             if conns is None or conn not in conns:
                 return
             conns.discard(conn)
+            self._by_socket_id.pop(conn.socket_id, None)
             self._sockets_changed += 1
             metrics.desktop_websocket_connections.dec()
+            if not self.draining:
+                self._spawn(self._forget_socket(conn), name=f"socket-closed-{client_id}")
             if conns:
                 return
             del self._sockets[client_id]
             self.heartbeats.forget(client_id)
+            if self.draining:
+                # Told to reconnect elsewhere within the spread: no offline write, no `client.offline` (nor a
+                # `client.online` when it attaches to the next hub); one that never comes back is marked offline by
+                # the reconciler at its heartbeat timeout, as after a crash. Its socket rows went in one statement.
+                return
             try:
                 await _finished(self._detaching.submit(principal))
             except Exception:
                 log.exception("could not mark the client offline", extra={"client_id": str(client_id)})
         log.info("client disconnected", extra={"client_id": str(client_id), "tenant_id": principal.tenant_id})
+
+    async def _forget_socket(self, conn: Connection) -> None:
+        try:
+            await self._forgetting.submit(conn.socket_id)
+        except Exception:  # its row is deleted with the hub's, if this hub dies first
+            log.exception("could not delete a closed socket's row", extra={"client_id": conn.client_id})
 
     async def _detach_batch(self, principals: list[ClientPrincipal]) -> dict[ClientPrincipal, None]:
         """Offline (one statement; a client this hub still held gets its `client.offline` event) for a batch of
@@ -361,10 +471,12 @@ class Gateway:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.revocation_check_s)
-            if stop.is_set() or not self._sockets:
+            if stop.is_set():
                 continue
             try:
-                await self.revoke_sweep()
+                await self.fleet_sweep()
+                if self._sockets:
+                    await self.revoke_sweep()
             except Exception:
                 log.exception("revocation sweep failed; will retry at the next interval")
 
@@ -392,14 +504,31 @@ class Gateway:
                     with contextlib.suppress(Exception):
                         await conn.ws.ping()
 
-    async def close_all(self) -> None:
-        """SIGTERM: tell every client to go elsewhere (1001 going away); handlers then clean up."""
-        self.closing = True
+    async def close_all(self, *, reconnect_spread_ms: int = 0, deadline_s: float = 10.0) -> int:
+        """SIGTERM: no new sockets; every client is told to reconnect elsewhere after its own delay, drawn from
+        [0, `reconnect_spread_ms`] (`HUB_DRAINING_CLOSE`), so a hub's clients arrive at the others spread out
+        instead of in one storm; handlers then clean up. Close handshakes still open after `deadline_s` are
+        abandoned (the connections are dropped as the process exits). Returns the sockets told."""
+        self.closing = self.draining = True
         conns = self.all_connections()
+        try:  # this replica's socket rows and its place among the live replicas, in one statement
+            async with self._pool.connection() as db:
+                await db.execute(q.HUB_DRAINING, {"hub": self.hub_id})
+        except Exception:  # left to the other replicas' clean-up of a silent one (DEAD_HUB_S)
+            log.exception("could not remove this hub's socket rows while draining")
+        rng = random.Random()
+        closes = []
         for conn in conns:
-            conn.closed_with = GOING_AWAY
-        await asyncio.gather(*(c.ws.close(code=GOING_AWAY, message=b"server shutting down") for c in conns),
-                             return_exceptions=True)
+            conn.closed_with = HUB_DRAINING_CLOSE
+            reason = draining_close_reason(rng.randint(0, max(0, reconnect_spread_ms))).encode()
+            closes.append(asyncio.ensure_future(conn.ws.close(code=HUB_DRAINING_CLOSE, message=reason)))
+        if closes:
+            _, pending = await asyncio.wait(closes, timeout=deadline_s)
+            for close in pending:
+                close.cancel()
+            log.info("draining: every client told to reconnect elsewhere", extra={
+                "sockets": len(conns), "unfinished_closes": len(pending), "spread_ms": reconnect_spread_ms})
+        return len(conns)
 
 
 async def _finished(submitted: Coroutine[Any, Any, V]) -> V:

@@ -59,8 +59,9 @@ class HeartbeatWriter:
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, hub: str, interval_s: float,
                  is_connected: Callable[[uuid.UUID], bool], write_health: WriterHealth | None = None,
-                 refresh_s: float = 0.0) -> None:
+                 refresh_s: float = 0.0, on_revived: Callable[[list[uuid.UUID]], None] | None = None) -> None:
         self._pool = pool
+        self._on_revived = on_revived
         self._timings = write_health or WriterHealth("hub", hub)
         self._hub = hub
         self._interval = interval_s
@@ -110,8 +111,12 @@ class HeartbeatWriter:
         async with self._timings.timed(), self._pool.connection() as conn, pipelined_transaction(conn) as pipe:
             cur = await conn.execute(q.HEARTBEAT_BATCH, {"ids": ids, "hub": self._hub})
             await pipe.sync()
-            for row in await cur.fetchall():  # the clients that were marked offline meanwhile
+            revived = await cur.fetchall()
+            for row in revived:  # the clients that were marked offline meanwhile
                 await emit_lifecycle(conn, "client.online", tenant_id=int(row["tenant_id"]), client_id=row["id"])
+        if revived and self._on_revived is not None:
+            # Their presence moved here with this commit: events routed elsewhere before it are in a replay.
+            self._on_revived([row["id"] for row in revived])
 
     async def _write_health(self, health: dict[uuid.UUID, dict[str, str]]) -> None:
         """Store the reports and release the work they block (module docstring): set-based for the whole flush, or,

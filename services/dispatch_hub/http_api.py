@@ -61,6 +61,11 @@ class UpgradeLimits:
         return address_bucket(client_address(request.remote, request.headers.getall("X-Forwarded-For", ()),
                                              self.trusted_proxies))
 
+    def share_among(self, replicas: int) -> None:
+        """The budgets hold for the fleet: this replica takes its share (the replicas alive, from their sweeps)."""
+        self.by_address.share_among(replicas)
+        self.by_client.share_among(replicas)
+
     def check(self, buckets: TokenBuckets, key: str, what: str) -> None:
         wait = buckets.take(key, time.monotonic())
         if wait is not None:

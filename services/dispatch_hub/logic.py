@@ -176,10 +176,19 @@ class TokenBuckets:
     def __init__(self, rate: float, burst: float, *, max_keys: int = 100_000) -> None:
         if rate <= 0 or burst < 1:
             raise ValueError("a token bucket needs rate > 0 and burst >= 1")
+        self.full_rate = rate
+        self.full_burst = burst
         self.rate = rate
         self.burst = burst
         self.max_keys = max_keys
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
+
+    def share_among(self, replicas: int) -> None:
+        """One replica's share of a fleet-wide budget: the rate divided by the replicas, and the burst (at least
+        one upgrade). Spread over every replica, a key gets the full rate and at most max(burst, replicas) at once."""
+        replicas = max(1, replicas)
+        self.rate = self.full_rate / replicas
+        self.burst = max(1.0, self.full_burst / replicas)
 
     @property
     def tracked_keys(self) -> int:

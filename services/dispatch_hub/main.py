@@ -64,6 +64,7 @@ async def _start(life: Lifetime) -> None:
                                                      router=router))
     health = writer_health(settings, "hub")
     gateway = _gateway(app, settings, pool, amqp, topology, health)
+    gateway.on_live_hubs = app[UPGRADE_LIMITS].share_among
     await gateway.start()
     _install(app, settings, pool, gateway, publisher, health, router)
     life.on_stop(lambda: _drain_gateway(app, pool, gateway))
@@ -106,7 +107,9 @@ async def _drain_gateway(app: web.Application, pool: AsyncConnectionPool[Conn], 
 
 
 async def _close_sockets(app: web.Application) -> None:
-    await app[GATEWAY].close_all()
+    settings = app[SETTINGS]
+    await app[GATEWAY].close_all(reconnect_spread_ms=settings.hub_drain_reconnect_spread_ms,
+                                 deadline_s=settings.hub_drain_deadline_s)
 
 
 def _run_loops(app: web.Application) -> None:

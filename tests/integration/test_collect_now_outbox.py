@@ -14,6 +14,7 @@ from libs.mq.topology import Topology
 from libs.outbox.pump import AmqpPublisher, OutboxPump, PumpConfig
 from tests.support.capture import capture
 from tests.support.collect_now import api_client, business_task, execution, fetch_all, make_world, today
+from tests.support.hub_routing import logical_key
 from tests.support.wait import eventually
 
 
@@ -37,7 +38,7 @@ async def test_collect_now_events_reach_the_broker_in_order(settings: Settings, 
     stop = asyncio.Event()
     pump_task = asyncio.create_task(pump.run(stop))
     try:
-        async with capture(amqp, topology.dispatch_exchange, f"monitor.control.{client}") as controls, \
+        async with capture(amqp, topology.dispatch_exchange, f"#.monitor.control.{client}") as controls, \
                 capture(amqp, topology.lifecycle_exchange, "collect_now.accepted") as lifecycle, \
                 api_client(settings) as http:
             await asyncio.wait_for(pump.listening.wait(), 10)
@@ -60,7 +61,7 @@ async def test_collect_now_events_reach_the_broker_in_order(settings: Settings, 
     assert [(e.task_id, e.control, e.interrupt_generation, e.collect_request_id) for e in events
             if isinstance(e, TaskControl)] == [
         (queued, "cancelled", 1, request_id), (running, "interrupt_requested", 1, request_id)]
-    assert all(m.routing_key == f"monitor.control.{client}" for m in controls.messages)
+    assert all(logical_key(m.routing_key) == f"monitor.control.{client}" for m in controls.messages)
     accepted = msgspec.json.decode(lifecycle.messages[0].body, type=LifecycleEvent)
     assert (accepted.event, accepted.collect_request_id, accepted.client_id) == (
         "collect_now.accepted", request_id, client)

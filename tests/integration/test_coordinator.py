@@ -30,6 +30,7 @@ from tests.integration.test_coordinator_load import collect_now
 from tests.support.capture import capture
 from tests.support.coordinator_runner import run_coordinator
 from tests.support.dispatch_fleet import concurrency_peaks, seed_fleet
+from tests.support.hub_routing import logical_key
 from tests.support.wait import eventually
 
 
@@ -133,7 +134,7 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
     async with amqp.channel() as channel:
         await declare_exchanges(channel, topology)
     # Bind the capture before the coordinator starts: its first dispatch is published within moments.
-    async with capture(amqp, topology.dispatch_exchange, "monitor.#") as cap, run_coordinator(settings) as running:
+    async with capture(amqp, topology.dispatch_exchange, "#.monitor.#") as cap, run_coordinator(settings) as running:
         # Scanner -> tasks -> dispatch: one execution per platform (default limit 1 per tenant account).
         await eventually(lambda: _count(pool, "SELECT count(*) FROM desktop_tasks"), timeout=10,
                          message="first dispatch")
@@ -152,7 +153,8 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
         await eventually(lambda: _ge(len(cap.messages), 3), timeout=10, message="task_available published")
         events = [msgspec.json.decode(m.body, type=TaskAvailable) for m in cap.messages]
         assert {e.task_id for e in events} == {r["id"] for r in rows}
-        assert {m.routing_key for m in cap.messages} == {f"monitor.normal.{r['target_client_id']}" for r in rows}
+        assert {logical_key(m.routing_key) for m in cap.messages} == {
+            f"monitor.normal.{r['target_client_id']}" for r in rows}
 
         # A completion (lifecycle event) frees the platform: the next task goes at once, not on the 60 s tick.
         done = rows[0]
@@ -223,7 +225,7 @@ async def _ge(value: int, expected: int) -> bool:
 
 
 async def _any_key(cap: Any, key: str) -> bool:
-    return any(m.routing_key == key for m in cap.messages)
+    return any(logical_key(m.routing_key) == key for m in cap.messages)
 
 
 async def _prepare(pool: AsyncConnectionPool[Conn], plans: int = 30, **settings: Any) -> Any:

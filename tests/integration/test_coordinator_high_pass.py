@@ -226,7 +226,7 @@ async def test_high_pass_publishes_its_own_task_available_and_leaves_it_to_the_p
     try:
         await listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
         dispatcher = Dispatcher(pool, relay=OutboxRelay(pool, publisher, claimed_by="coordinator-relay"))
-        async with capture(amqp, topology.dispatch_exchange, f"monitor.high.{client}") as cap:
+        async with capture(amqp, topology.dispatch_exchange, f"#.monitor.high.{client}") as cap:
             assert (await dispatcher.run_high_pass(await _settings(pool))).high_dispatched == 1
             await eventually(lambda: cap.messages, message="the high TaskAvailable on the broker")
             event = msgspec.json.decode(cap.messages[0].body, type=TaskAvailable)

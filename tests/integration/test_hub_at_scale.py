@@ -28,6 +28,7 @@ from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.heartbeats import HeartbeatWriter
 from services.dispatch_hub.http_api import GATEWAY
 from tests.support.desktop import dispatch_execution, running_hub
+from tests.support.hub_routing import routed
 from tests.support.wait import eventually
 
 Json = dict[str, Any]
@@ -59,11 +60,12 @@ async def receive(ws: aiohttp.ClientWebSocketResponse) -> Json:
     return event
 
 
-async def publish(amqp: AbstractRobustConnection, topology: Topology, events: dict[str, TaskAvailable]) -> None:
+async def publish(amqp: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
+                  events: dict[str, TaskAvailable]) -> None:
     channel = await amqp.channel()
     exchange = await channel.declare_exchange(topology.dispatch_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
     for key, event in events.items():
-        await exchange.publish(aio_pika.Message(msgspec.json.encode(event)), routing_key=key)
+        await exchange.publish(aio_pika.Message(msgspec.json.encode(event)), routing_key=await routed(pool, key))
     await channel.close()
 
 
@@ -102,7 +104,7 @@ async def test_clients_connecting_together_each_get_their_own_hello_replay_event
 
         # One event per client, each on its own socket only.
         events = {f"monitor.high.{client}": available(client) for _, client, _ in fleet}
-        await publish(amqp, topology, events)
+        await publish(amqp, topology, pool, events)
         for ws, (_, client, _) in zip(sockets, fleet, strict=True):
             assert (await receive(ws))["task_id"] == str(events[f"monitor.high.{client}"].task_id)
 
@@ -123,9 +125,9 @@ async def test_clients_connecting_together_each_get_their_own_hello_replay_event
         assert gateway.detaching.calls < len(fleet), "the disconnects shared a batch"
 
 
-async def test_every_hub_takes_every_event_and_forwards_only_its_own_sockets(
+async def test_each_hub_receives_only_the_events_of_the_clients_it_holds(
         settings: Settings, http: aiohttp.ClientSession, seed: Json, amqp: AbstractRobustConnection,
-        topology: Topology) -> None:
+        topology: Topology, pool: AsyncConnectionPool[Conn]) -> None:
     (_, here, here_token), (_, there, there_token), (_, nowhere, _) = clients(seed)[:3]
     async with running_hub(settings) as hub_a, running_hub(settings) as hub_b:
         ws_a, ws_b = await connect(http, hub_a, here_token), await connect(http, hub_b, there_token)
@@ -135,15 +137,48 @@ async def test_every_hub_takes_every_event_and_forwards_only_its_own_sockets(
                 await receive(ws)
         events = {f"monitor.high.{here}": available(here), f"monitor.control.{there}": available(there),
                   f"publish.{nowhere}": available(nowhere)}
-        await publish(amqp, topology, events)
+        await publish(amqp, topology, pool, events)
         assert (await receive(ws_a))["task_id"] == str(events[f"monitor.high.{here}"].task_id)
         assert (await receive(ws_b))["task_id"] == str(events[f"monitor.control.{there}"].task_id)
         gateway_a, gateway_b = hub_a.app[GATEWAY], hub_b.app[GATEWAY]
-        await eventually(lambda: gateway_a.for_other_hubs == 2 and gateway_b.for_other_hubs == 2,
-                         message="each hub dropped the events of the other hub's client and of the offline one")
-        assert (gateway_a.forwarded, gateway_b.forwarded) == (1, 1)
+        # Neither hub took the other's event, nor the one of the client no hub holds.
+        assert (gateway_a.received, gateway_b.received) == (1, 1)
+        assert (gateway_a.for_other_hubs, gateway_b.for_other_hubs) == (0, 0)
         await ws_a.close()
         await ws_b.close()
+
+
+async def test_a_client_moving_to_another_hub_misses_nothing(
+        settings: Settings, http: aiohttp.ClientSession, seed: Json, amqp: AbstractRobustConnection,
+        topology: Topology, pool: AsyncConnectionPool[Conn]) -> None:
+    """The event of a task dispatched while the client moves is routed to the hub it left (dropped there): the
+    replay on the new hub carries the task, and the next event goes to the new hub."""
+    tenant, client, token = clients(seed)[0]
+    platform = seed["platforms"][0]["ai_platform_id"]
+    async with running_hub(settings) as hub_a, running_hub(settings) as hub_b:
+        ws = await connect(http, hub_a, token)
+        hello = await receive(ws)
+        assert hello["hub_instance"] == hub_a.app[GATEWAY].hub_id
+        for _ in range(hello["replayed_available"] + hello["replayed_controls"]):
+            await receive(ws)
+        await ws.close()
+        async with pool.connection() as conn:
+            missed = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client,
+                                              lane="high", generation=1)
+        gone = available(client)
+        await publish(amqp, topology, pool, {f"monitor.high.{client}": gone})
+        await eventually(lambda: hub_a.app[GATEWAY].for_other_hubs == 1,
+                         message="the hub the client left took the event and dropped it")
+        ws = await connect(http, hub_b, token)
+        hello = await receive(ws)
+        assert hello["hub_instance"] == hub_b.app[GATEWAY].hub_id
+        replay = [await receive(ws) for _ in range(hello["replayed_available"] + hello["replayed_controls"])]
+        assert str(missed["task_id"]) in [e.get("task_id") for e in replay]
+        later = available(client)
+        await publish(amqp, topology, pool, {f"monitor.high.{client}": later})
+        assert (await receive(ws))["task_id"] == str(later.task_id)
+        assert hub_a.app[GATEWAY].received == 1 and hub_b.app[GATEWAY].received == 1
+        await ws.close()
 
 
 async def test_liveness_is_written_at_most_once_per_refresh_and_a_beat_in_between_is_not_lost(

@@ -1,5 +1,5 @@
 """dispatch-hub WebSocket on real Postgres and RabbitMQ: hello + replay, per-client forwarding,
-bindings per connected client, heartbeats, malformed messages, online/offline, going-away on shutdown."""
+bindings per connected client, heartbeats, malformed messages, online/offline, the drain on shutdown."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from aiohttp.test_utils import TestServer
 from psycopg_pool import AsyncConnectionPool
 
 from libs.config import Settings
-from libs.contracts.wire import TaskAvailable, TaskControl
+from libs.contracts.wire import HUB_DRAINING_CLOSE, TaskAvailable, TaskControl, reconnect_delay_ms
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.mq.topology import Topology
 from tests.support.desktop import dispatch_execution, request_interrupt, running_hub
+from tests.support.hub_routing import routed
 from tests.support.wait import eventually
 
 
@@ -55,11 +56,12 @@ async def receive(ws: aiohttp.ClientWebSocketResponse, timeout: float = 5.0) -> 
     return event
 
 
-async def publish(amqp: AbstractRobustConnection, topology: Topology, routing_key: str,
-                  message: msgspec.Struct) -> None:
+async def publish(amqp: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
+                  routing_key: str, message: msgspec.Struct) -> None:
+    """As the outbox relay publishes it: towards the hub that holds the client (none: no hub gets it)."""
     channel = await amqp.channel()
     exchange = await channel.declare_exchange(topology.dispatch_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
-    await exchange.publish(aio_pika.Message(msgspec.json.encode(message)), routing_key=routing_key)
+    await exchange.publish(aio_pika.Message(msgspec.json.encode(message)), routing_key=await routed(pool, routing_key))
     await channel.close()
 
 
@@ -106,9 +108,9 @@ async def test_hello_then_replay_in_lane_order_then_live_events(
 
     # Live: an event for this client arrives unchanged; one for another client does not.
     other = seed["tenants"][1]["clients"][0]["client_id"]
-    await publish(amqp, topology, f"monitor.high.{other}", available(other))
+    await publish(amqp, topology, pool, f"monitor.high.{other}", available(other))
     event = available(client)
-    await publish(amqp, topology, f"monitor.high.{client}", event)
+    await publish(amqp, topology, pool, f"monitor.high.{client}", event)
     live = await receive(ws)
     assert live == msgspec.json.decode(msgspec.json.encode(event))
     await ws.close()
@@ -132,7 +134,7 @@ async def test_reconnect_replays_what_was_published_while_away(
     async with pool.connection() as conn:
         missed = await dispatch_execution(conn, tenant=tenant, platform_id=platform, client_id=client, lane="high",
                                           generation=2)
-    await publish(amqp, topology, f"monitor.high.{client}", available(client))
+    await publish(amqp, topology, pool, f"monitor.high.{client}", available(client))
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT routing_key FROM outbox WHERE routing_key LIKE 'client.%%' ORDER BY id")
         assert [r["routing_key"] for r in await cur.fetchall()] == ["client.online", "client.offline"]
@@ -157,7 +159,7 @@ async def test_two_sockets_of_one_client_share_a_binding(
     await first.close()
     # The binding stays while one socket is left, and the client stays online.
     event = available(client)
-    await publish(amqp, topology, f"monitor.control.{client}", event)
+    await publish(amqp, topology, pool, f"monitor.control.{client}", event)
     assert (await receive(second))["task_id"] == str(event.task_id)
     assert (await client_row(pool, client))["online"] is True
     await second.close()
@@ -212,18 +214,27 @@ async def test_unauthenticated_socket_is_refused(hub: TestServer, http: aiohttp.
     assert info.value.status == 401
 
 
-async def test_shutdown_closes_sockets_going_away_and_marks_offline(
+async def test_shutdown_drains_sockets_with_a_reconnect_delay_and_writes_no_offline(
         settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
         pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
     tenant = seed["tenants"][0]
     client, token = tenant["clients"][0]["client_id"], tenant["clients"][0]["token"]
-    async with running_hub(settings) as hub:
+    async with running_hub(settings, hub_drain_reconnect_spread_ms=3000) as hub:
         ws = await connect(http, hub, token)
         assert (await receive(ws))["type"] == "hello"
         closing = asyncio.create_task(ws.receive(timeout=10))
     msg = await closing
-    assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 1001
-    assert (await client_row(pool, client))["online"] is False
+    assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == HUB_DRAINING_CLOSE
+    delay = reconnect_delay_ms(msg.extra)
+    assert delay is not None and 0 <= delay <= 3000, msg.extra
+    # Told to reconnect elsewhere at once: no offline write and no client.offline for the leader (a client that
+    # never comes back is marked offline by the reconciler at its heartbeat timeout); its socket rows are gone.
+    assert (await client_row(pool, client))["online"] is True
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) AS n FROM outbox WHERE routing_key = 'client.offline'")
+        assert (await cur.fetchone())["n"] == 0
+        cur = await conn.execute("SELECT count(*) AS n FROM hub_sockets WHERE client_id = %s", (client,))
+        assert (await cur.fetchone())["n"] == 0
 
 
 async def test_one_clients_bad_platform_health_never_fails_another_clients_heartbeat(

@@ -21,6 +21,7 @@ from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.mq.topology import Topology
 from tests.support.desktop import dispatch_execution, request_interrupt, running_hub
+from tests.support.hub_routing import routed
 from tests.support.wait import eventually
 from tools.desktop_sim import TIMING_PROFILES, SimClient, SimOptions
 
@@ -110,7 +111,8 @@ async def test_sim_ignoring_interrupts_finishes_its_task(
         control = TaskControl(kind="monitor", task_id=ex["task_id"], target_client_id=uuid.UUID(client),
                               control="interrupt_requested", reason="collect_now_preempt", interrupt_generation=1,
                               updated_at=datetime.now(UTC))
-        await exchange.publish(aio_pika.Message(msgspec.json.encode(control)), routing_key=f"monitor.control.{client}")
+        await exchange.publish(aio_pika.Message(msgspec.json.encode(control)),
+                               routing_key=await routed(pool, f"monitor.control.{client}"))
         await channel.close()
         await eventually(lambda: _done(sim, 1), timeout=15, message="task finished despite the interrupt")
         assert sim.stats.aborted == []

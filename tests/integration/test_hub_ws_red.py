@@ -29,6 +29,7 @@ from libs.demo import seed_demo
 from libs.mq.topology import Topology
 from libs.telemetry import metrics
 from tests.support.desktop import dispatch_execution, running_hub
+from tests.support.hub_routing import routed
 from tests.support.wait import eventually
 
 
@@ -69,12 +70,14 @@ async def _receive(ws: aiohttp.ClientWebSocketResponse) -> dict[str, Any]:
     return event
 
 
-async def _publish(amqp: AbstractRobustConnection, topology: Topology, client: str) -> None:
+async def _publish(amqp: AbstractRobustConnection, topology: Topology, pool: AsyncConnectionPool[Conn],
+                   client: str) -> None:
     channel = await amqp.channel()
     exchange = await channel.declare_exchange(topology.dispatch_exchange, aio_pika.ExchangeType.TOPIC, durable=True)
     event = TaskAvailable(kind="monitor", task_id=uuid.uuid4(), target_client_id=uuid.UUID(client), priority=5000,
                           lane="high", interrupt_generation=1, updated_at=datetime.now(UTC))
-    await exchange.publish(aio_pika.Message(msgspec.json.encode(event)), routing_key=f"monitor.high.{client}")
+    await exchange.publish(aio_pika.Message(msgspec.json.encode(event)),
+                           routing_key=await routed(pool, f"monitor.high.{client}"))
     await channel.close()
 
 
@@ -97,7 +100,7 @@ async def test_live_events_are_timed_from_the_hubs_consumer_to_the_socket_and_th
         assert _sample("desktop_ws_delivery_seconds_count") == delivered, "hello and replay are no live delivery"
 
         for _ in range(3):
-            await _publish(amqp, topology, client)
+            await _publish(amqp, topology, pool, client)
             assert (await _receive(ws))["type"] == "task_available"
         await eventually(lambda: _sample("desktop_ws_delivery_seconds_count") == delivered + 3,
                          message="every live event timed once")

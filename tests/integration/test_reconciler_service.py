@@ -57,7 +57,7 @@ async def test_leader_runs_jobs_publishes_events_and_hands_over(
 ) -> None:
     env = service_env(settings, RECONCILER_INTERVALS=FAST)
     async with capture(amqp, topology.lifecycle_exchange, "#") as lifecycle, \
-            capture(amqp, topology.dispatch_exchange, "monitor.control.#") as controls:
+            capture(amqp, topology.dispatch_exchange, "#.monitor.control.#") as controls:
         procs.append(ServiceProcess("outbox-pump", env, log_dir=tmp_path).start())
         first = ServiceProcess("reconciler", env, log_dir=tmp_path).start()
         procs.append(first)

@@ -29,9 +29,10 @@ class _Message:
         self.body = msgspec.json.encode(LifecycleEvent(event=event, tenant_id=tenant_id,  # type: ignore[arg-type]
                                                        occurred_at=datetime.now(UTC)))
         self.acked = False
+        self.multiple = False
 
-    async def ack(self) -> None:
-        self.acked = True
+    async def ack(self, multiple: bool = False) -> None:
+        self.acked, self.multiple = True, multiple
 
 
 class _FakeDispatcher:
@@ -237,3 +238,28 @@ async def test_a_completion_wakes_no_pass_when_its_tenant_has_nothing_pending() 
         loop.clock.advance(0.01)
         await fake.read_pairs({(2, 7)})  # the next read (which would list that high work)
         assert not await woken(1)
+
+
+async def test_a_storm_of_client_online_events_is_one_wake_up_and_one_ack() -> None:
+    async with _running() as loop:
+        passes = loop.dispatcher.full_passes
+        storm = [_Message("client.online", tenant_id=n % 7 + 1) for n in range(1000)]
+        await loop.coordinator.handle_lifecycle_batch("dlq", storm)  # type: ignore[arg-type]
+        await loop.idle()
+        assert loop.dispatcher.full_passes == passes + 1
+        acked = [m for m in storm if m.acked]
+        assert acked == [storm[-1]] and storm[-1].multiple, "one ack settles the batch"
+
+
+async def test_clients_coming_online_wake_no_pass_when_their_tenants_have_nothing_pending() -> None:
+    async with _running() as loop:
+        fake = loop.dispatcher
+        await loop.idle()
+        await fake.read_pairs({(2, 7)})
+        passes = fake.full_passes
+        storm = [_Message("client.online", tenant_id=1) for _ in range(500)]
+        await loop.coordinator.handle_lifecycle_batch("dlq", storm)  # type: ignore[arg-type]
+        await loop.idle()
+        assert fake.full_passes == passes, "a storm of a tenant with nothing pending costs no pass"
+        await loop.handle(_Message("client.online", tenant_id=2))
+        assert fake.full_passes == passes + 1, "a client of a tenant with pending work may take it"

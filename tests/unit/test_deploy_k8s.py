@@ -406,6 +406,8 @@ def test_termination_grace_covers_drain_and_prestop(service: str) -> None:
     deployment = _by_kind("Deployment")[service]
     container = _container(deployment)
     drain = float(_configmap()["SHUTDOWN_GRACE_SECONDS"])
+    if service == "dispatch-hub":  # its socket drain (4503 to every client) runs before the handlers' grace
+        drain += float(_configmap().get("HUB_DRAIN_DEADLINE_S", Settings().hub_drain_deadline_s))
     pre_stop = 0.0
     hook = container.get("lifecycle", {}).get("preStop")
     if service in HTTP_SERVICES:

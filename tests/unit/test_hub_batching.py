@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from libs.mq.topology import HUB_DISPATCH_KEYS
+from libs.mq.hub_routing import hub_binding, hub_routing_key
+from libs.mq.topology import CLIENT_DISPATCH_KEYS
 from services.dispatch_hub.auth import ClientPrincipal
 from services.dispatch_hub.batching import Batcher
 from services.dispatch_hub.connections import Connection
@@ -177,12 +178,22 @@ async def test_the_pinger_pings_only_silent_sockets_and_closes_the_ones_past_the
     assert beating.pings == 0 and beating.closes == [] and gone.pings == 0
 
 
-def test_the_hub_queue_bindings_cover_every_dispatch_routing_key() -> None:
+def test_the_hub_queue_binding_takes_every_dispatch_key_routed_to_it_and_none_of_another_hub() -> None:
     client = uuid.uuid4()
     keys = [f"monitor.{lane}.{client}" for lane in ("high", "normal", "retry", "control")] + [f"publish.{client}"]
     for key in keys:
-        assert any(_topic_match(pattern, key) for pattern in HUB_DISPATCH_KEYS), key
-        assert client_id_from_routing_key(key) == client
+        assert any(_topic_match(pattern, key) for pattern in CLIENT_DISPATCH_KEYS), key
+        routed = hub_routing_key("pod-a.1", key)
+        assert _hash_match(hub_binding("pod-a.1"), routed), routed
+        assert not _hash_match(hub_binding("pod-a"), routed), routed
+        assert not _hash_match(hub_binding("pod-b.1"), routed), routed
+        assert client_id_from_routing_key(routed) == client_id_from_routing_key(key) == client
+
+
+def _hash_match(pattern: str, key: str) -> bool:
+    """A topic binding ending in `#` (zero or more words), no `*`."""
+    prefix = pattern.removesuffix("#")
+    return key.startswith(prefix)
 
 
 def _topic_match(pattern: str, key: str) -> bool:

@@ -133,3 +133,20 @@ def test_a_yield_wastes_work_only_past_navigating() -> None:
     assert not preempt_wasted_work(None)
     assert not preempt_wasted_work("PREPARING") and not preempt_wasted_work("NAVIGATING")
     assert preempt_wasted_work("AUTHENTICATING") and preempt_wasted_work("WAITING")
+
+
+def test_token_buckets_shared_among_replicas_hold_the_fleet_wide_budget() -> None:
+    """A client spreading its upgrades over four replicas gets, in total, the budget of one (the rate; the burst
+    rounded up to one upgrade a replica)."""
+    from services.dispatch_hub.logic import TokenBuckets
+
+    replicas = [TokenBuckets(rate=1.0, burst=8) for _ in range(4)]
+    for buckets in replicas:
+        buckets.share_among(4)
+    allowed = sum(1 for n in range(40) if replicas[n % 4].take("client", now=0.0) is None)
+    assert allowed == 8, "the burst, fleet-wide"
+    later = sum(1 for n in range(40) if replicas[n % 4].take("client", now=4.0) is None)
+    assert later == 4, "four seconds at 1/s, fleet-wide"
+    for buckets in replicas:
+        buckets.share_among(1)
+    assert replicas[0].take("other", now=0.0) is None and replicas[0].burst == 8

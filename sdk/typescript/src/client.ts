@@ -11,7 +11,7 @@ import type {
 import { SUPPORTED_MAJORS } from './generated/protocol.js';
 import { HubHttp, HubHttpError, sleep } from './http.js';
 import {
-  DEFAULT_BACKOFF, NOT_STARTED, PREEMPT_REASON, SAFE_POINT_BEFORE, STOP_CLOSE_CODES, acceptsGeneration, backoffDelay,
+  DEFAULT_BACKOFF, NOT_STARTED, PREEMPT_REASON, SAFE_POINT_BEFORE, STOP_CLOSE_CODES, acceptsGeneration, backoffDelay, drainDelayMs,
   leaseTokenEpoch, yieldsAt, type BackoffOptions, type ExecutionPhase,
 } from './rules.js';
 
@@ -74,7 +74,7 @@ interface ActiveTask {
 }
 
 type SocketOutcome =
-  | { kind: 'closed'; code: number; greeted: boolean }
+  | { kind: 'closed'; code: number; greeted: boolean; reason?: string }
   | { kind: 'refused'; status: number; body: ErrorBody | null; retryAfterS: number | null };
 
 export interface DesktopClient {
@@ -179,8 +179,11 @@ export class DesktopClient extends EventEmitter {
         const stop = STOP_CLOSE_CODES.get(outcome.code);
         if (stop) return this.refuse({ reason: stop, code: outcome.code });
         if (outcome.greeted) attempt = 0;  // a socket that got its hello was healthy: start the backoff over
-        // A hub going away (1001) is a deploy: the first reconnect goes at once, to whichever hub answers.
-        delayMs = outcome.code === 1001 && attempt === 0 ? 0 : backoffDelay(attempt++, this.options.backoff, this.options.random);
+        // A hub going away (1001) is a deploy: the first reconnect goes at once, to whichever hub answers; a
+        // draining one (4503) names the delay it drew for this socket.
+        const drain = drainDelayMs(outcome.code, outcome.reason ?? '');
+        if (drain !== null && attempt === 0) delayMs = drain;
+        else delayMs = outcome.code === 1001 && attempt === 0 ? 0 : backoffDelay(attempt++, this.options.backoff, this.options.random);
       }
       await sleep(delayMs, this.stopping.signal);
     }
@@ -237,7 +240,7 @@ export class DesktopClient extends EventEmitter {
         this.onServerEvent(event);
       });
       ws.on('error', (error) => { this.emit('failure', error); });
-      ws.on('close', (code) => settle({ kind: 'closed', code, greeted }));
+      ws.on('close', (code, reason) => settle({ kind: 'closed', code, greeted, reason: reason.toString() }));
       if (this.stopping.signal.aborted) ws.close(1000, 'client stopping');
     });
   }

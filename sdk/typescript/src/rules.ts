@@ -24,6 +24,17 @@ export const STOP_CLOSE_CODES: ReadonlyMap<number, string> = new Map([
   [4401, 'token_rotated'], [4403, 'client_disabled'], [4409, 'replaced'], [1010, 'mandatory_extension'],
 ]);
 
+/** A draining hub (SIGTERM) closes with 4503 and names the delay before reconnecting in the reason
+ * (`draining; reconnect after <N> ms`, N spread per socket so a hub's clients do not arrive elsewhere at once). */
+export const DRAINING_CLOSE = 4503;
+
+/** The delay a draining hub's close reason names, or null when it names none (reconnect with backoff). */
+export function drainDelayMs(code: number, reason: string): number | null {
+  if (code !== DRAINING_CLOSE) return null;
+  const match = /^draining; reconnect after (\d+) ms$/.exec(reason);
+  return match ? Number(match[1]) : null;
+}
+
 /** Act on an event only when its generation is at least the last one seen for the task. */
 export function acceptsGeneration(eventGeneration: number, lastSeen: number): boolean {
   return eventGeneration >= lastSeen;

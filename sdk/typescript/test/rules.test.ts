@@ -1,7 +1,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { acceptsGeneration, backoffDelay, leaseTokenEpoch, PHASES, SAFE_POINT_BEFORE, yieldsAt } from '../src/rules.js';
+import { acceptsGeneration, backoffDelay, drainDelayMs, leaseTokenEpoch, PHASES, SAFE_POINT_BEFORE, yieldsAt } from '../src/rules.js';
 
 test('backoff doubles up to its cap, with jitter in [50%, 100%)', () => {
   const options = { baseMs: 100, maxMs: 1000 };
@@ -27,4 +27,11 @@ test('desktop_tasks work yields only before a safe point; legacy work only befor
 test('a lease token carries its epoch', () => {
   assert.equal(leaseTokenEpoch('lt1.7.abc'), 7);
   assert.equal(leaseTokenEpoch('opaque'), null);
+});
+
+test('a draining hub names the reconnect delay in its close reason; other closes name none', () => {
+  assert.equal(drainDelayMs(4503, 'draining; reconnect after 2750 ms'), 2750);
+  assert.equal(drainDelayMs(4503, 'draining'), null);
+  assert.equal(drainDelayMs(1001, 'draining; reconnect after 2750 ms'), null);
+  assert.equal(drainDelayMs(4503, 'draining; reconnect after -5 ms'), null);
 });
