@@ -30,6 +30,7 @@ from libs.contracts.http import (
 )
 from libs.contracts.wire import (
     FIELDS_SINCE,
+    HUB_DRAINING_CLOSE,
     PROTOCOL_VERSION,
     SUPPORTED_MAJORS,
     ErrorEvent,
@@ -46,7 +47,6 @@ from services.dispatch_hub.gateway import (
     CLIENT_DISABLED_CLOSE,
     GOING_AWAY,
     HEARTBEAT_TIMEOUT_CLOSE,
-    HUB_DRAINING_CLOSE,
     REPLACED_CLOSE,
     REPLAY_LIMIT,
     TOKEN_ROTATED_CLOSE,

@@ -673,6 +673,12 @@ class IngestWorker:
                     m.monitoring_pg_write_qps.set(rate)
             except (psycopg.Error, OSError, *BROKER_ERRORS) as exc:
                 log.warning("ingest housekeeping failed; retrying", extra={"error": str(exc)[:300]})
+            except RuntimeError as exc:
+                # aio-pika's "Connection was not opened": a channel asked for while the broker is away (the
+                # robust connection reconnects by itself). Anything else is a bug and stops the service.
+                if self.connection.connected.is_set():
+                    raise
+                log.warning("ingest housekeeping: the broker is away; retrying", extra={"error": str(exc)[:300]})
             recent = time.monotonic() - 5.0
             m.ingest_active_shards.set(sum(1 for s in self.consumers.values() if s.last_delivery_at > recent))
             with contextlib.suppress(TimeoutError):

@@ -73,6 +73,9 @@ async def test_the_broker_away_holds_the_outbox_and_drains_when_it_returns(
                 assert held.get("dead_letter", 0) == 0, held
                 assert held.get("queued", 0) + held.get("retryable", 0) + held.get("running", 0) > 0, held
             cleared_at = time.monotonic()
+            for name, proc in stack.procs.items():
+                assert proc.proc is not None and proc.proc.poll() is None, \
+                    f"{name} died while the broker was away:\n{proc.logs()[-3000:]}"
             expected = sum(click["promoted_task_count"] for click in clicks)
             try:
                 async def delivered() -> bool:

@@ -99,6 +99,8 @@ class ServiceProcess:
 
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
+            if self._log:
+                self._log.close()
             return self.proc.returncode if self.proc else None
         self.proc.send_signal(signal.SIGTERM)
         try:
