@@ -43,6 +43,7 @@ normal before retry). The per-tenant minute budget caps the big tenant on top of
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -418,3 +419,46 @@ def normal_client_room(clients: Sequence[ClientState]) -> tuple[dict[int, int], 
         elif client.tenant_id not in refused:
             refused[client.tenant_id] = reason
     return room, {tenant: reason for tenant, reason in refused.items() if tenant not in room}
+
+
+# A full pass reads at most this many candidates per task it may dispatch (see `pair_read_window`).
+CANDIDATE_ROWS_PER_DISPATCH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PairRead:
+    """How many ready tasks of one (tenant, platform) in one lane a pass reads."""
+
+    tenant_id: int
+    ai_platform_id: int
+    k: int
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return (self.tenant_id, self.ai_platform_id)
+
+
+def pair_read_window(reads: Sequence[PairRead], after: tuple[int, int] | None,
+                     budget_rows: int) -> tuple[list[PairRead], tuple[int, int] | None]:
+    """Which pairs of one lane a full pass reads, so that its candidate reads follow what it can dispatch, not how many
+    pairs have work: at most about `budget_rows` rows, each pair's `k` cut to a fair share of them (the rows over the
+    pairs, plus two to look past a bound task whose client is busy), starting after the pair `after` (the last one the
+    previous pass read, in (tenant, platform) order) and wrapping around: a round-robin over the pairs with room, a
+    window of them per pass. `reads` in (tenant, platform) order. Returns the window and the cursor for the next pass.
+
+    A few pairs (a small system) are all read, up to their `k`, every pass; thousands (10,000 tenants) are read a window
+    per pass, every pair in turn."""
+    if not reads or budget_rows <= 0:
+        return [], after
+    share = math.ceil(budget_rows / len(reads)) + 2
+    start = bisect_right([r.pair for r in reads], after) if after is not None else 0
+    window: list[PairRead] = []
+    rows = 0
+    for i in range(len(reads)):
+        read = reads[(start + i) % len(reads)]
+        k = min(read.k, share)
+        window.append(PairRead(read.tenant_id, read.ai_platform_id, k))
+        rows += k
+        if rows >= budget_rows:
+            break
+    return window, window[-1].pair

@@ -32,15 +32,18 @@ from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.dispatch import (
+    CANDIDATE_ROWS_PER_DISPATCH,
     LANE_ORDER,
     Candidate,
     ClientState,
     Decision,
     Ledger,
+    PairRead,
     PassLimits,
     PassResult,
     normal_client_room,
     pair_fetch_limit,
+    pair_read_window,
     plan_pass,
     retry_allowed,
     window_start,
@@ -74,6 +77,8 @@ WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
     q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, business.COUNT_DISPATCH_ATTEMPTS,
     executions.INSERT_EXECUTIONS, collect_requests.MARK_DISPATCHED)]
 PER_PAIR_CAP = 50
+# A lane whose pairs' windows found fewer candidates than the pass's budget reads at most this many windows a pass.
+WINDOWS_PER_LANE = 3
 # A full pass reads its normal candidates in statements of about this many rows (see `read_candidates`).
 CANDIDATE_CHUNK_ROWS = 100
 
@@ -262,6 +267,9 @@ class Dispatcher:
         self._pause_labels: set[tuple[str, str, str]] = set()  # monitor_tenant_platform_paused series
         # (window length, window start) the budget ledger was last checked for (see `_ensure_ledger`).
         self._ledger_window: tuple[int, float] = (0, 0.0)
+        # Per lane, the last (tenant, platform) a full pass read candidates of: the next pass reads on from there
+        # (`read_candidates`, libs.domain.dispatch.pair_read_window).
+        self._read_after: dict[str, tuple[int, int] | None] = {}
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
@@ -330,10 +338,7 @@ class Dispatcher:
             return found  # non-high cannot go this pass: no need to read its candidates
         lanes = [lane for lane in LANE_ORDER if lane != "high" and lane not in limits.paused_lanes]
         client_room, refused = normal_client_room(snap.clients)
-        tenants: list[int] = []
-        platforms: list[int] = []
-        pair_lanes: list[str] = []
-        ks: list[int] = []
+        by_lane: dict[str, list[PairRead]] = {lane: [] for lane in lanes}
         for tenant_id, platform_id in sorted(self.pairs):
             room = snap.ledger.platform_room(tenant_id, platform_id)
             tenant_room = limits.tenant_per_window - snap.ledger.tenant_used.get(tenant_id, 0)
@@ -355,11 +360,30 @@ class Dispatcher:
                 k = pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch),
                                      client_room=client_room[tenant_id])
                 if k > 0:
-                    tenants.append(tenant_id)
-                    platforms.append(platform_id)
-                    pair_lanes.append(lane)
-                    ks.append(k)
-        await self._read_pairs(conn, tenants, platforms, pair_lanes, ks, found)
+                    by_lane[lane].append(PairRead(tenant_id, platform_id, k))
+        # Candidate rows in lane order, bounded by what the pass may still dispatch: each lane reads windows of its
+        # pairs after the ones the last pass read (libs.domain.dispatch.pair_read_window), at most
+        # WINDOWS_PER_LANE of them while the rows found fall short of the budget (pairs without work in the lane).
+        # Not less for the high candidates found: while high has work, normal keeps its background share of the
+        # window, which the planner can only give when normal candidates were read.
+        budget_rows = CANDIDATE_ROWS_PER_DISPATCH * batch
+        reads = 0
+        for lane in lanes:
+            visited = 0
+            for _ in range(WINDOWS_PER_LANE):
+                if budget_rows <= 0 or visited >= len(by_lane[lane]):
+                    break
+                window, _ = pair_read_window(by_lane[lane], self._read_after.get(lane), budget_rows)
+                window = window[:len(by_lane[lane]) - visited]  # a pair is read once a pass
+                self._read_after[lane] = window[-1].pair
+                visited += len(window)
+                before = len(found[lane])
+                if reads:
+                    self._yield_to_high()  # between two reads, as between the chunks of one
+                reads += 1
+                await self._read_pairs(conn, [r.tenant_id for r in window], [r.ai_platform_id for r in window],
+                                       [lane] * len(window), [r.k for r in window], found)
+                budget_rows -= len(found[lane]) - before
         return found
 
     async def _read_pairs(self, conn: Conn, tenants: list[int], platforms: list[int], lanes: list[str],
