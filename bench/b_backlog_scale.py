@@ -10,7 +10,9 @@ size, default 100), BACKLOG_WINDOW_RATE (executions per minute already in the bu
 BACKLOG_TENANTS (a fixed number of tenants, at least 10: with BACKLOG_TENANTS=10 BACKLOG_WINDOW_RATE=0 the clicks part
 is `bench collect_now`'s loaded scenario with a larger backlog), BACKLOG_EXPLAIN_OUT (a file for the full plans of
 `explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's
-top node, buffers and scans).
+top node, buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many business days before the backlog's, every
+business key finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the
+tables' rows and sizes are printed after the load). 10,000 tenants: BACKLOG_TENANTS=10000.
 
 Per size one fresh database, bulk-loaded with INSERT .. SELECT generate_series: tenants = size / 1,000 (at least
 10, at most 1,000), each with a brand, 10 questions, 3 platforms and one desktop client; the ready normal backlog
@@ -142,6 +144,34 @@ FROM (SELECT m.*, now() + (random() * 20 - 10) * interval '1 minute' AS created 
 JOIN unnest(%(tenants)s::bigint[], %(clients)s::uuid[]) AS c(tenant_id, client_id) ON c.tenant_id = m.tenant_id
 ORDER BY m.created
 """
+# A year of history (BACKLOG_HISTORY_DAYS): every finished task older than the windows' gets a succeeded execution
+# created on its business day, and an attempt.
+_HISTORY_EXECUTIONS = """
+INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
+                           source, monitor_task_id, enqueued_at, brand_id, question_id, ai_platform_id, business_date,
+                           lease_epoch, created_at, updated_at, started_at, finished_at)
+SELECT gen_random_uuid(), 'monitor', m.tenant_id, m.workspace_id, c.client_id, 'succeeded', 100, 'normal',
+       %(weight)s, 'daily_schedule', m.id, m.business_date + time '03:00', m.brand_id, m.question_id,
+       m.ai_platform_id, m.business_date, 1, m.business_date + time '03:00', m.business_date + time '03:05',
+       m.business_date + time '03:01', m.business_date + time '03:05'
+FROM monitoring_collect_tasks m
+JOIN unnest(%(tenants)s::bigint[], %(clients)s::uuid[]) AS c(tenant_id, client_id) ON c.tenant_id = m.tenant_id
+WHERE m.status = 'completed' AND m.business_date <= current_date - %(before)s
+ORDER BY m.business_date
+"""
+_HISTORY_ATTEMPTS = """
+INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status, started_at,
+                                   finished_at)
+SELECT d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, 1, 'succeeded', d.started_at, d.finished_at
+FROM desktop_tasks d WHERE d.created_at < now() - interval '1 day' AND d.status = 'succeeded'
+"""
+_TABLE_SIZES = """
+SELECT c.relname AS name, greatest(c.reltuples, 0)::bigint AS n, pg_total_relation_size(c.oid) AS bytes
+FROM pg_class c
+WHERE c.relname IN ('monitoring_collect_tasks', 'desktop_tasks', 'desktop_task_attempts', 'legacy_leases',
+                    'monitoring_collect_requests')
+ORDER BY 1
+"""
 _CLIENTS_ONLINE = """
 UPDATE desktop_clients SET online = %(online)s, last_heartbeat_at = now(), connected_hub = 'bench'
 WHERE tenant_id = ANY(%(tenants)s::bigint[])
@@ -211,6 +241,9 @@ async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: i
         if bulk_ids:
             for statement in (_BULK_BRANDS, _BULK_QUESTIONS, _BULK_TENANT_PLATFORMS, _BULK_CLIENTS):
                 await conn.execute(statement, {"tenants": bulk_ids, "q": QUESTIONS, "platforms": platforms})
+        # Statistics for the per-tenant lookup below (at 10,000 tenants, without them, a scan of every client per
+        # tenant ran into the statement timeout).
+        await conn.execute("ANALYZE tenants, brands, desktop_clients, monitoring_questions")
         cur = await conn.execute(_TENANTS, {"tenants": fleet_ids + bulk_ids})
         rows = await cur.fetchall()
         tenant_ids: list[int] = [r["tenant_id"] for r in rows]
@@ -225,16 +258,30 @@ async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: i
                                     "first_day": 2 + size // per_day})
         await conn.execute(_WINDOW_EXECUTIONS, {"tenants": tenant_ids, "weight": lane_weight("monitor", "normal"),
                                                 "clients": [r["client_id"] for r in rows]})
+        history_days = int(os.environ.get("BACKLOG_HISTORY_DAYS", "0"))
+        if history_days:
+            first = 2 + size // per_day + finished // per_day + 1
+            await conn.execute(_TASKS, {**shape, "n": per_day * history_days, "status": "completed",
+                                        "first_day": first})
+            await conn.execute(_HISTORY_EXECUTIONS, {"tenants": tenant_ids, "clients": [r["client_id"] for r in rows],
+                                                     "weight": lane_weight("monitor", "normal"),
+                                                     "before": first})
+            await conn.execute(_HISTORY_ATTEMPTS)
         await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
                            "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
         await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
         await conn.execute("VACUUM ANALYZE")
         cur = await conn.execute("SELECT count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending'")
         ready = (await cur.fetchone() or {"n": 0})["n"]
+        cur = await conn.execute(_TABLE_SIZES)
+        sizes = await cur.fetchall()
     finally:
         await conn.close()
     print(f"  {size:,}: {ready:,} ready tasks over {len(rows)} tenants, {finished:,} executions in the windows "
           f"around now; loaded in {time.perf_counter() - started:.0f} s", flush=True)
+    for r in sizes:  # what a year of history weighs: rows, bytes with indexes, bytes a row
+        print(f"  {size:,}: table {r['name']}: {r['n']:,} rows, {r['bytes'] / 2**20:,.1f} MiB with its indexes, "
+              f"{r['bytes'] / max(1, r['n']):,.0f} bytes a row", flush=True)
     return {"probe": probe["tenants"][0], "probe_platform": probe["platforms"][0]["ai_platform_id"],
             "background": fleet, "platforms": platforms,
             "tenants": [*tenant_ids, probe["tenants"][0]["tenant_id"]], "backlog_tenants": tenant_ids}
