@@ -325,6 +325,8 @@ async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, wo
         await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
     outcome = await _timed(timings, "full pass", lambda: dispatcher.run_pass(settings))
     timings["full pass dispatched"].append(outcome.dispatched)
+    timings["full pass candidate statements"].append(dispatcher.candidate_reads.statements)
+    timings["full pass candidate rows"].append(dispatcher.candidate_reads.rows)
     async with pool.connection() as conn:
         await conn.execute(_FINISH_EXECUTIONS)
         await _promote(conn, world, n + 1)
@@ -564,6 +566,8 @@ _ROWS = (
     ("high pass (one promoted task), p50 / p95", "high pass", 95),
     ("full pass, p50 / p95", "full pass", 95),
     ("  tasks dispatched by a full pass, p50 / p95", "full pass dispatched", 95),
+    ("  candidate statements of a full pass, p50 / p95", "full pass candidate statements", 95),
+    ("  candidate rows read by a full pass, p50 / p95", "full pass candidate rows", 95),
     ("budget read, p50 / p95", "budget read", 95),
     ("backlog gauges (one maintenance tick), p50 / p95", "backlog gauges", 95),
     ("scanner (300 due plans), p50 / p95", "scanner", 95),

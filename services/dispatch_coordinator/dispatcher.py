@@ -113,6 +113,15 @@ class Snapshot:
 
 
 @dataclass(slots=True)
+class CandidateReads:
+    """A full pass's normal-lane candidate reads: statements, (tenant, platform, lane) probes, rows returned."""
+
+    statements: int = 0
+    pairs: int = 0
+    rows: int = 0
+
+
+@dataclass(slots=True)
 class PassOutcome:
     dispatched: int = 0
     high_dispatched: int = 0
@@ -270,6 +279,7 @@ class Dispatcher:
         # Per lane, the last (tenant, platform) a full pass read candidates of: the next pass reads on from there
         # (`read_candidates`, libs.domain.dispatch.pair_read_window).
         self._read_after: dict[str, tuple[int, int] | None] = {}
+        self.candidate_reads = CandidateReads()  # what the last full pass's candidate read cost (the benchmark's)
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
@@ -330,6 +340,7 @@ class Dispatcher:
         raises Preempted when the pass should yield to waiting high work (see `_yield_to_high`)."""
         batch = max(1, settings.dispatch_batch_size)
         found: dict[str, list[Candidate]] = defaultdict(list)
+        self.candidate_reads = CandidateReads()
         if "high" not in limits.paused_lanes:
             cur = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
             for r in await cur.fetchall():
@@ -402,8 +413,12 @@ class Dispatcher:
             cur = await conn.execute(q.PAIR_CANDIDATES, {
                 "tenants": tenants[start:end], "platforms": platforms[start:end], "lanes": lanes[start:end],
                 "limits": ks[start:end]})
-            for r in await cur.fetchall():
+            rows = await cur.fetchall()
+            for r in rows:
                 found[r["lane"]].append(_candidate(r))
+            self.candidate_reads.statements += 1
+            self.candidate_reads.pairs += end - start
+            self.candidate_reads.rows += len(rows)
             start = end
 
     def _report_pauses(self, snap: Snapshot) -> None:
