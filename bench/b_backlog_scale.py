@@ -122,12 +122,13 @@ ORDER BY t.id
 _TASKS = """
 INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
     status, dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner, enqueued_at, completed_at)
-SELECT t.tenant_id, t.workspace_id, t.brand_id, (%(questions)s::bigint[])[g.ti * %(q)s + g.qi + 1],
+SELECT t.tenant_id, t.workspace_id, t.brand_id, (%(questions)s::bigint[])[g.ti * %(q)s::bigint + g.qi + 1],
        (%(platforms)s::bigint[])[g.pi + 1], g.day, %(status)s::text, 100, 'normal',
        t.tenant_id || ':' || t.brand_id || ':' || to_char(g.day, 'YYYY-MM-DD'), 'desktop_tasks',
        now() - random() * interval '1 hour', CASE WHEN %(status)s::text = 'completed' THEN now() END
-FROM (SELECT i %% %(t)s AS ti, (i / %(t)s) %% %(p)s AS pi, (i / (%(t)s * %(p)s)) %% %(q)s AS qi,
-             current_date - %(first_day)s - (i / (%(t)s * %(p)s * %(q)s))::int AS day
+FROM (SELECT i %% %(t)s::bigint AS ti, (i / %(t)s::bigint) %% %(p)s::bigint AS pi,
+             (i / (%(t)s::bigint * %(p)s::bigint)) %% %(q)s::bigint AS qi,
+             current_date - %(first_day)s - (i / (%(t)s::bigint * %(p)s::bigint * %(q)s::bigint))::int AS day
       FROM generate_series(0, %(n)s - 1) i) g
 JOIN unnest(%(tenants)s::bigint[], %(workspaces)s::bigint[], %(brands)s::bigint[]) WITH ORDINALITY
      AS t(tenant_id, workspace_id, brand_id, k) ON t.k = g.ti + 1

@@ -44,8 +44,9 @@ SELECT b.tenant_id, b.workspace_id, b.id, q.ids[g.qi + 1], (%(p)s::bigint[])[g.p
        CASE WHEN %(status)s::text = 'pending' THEN now() - random() * interval '1 hour' ELSE g.day + time '03:00' END,
        CASE WHEN %(status)s::text = 'completed' THEN g.day + time '04:00' END,
        CASE WHEN %(status)s::text = 'pending' THEN now() ELSE g.day + time '03:00' END
-FROM (SELECT i %% %(nt)s AS ti, (i / %(nt)s) %% %(np)s AS pi, (i / (%(nt)s * %(np)s)) %% %(q)s AS qi,
-             current_date - %(first_day)s - (i / (%(nt)s * %(np)s * %(q)s))::int AS day
+FROM (SELECT i %% %(nt)s::bigint AS ti, (i / %(nt)s::bigint) %% %(np)s::bigint AS pi,
+             (i / (%(nt)s::bigint * %(np)s::bigint)) %% %(q)s::bigint AS qi,
+             current_date - %(first_day)s - (i / (%(nt)s::bigint * %(np)s::bigint * %(q)s::bigint))::int AS day
       FROM generate_series(0, %(n)s - 1) i) g
 JOIN unnest(%(t)s::bigint[]) WITH ORDINALITY AS t(id, k) ON t.k = g.ti + 1
 JOIN brands b ON b.tenant_id = t.id
