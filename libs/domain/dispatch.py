@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 from uuid import UUID
@@ -433,32 +433,33 @@ class PairRead:
     ai_platform_id: int
     k: int
 
-    @property
-    def pair(self) -> tuple[int, int]:
-        return (self.tenant_id, self.ai_platform_id)
 
-
-def pair_read_window(reads: Sequence[PairRead], after: tuple[int, int] | None,
-                     budget_rows: int) -> tuple[list[PairRead], tuple[int, int] | None]:
+def pair_read_window(pairs: Sequence[tuple[int, int]], after: tuple[int, int] | None, budget_rows: int,
+                     k_of: Callable[[int, int], int], *,
+                     max_visits: int | None = None) -> tuple[list[PairRead], tuple[int, int] | None, int]:
     """Which pairs of one lane a full pass reads, so that its candidate reads follow what it can dispatch, not how many
-    pairs have work: at most about `budget_rows` rows, each pair's `k` cut to a fair share of them (the rows over the
-    pairs, plus two to look past a bound task whose client is busy), starting after the pair `after` (the last one the
-    previous pass read, in (tenant, platform) order) and wrapping around: a round-robin over the pairs with room, a
-    window of them per pass. `reads` in (tenant, platform) order. Returns the window and the cursor for the next pass.
+    pairs have work: at most about `budget_rows` rows, each pair's k (`k_of`: how many it could use, 0 when none) cut
+    to a fair share of them (the rows over the pairs, plus two to look past a bound task whose client is busy),
+    starting after the pair `after` (the last one the previous window read, in (tenant, platform) order) and wrapping
+    around: a round-robin over the pairs with room, a window of them per pass. `pairs` sorted; `k_of` is asked only
+    for the pairs the window visits, at most `max_visits` (default: every pair once), so the cost follows the window,
+    not the number of pairs. Returns the window, the cursor for the next window and how many pairs it visited.
 
-    A few pairs (a small system) are all read, up to their `k`, every pass; thousands (10,000 tenants) are read a window
+    A few pairs (a small system) are all read, up to their k, every pass; thousands (10,000 tenants) are read a window
     per pass, every pair in turn."""
-    if not reads or budget_rows <= 0:
-        return [], after
-    share = math.ceil(budget_rows / len(reads)) + 2
-    start = bisect_right([r.pair for r in reads], after) if after is not None else 0
+    if not pairs or budget_rows <= 0:
+        return [], after, 0
+    share = math.ceil(budget_rows / len(pairs)) + 2
+    start = bisect_right(pairs, after) if after is not None else 0
+    limit = len(pairs) if max_visits is None else min(len(pairs), max_visits)
     window: list[PairRead] = []
-    rows = 0
-    for i in range(len(reads)):
-        read = reads[(start + i) % len(reads)]
-        k = min(read.k, share)
-        window.append(PairRead(read.tenant_id, read.ai_platform_id, k))
-        rows += k
-        if rows >= budget_rows:
-            break
-    return window, window[-1].pair
+    rows = visited = 0
+    cursor = after
+    while visited < limit and rows < budget_rows:
+        tenant_id, platform_id = cursor = pairs[(start + visited) % len(pairs)]
+        visited += 1
+        k = min(k_of(tenant_id, platform_id), share)
+        if k > 0:
+            window.append(PairRead(tenant_id, platform_id, k))
+            rows += k
+    return window, cursor, visited

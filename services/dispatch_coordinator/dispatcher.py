@@ -10,6 +10,7 @@ advisory lock, so the budgets read are exactly the budgets spent, even across a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -38,7 +39,6 @@ from libs.domain.dispatch import (
     ClientState,
     Decision,
     Ledger,
-    PairRead,
     PassLimits,
     PassResult,
     normal_client_room,
@@ -79,6 +79,8 @@ WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
 PER_PAIR_CAP = 50
 # A lane whose pairs' windows found fewer candidates than the pass's budget reads at most this many windows a pass.
 WINDOWS_PER_LANE = 3
+# A window visits at most this many pairs per candidate row it may read (those without room are skipped unread).
+VISITS_PER_ROW = 4
 # A full pass reads its normal candidates in statements of about this many rows (see `read_candidates`).
 CANDIDATE_CHUNK_ROWS = 100
 
@@ -349,45 +351,52 @@ class Dispatcher:
             return found  # non-high cannot go this pass: no need to read its candidates
         lanes = [lane for lane in LANE_ORDER if lane != "high" and lane not in limits.paused_lanes]
         client_room, refused = normal_client_room(snap.clients)
-        by_lane: dict[str, list[PairRead]] = {lane: [] for lane in lanes}
-        for tenant_id, platform_id in sorted(self.pairs):
+        seen: set[tuple[int, int]] = set()  # pairs whose blocked reason this pass already counted
+
+        def pair_k(lane: str, tenant_id: int, platform_id: int) -> int:
+            """How many candidates of this pair and lane the pass could use (0: none; a blocked pair's reason counted
+            once a pass)."""
             room = snap.ledger.platform_room(tenant_id, platform_id)
             tenant_room = limits.tenant_per_window - snap.ledger.tenant_used.get(tenant_id, 0)
+            first = (tenant_id, platform_id) not in seen
+            seen.add((tenant_id, platform_id))
             if platform_id in snap.ledger.paused_platforms:
-                continue
+                return 0
             if (tenant_id, platform_id) in snap.ledger.paused_pairs:
-                if blocked is not None:
+                if blocked is not None and first:
                     blocked["tenant_platform_paused"] += 1
-                continue
+                return 0
             if client_room.get(tenant_id, 0) <= 0:
-                if blocked is not None and tenant_room > 0 and room > 0:
+                if blocked is not None and first and tenant_room > 0 and room > 0:
                     blocked[refused.get(tenant_id, "no_eligible_client")] += 1
-                continue
-            for lane in lanes:
-                if lane == "retry" and not retry_allowed(
-                        tenant_id, cluster_high_backlog=self.cluster_high_backlog,
-                        tenant_normal_backlog=self.tenant_normal_backlog, watermark=limits.retry_low_watermark):
-                    continue
-                k = pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch),
-                                     client_room=client_room[tenant_id])
-                if k > 0:
-                    by_lane[lane].append(PairRead(tenant_id, platform_id, k))
+                return 0
+            if lane == "retry" and not retry_allowed(
+                    tenant_id, cluster_high_backlog=self.cluster_high_backlog,
+                    tenant_normal_backlog=self.tenant_normal_backlog, watermark=limits.retry_low_watermark):
+                return 0
+            return pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch),
+                                    client_room=client_room[tenant_id])
+
         # Candidate rows in lane order, bounded by what the pass may still dispatch: each lane reads windows of its
         # pairs after the ones the last pass read (libs.domain.dispatch.pair_read_window), at most
-        # WINDOWS_PER_LANE of them while the rows found fall short of the budget (pairs without work in the lane).
+        # WINDOWS_PER_LANE of them while the rows found fall short of the budget (pairs without work in the lane),
+        # each visiting at most VISITS_PER_ROW pairs per budget row (pairs without room are skipped, not read).
         # Not less for the high candidates found: while high has work, normal keeps its background share of the
         # window, which the planner can only give when normal candidates were read.
+        pairs = self.pending.sorted_pairs
         budget_rows = CANDIDATE_ROWS_PER_DISPATCH * batch
         reads = 0
         for lane in lanes:
             visited = 0
             for _ in range(WINDOWS_PER_LANE):
-                if budget_rows <= 0 or visited >= len(by_lane[lane]):
+                if budget_rows <= 0 or visited >= len(pairs):
                     break
-                window, _ = pair_read_window(by_lane[lane], self._read_after.get(lane), budget_rows)
-                window = window[:len(by_lane[lane]) - visited]  # a pair is read once a pass
-                self._read_after[lane] = window[-1].pair
-                visited += len(window)
+                window, self._read_after[lane], n = pair_read_window(
+                    pairs, self._read_after.get(lane), budget_rows, functools.partial(pair_k, lane),
+                    max_visits=min(len(pairs) - visited, VISITS_PER_ROW * budget_rows))
+                visited += n
+                if not window:
+                    continue
                 before = len(found[lane])
                 if reads:
                     self._yield_to_high()  # between two reads, as between the chunks of one
