@@ -325,8 +325,10 @@ async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, wo
         await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
     outcome = await _timed(timings, "full pass", lambda: dispatcher.run_pass(settings))
     timings["full pass dispatched"].append(outcome.dispatched)
-    timings["full pass candidate statements"].append(dispatcher.candidate_reads.statements)
-    timings["full pass candidate rows"].append(dispatcher.candidate_reads.rows)
+    reads = getattr(dispatcher, "candidate_reads", None)  # None: a dispatcher from before the count (A/B runs)
+    if reads is not None:
+        timings["full pass candidate statements"].append(reads.statements)
+        timings["full pass candidate rows"].append(reads.rows)
     async with pool.connection() as conn:
         await conn.execute(_FINISH_EXECUTIONS)
         await _promote(conn, world, n + 1)
