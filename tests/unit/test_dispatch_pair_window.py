@@ -30,7 +30,7 @@ def test_the_rows_read_and_the_pairs_asked_stay_near_the_budget_whatever_the_num
     for tenants in (10, 100, 1_000, 10_000):
         asked: list[tuple[int, int]] = []
 
-        def k_of(tenant_id: int, platform_id: int) -> int:
+        def k_of(tenant_id: int, platform_id: int, asked: list[tuple[int, int]] = asked) -> int:
             asked.append((tenant_id, platform_id))
             return 50
 
