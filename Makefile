@@ -55,8 +55,8 @@ test-integration: install backends
 test-e2e: install backends
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest tests/e2e
 
-# Every service process under its own Postgres role and RabbitMQ user (~40 s; needs root for rabbitmqctl):
-# tests/deploy. The grants alone are checked in `make test` (tests/integration/test_db_roles.py).
+# Every service process under its own Postgres role and RabbitMQ user (~10 s; needs root for rabbitmqctl):
+# tests/deploy, also part of `make test`; this target runs it alone.
 test-deploy: install backends
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest tests/deploy
 

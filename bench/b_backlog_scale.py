@@ -10,7 +10,9 @@ size, default 100), BACKLOG_WINDOW_RATE (executions per minute already in the bu
 BACKLOG_TENANTS (a fixed number of tenants, at least 10: with BACKLOG_TENANTS=10 BACKLOG_WINDOW_RATE=0 the clicks part
 is `bench collect_now`'s loaded scenario with a larger backlog), BACKLOG_EXPLAIN_OUT (a file for the full plans of
 `explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's
-top node, buffers and scans).
+top node, buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many business days before the backlog's, every
+business key finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the
+tables' rows and sizes are printed after the load). 10,000 tenants: BACKLOG_TENANTS=10000.
 
 Per size one fresh database, bulk-loaded with INSERT .. SELECT generate_series: tenants = size / 1,000 (at least
 10, at most 1,000), each with a brand, 10 questions, 3 platforms and one desktop client; the ready normal backlog
@@ -106,10 +108,12 @@ FROM unnest(%(tenants)s::bigint[]) t
 """
 # Every backlog tenant with its brand, its first client and its questions in id order.
 _TENANTS = """
-SELECT t.id AS tenant_id, b.id AS brand_id, b.workspace_id,
-       (SELECT c.id FROM desktop_clients c WHERE c.tenant_id = t.id ORDER BY c.created_at, c.id LIMIT 1) AS client_id,
-       (SELECT array_agg(q.id ORDER BY q.id) FROM monitoring_questions q WHERE q.brand_id = b.id) AS questions
+SELECT t.id AS tenant_id, b.id AS brand_id, b.workspace_id, c.client_id, q.questions
 FROM tenants t JOIN brands b ON b.tenant_id = t.id
+JOIN (SELECT DISTINCT ON (c.tenant_id) c.tenant_id, c.id AS client_id FROM desktop_clients c
+      ORDER BY c.tenant_id, c.created_at, c.id) c ON c.tenant_id = t.id
+JOIN (SELECT q.brand_id, array_agg(q.id ORDER BY q.id) AS questions FROM monitoring_questions q GROUP BY 1) q
+     ON q.brand_id = b.id
 WHERE t.id = ANY(%(tenants)s::bigint[])
 ORDER BY t.id
 """
@@ -118,12 +122,13 @@ ORDER BY t.id
 _TASKS = """
 INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
     status, dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner, enqueued_at, completed_at)
-SELECT t.tenant_id, t.workspace_id, t.brand_id, (%(questions)s::bigint[])[g.ti * %(q)s + g.qi + 1],
+SELECT t.tenant_id, t.workspace_id, t.brand_id, (%(questions)s::bigint[])[g.ti * %(q)s::bigint + g.qi + 1],
        (%(platforms)s::bigint[])[g.pi + 1], g.day, %(status)s::text, 100, 'normal',
        t.tenant_id || ':' || t.brand_id || ':' || to_char(g.day, 'YYYY-MM-DD'), 'desktop_tasks',
        now() - random() * interval '1 hour', CASE WHEN %(status)s::text = 'completed' THEN now() END
-FROM (SELECT i %% %(t)s AS ti, (i / %(t)s) %% %(p)s AS pi, (i / (%(t)s * %(p)s)) %% %(q)s AS qi,
-             current_date - %(first_day)s - (i / (%(t)s * %(p)s * %(q)s))::int AS day
+FROM (SELECT i %% %(t)s::bigint AS ti, (i / %(t)s::bigint) %% %(p)s::bigint AS pi,
+             (i / (%(t)s::bigint * %(p)s::bigint)) %% %(q)s::bigint AS qi,
+             current_date - %(first_day)s - (i / (%(t)s::bigint * %(p)s::bigint * %(q)s::bigint))::int AS day
       FROM generate_series(0, %(n)s - 1) i) g
 JOIN unnest(%(tenants)s::bigint[], %(workspaces)s::bigint[], %(brands)s::bigint[]) WITH ORDINALITY
      AS t(tenant_id, workspace_id, brand_id, k) ON t.k = g.ti + 1
@@ -141,6 +146,34 @@ FROM (SELECT m.*, now() + (random() * 20 - 10) * interval '1 minute' AS created 
       WHERE m.status = 'completed') m
 JOIN unnest(%(tenants)s::bigint[], %(clients)s::uuid[]) AS c(tenant_id, client_id) ON c.tenant_id = m.tenant_id
 ORDER BY m.created
+"""
+# A year of history (BACKLOG_HISTORY_DAYS): every finished task older than the windows' gets a succeeded execution
+# created on its business day, and an attempt.
+_HISTORY_EXECUTIONS = """
+INSERT INTO desktop_tasks (id, kind, tenant_id, workspace_id, target_client_id, status, priority, lane, lane_weight,
+                           source, monitor_task_id, enqueued_at, brand_id, question_id, ai_platform_id, business_date,
+                           lease_epoch, created_at, updated_at, started_at, finished_at)
+SELECT gen_random_uuid(), 'monitor', m.tenant_id, m.workspace_id, c.client_id, 'succeeded', 100, 'normal',
+       %(weight)s, 'daily_schedule', m.id, m.business_date + time '03:00', m.brand_id, m.question_id,
+       m.ai_platform_id, m.business_date, 1, m.business_date + time '03:00', m.business_date + time '03:05',
+       m.business_date + time '03:01', m.business_date + time '03:05'
+FROM monitoring_collect_tasks m
+JOIN unnest(%(tenants)s::bigint[], %(clients)s::uuid[]) AS c(tenant_id, client_id) ON c.tenant_id = m.tenant_id
+WHERE m.status = 'completed' AND m.business_date <= current_date - %(before)s
+ORDER BY m.business_date
+"""
+_HISTORY_ATTEMPTS = """
+INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status, started_at,
+                                   finished_at)
+SELECT d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, 1, 'succeeded', d.started_at, d.finished_at
+FROM desktop_tasks d WHERE d.created_at < now() - interval '1 day' AND d.status = 'succeeded'
+"""
+_TABLE_SIZES = """
+SELECT c.relname AS name, greatest(c.reltuples, 0)::bigint AS n, pg_total_relation_size(c.oid) AS bytes
+FROM pg_class c
+WHERE c.relname IN ('monitoring_collect_tasks', 'desktop_tasks', 'desktop_task_attempts', 'legacy_leases',
+                    'monitoring_collect_requests')
+ORDER BY 1
 """
 _CLIENTS_ONLINE = """
 UPDATE desktop_clients SET online = %(online)s, last_heartbeat_at = now(), connected_hub = 'bench'
@@ -196,7 +229,7 @@ def tenants_for(size: int) -> int:
 
 async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: int) -> dict[str, Any]:
     """The probe tenant, the fleet's tenants and the bulk tenants; the ready backlog; the windows' executions."""
-    conn = await connect(settings.database_url)
+    conn = await connect(settings.database_url, with_session_timeouts=False)  # bulk loads take minutes at 1,000,000
     started = time.perf_counter()
     try:
         # A question per click, and one more of its own for the in-process high passes and `explain`'s click.
@@ -225,16 +258,30 @@ async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: i
                                     "first_day": 2 + size // per_day})
         await conn.execute(_WINDOW_EXECUTIONS, {"tenants": tenant_ids, "weight": lane_weight("monitor", "normal"),
                                                 "clients": [r["client_id"] for r in rows]})
+        history_days = int(os.environ.get("BACKLOG_HISTORY_DAYS", "0"))
+        if history_days:
+            first = 2 + size // per_day + finished // per_day + 1
+            await conn.execute(_TASKS, {**shape, "n": per_day * history_days, "status": "completed",
+                                        "first_day": first})
+            await conn.execute(_HISTORY_EXECUTIONS, {"tenants": tenant_ids, "clients": [r["client_id"] for r in rows],
+                                                     "weight": lane_weight("monitor", "normal"),
+                                                     "before": first})
+            await conn.execute(_HISTORY_ATTEMPTS)
         await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
                            "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
         await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
         await conn.execute("VACUUM ANALYZE")
         cur = await conn.execute("SELECT count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending'")
         ready = (await cur.fetchone() or {"n": 0})["n"]
+        cur = await conn.execute(_TABLE_SIZES)
+        sizes = await cur.fetchall()
     finally:
         await conn.close()
     print(f"  {size:,}: {ready:,} ready tasks over {len(rows)} tenants, {finished:,} executions in the windows "
           f"around now; loaded in {time.perf_counter() - started:.0f} s", flush=True)
+    for r in sizes:  # what a year of history weighs: rows, bytes with indexes, bytes a row
+        print(f"  {size:,}: table {r['name']}: {r['n']:,} rows, {r['bytes'] / 2**20:,.1f} MiB with its indexes, "
+              f"{r['bytes'] / max(1, r['n']):,.0f} bytes a row", flush=True)
     return {"probe": probe["tenants"][0], "probe_platform": probe["platforms"][0]["ai_platform_id"],
             "background": fleet, "platforms": platforms,
             "tenants": [*tenant_ids, probe["tenants"][0]["tenant_id"]], "backlog_tenants": tenant_ids}
@@ -278,6 +325,10 @@ async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, wo
         await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
     outcome = await _timed(timings, "full pass", lambda: dispatcher.run_pass(settings))
     timings["full pass dispatched"].append(outcome.dispatched)
+    reads = getattr(dispatcher, "candidate_reads", None)  # None: a dispatcher from before the count (A/B runs)
+    if reads is not None:
+        timings["full pass candidate statements"].append(reads.statements)
+        timings["full pass candidate rows"].append(reads.rows)
     async with pool.connection() as conn:
         await conn.execute(_FINISH_EXECUTIONS)
         await _promote(conn, world, n + 1)
@@ -517,6 +568,8 @@ _ROWS = (
     ("high pass (one promoted task), p50 / p95", "high pass", 95),
     ("full pass, p50 / p95", "full pass", 95),
     ("  tasks dispatched by a full pass, p50 / p95", "full pass dispatched", 95),
+    ("  candidate statements of a full pass, p50 / p95", "full pass candidate statements", 95),
+    ("  candidate rows read by a full pass, p50 / p95", "full pass candidate rows", 95),
     ("budget read, p50 / p95", "budget read", 95),
     ("backlog gauges (one maintenance tick), p50 / p95", "backlog gauges", 95),
     ("scanner (300 due plans), p50 / p95", "scanner", 95),

@@ -52,6 +52,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
     "collect-now-api": {
         **_COMMON, **_TASK_LIFE, **_REFERENCE_READ,
         "monitoring_keywords": READ, "tenant_platforms": READ, "monitoring_plans": (S, U),
+        "collect_now_idempotency_keys": RW,  # Idempotency-Key answers, purged past their TTL
     },
     "dispatch-hub": {
         **_COMMON, **_TASK_LIFE, **_REFERENCE_READ,
@@ -61,6 +62,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "platform_mode_settings": READ, "monitoring_plans": READ,  # the lease carries the task's mode (its plan's)
         # Which routing epoch (shard count) a result is published by (libs/ingest/routing.py).
         "ingest_routing_epochs": READ, "ingest_routing_drains": READ,
+        # The fleet's sockets (the fleet-wide cap) and live hubs (the shared upgrade budgets), migration 055.
+        "hub_sockets": RW, "hub_instances": RW,
     },
     "dispatch-coordinator": {
         **_COMMON, **_TASK_LIFE, **_REFERENCE_READ,
@@ -80,6 +83,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
     "outbox-pump": {
         **_COMMON,
         "outbox": RW,
+        "desktop_clients": READ,  # a dispatch event goes to the hub its client is connected to (libs/mq/hub_routing.py)
     },
     "ingest-shard-workers": {
         **_COMMON, **_TASK_LIFE, **_REFERENCE_READ,
@@ -111,6 +115,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "platform_settings": (S, INS, U),
         "safe_point_histogram": (S, D),
         "safe_point_client_histogram": (S, D),
+        # history_retention deletes finished history past its retention (libs/tasks/retention.py).
+        "desktop_tasks": RW, "desktop_task_attempts": RW, "legacy_leases": RW, "monitoring_collect_requests": RW,
         "platform_mode_settings": READ,  # the hard interrupt timeout of a task's mode
         "rollout_observations": (S, INS, D),  # each migration reconcile's gate readings, pruned after 60 days
         "ingest_applied_results": READ,

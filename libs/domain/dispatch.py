@@ -43,8 +43,9 @@ normal before retry). The per-tenant minute budget caps the big tenant on top of
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 from uuid import UUID
@@ -418,3 +419,47 @@ def normal_client_room(clients: Sequence[ClientState]) -> tuple[dict[int, int], 
         elif client.tenant_id not in refused:
             refused[client.tenant_id] = reason
     return room, {tenant: reason for tenant, reason in refused.items() if tenant not in room}
+
+
+# A full pass reads at most this many candidates per task it may dispatch (see `pair_read_window`).
+CANDIDATE_ROWS_PER_DISPATCH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PairRead:
+    """How many ready tasks of one (tenant, platform) in one lane a pass reads."""
+
+    tenant_id: int
+    ai_platform_id: int
+    k: int
+
+
+def pair_read_window(pairs: Sequence[tuple[int, int]], after: tuple[int, int] | None, budget_rows: int,
+                     k_of: Callable[[int, int], int], *,
+                     max_visits: int | None = None) -> tuple[list[PairRead], tuple[int, int] | None, int]:
+    """Which pairs of one lane a full pass reads, so that its candidate reads follow what it can dispatch, not how many
+    pairs have work: at most about `budget_rows` rows, each pair's k (`k_of`: how many it could use, 0 when none) cut
+    to a fair share of them (the rows over the pairs, plus two to look past a bound task whose client is busy),
+    starting after the pair `after` (the last one the previous window read, in (tenant, platform) order) and wrapping
+    around: a round-robin over the pairs with room, a window of them per pass. `pairs` sorted; `k_of` is asked only
+    for the pairs the window visits, at most `max_visits` (default: every pair once), so the cost follows the window,
+    not the number of pairs. Returns the window, the cursor for the next window and how many pairs it visited.
+
+    A few pairs (a small system) are all read, up to their k, every pass; thousands (10,000 tenants) are read a window
+    per pass, every pair in turn."""
+    if not pairs or budget_rows <= 0:
+        return [], after, 0
+    share = math.ceil(budget_rows / len(pairs)) + 2
+    start = bisect_right(pairs, after) if after is not None else 0
+    limit = len(pairs) if max_visits is None else min(len(pairs), max_visits)
+    window: list[PairRead] = []
+    rows = visited = 0
+    cursor = after
+    while visited < limit and rows < budget_rows:
+        tenant_id, platform_id = cursor = pairs[(start + visited) % len(pairs)]
+        visited += 1
+        k = min(k_of(tenant_id, platform_id), share)
+        if k > 0:
+            window.append(PairRead(tenant_id, platform_id, k))
+            rows += k
+    return window, cursor, visited

@@ -10,6 +10,7 @@ advisory lock, so the budgets read are exactly the budgets spent, even across a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -32,6 +33,7 @@ from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.dispatch import (
+    CANDIDATE_ROWS_PER_DISPATCH,
     LANE_ORDER,
     Candidate,
     ClientState,
@@ -41,6 +43,7 @@ from libs.domain.dispatch import (
     PassResult,
     normal_client_room,
     pair_fetch_limit,
+    pair_read_window,
     plan_pass,
     retry_allowed,
     window_start,
@@ -74,6 +77,10 @@ WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
     q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, business.COUNT_DISPATCH_ATTEMPTS,
     executions.INSERT_EXECUTIONS, collect_requests.MARK_DISPATCHED)]
 PER_PAIR_CAP = 50
+# A lane whose pairs' windows found fewer candidates than the pass's budget reads at most this many windows a pass.
+WINDOWS_PER_LANE = 3
+# A window visits at most this many pairs per candidate row it may read (those without room are skipped unread).
+VISITS_PER_ROW = 4
 # A full pass reads its normal candidates in statements of about this many rows (see `read_candidates`).
 CANDIDATE_CHUNK_ROWS = 100
 
@@ -105,6 +112,15 @@ class Snapshot:
     platform_codes: dict[int, str] = field(default_factory=dict)
     # (tenant, platform) -> why its scheduled work is held (platform-health pause).
     platform_pauses: dict[tuple[int, int], PauseSource] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CandidateReads:
+    """A full pass's normal-lane candidate reads: statements, (tenant, platform, lane) probes, rows returned."""
+
+    statements: int = 0
+    pairs: int = 0
+    rows: int = 0
 
 
 @dataclass(slots=True)
@@ -262,6 +278,10 @@ class Dispatcher:
         self._pause_labels: set[tuple[str, str, str]] = set()  # monitor_tenant_platform_paused series
         # (window length, window start) the budget ledger was last checked for (see `_ensure_ledger`).
         self._ledger_window: tuple[int, float] = (0, 0.0)
+        # Per lane, the last (tenant, platform) a full pass read candidates of: the next pass reads on from there
+        # (`read_candidates`, libs.domain.dispatch.pair_read_window).
+        self._read_after: dict[str, tuple[int, int] | None] = {}
+        self.candidate_reads = CandidateReads()  # what the last full pass's candidate read cost (the benchmark's)
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
@@ -322,6 +342,7 @@ class Dispatcher:
         raises Preempted when the pass should yield to waiting high work (see `_yield_to_high`)."""
         batch = max(1, settings.dispatch_batch_size)
         found: dict[str, list[Candidate]] = defaultdict(list)
+        self.candidate_reads = CandidateReads()
         if "high" not in limits.paused_lanes:
             cur = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
             for r in await cur.fetchall():
@@ -330,36 +351,59 @@ class Dispatcher:
             return found  # non-high cannot go this pass: no need to read its candidates
         lanes = [lane for lane in LANE_ORDER if lane != "high" and lane not in limits.paused_lanes]
         client_room, refused = normal_client_room(snap.clients)
-        tenants: list[int] = []
-        platforms: list[int] = []
-        pair_lanes: list[str] = []
-        ks: list[int] = []
-        for tenant_id, platform_id in sorted(self.pairs):
+        seen: set[tuple[int, int]] = set()  # pairs whose blocked reason this pass already counted
+
+        def pair_k(lane: str, tenant_id: int, platform_id: int) -> int:
+            """How many candidates of this pair and lane the pass could use (0: none; a blocked pair's reason counted
+            once a pass)."""
             room = snap.ledger.platform_room(tenant_id, platform_id)
             tenant_room = limits.tenant_per_window - snap.ledger.tenant_used.get(tenant_id, 0)
+            first = (tenant_id, platform_id) not in seen
+            seen.add((tenant_id, platform_id))
             if platform_id in snap.ledger.paused_platforms:
-                continue
+                return 0
             if (tenant_id, platform_id) in snap.ledger.paused_pairs:
-                if blocked is not None:
+                if blocked is not None and first:
                     blocked["tenant_platform_paused"] += 1
-                continue
+                return 0
             if client_room.get(tenant_id, 0) <= 0:
-                if blocked is not None and tenant_room > 0 and room > 0:
+                if blocked is not None and first and tenant_room > 0 and room > 0:
                     blocked[refused.get(tenant_id, "no_eligible_client")] += 1
-                continue
-            for lane in lanes:
-                if lane == "retry" and not retry_allowed(
-                        tenant_id, cluster_high_backlog=self.cluster_high_backlog,
-                        tenant_normal_backlog=self.tenant_normal_backlog, watermark=limits.retry_low_watermark):
+                return 0
+            if lane == "retry" and not retry_allowed(
+                    tenant_id, cluster_high_backlog=self.cluster_high_backlog,
+                    tenant_normal_backlog=self.tenant_normal_backlog, watermark=limits.retry_low_watermark):
+                return 0
+            return pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch),
+                                    client_room=client_room[tenant_id])
+
+        # Candidate rows in lane order, bounded by what the pass may still dispatch: each lane reads windows of its
+        # pairs after the ones the last pass read (libs.domain.dispatch.pair_read_window), at most
+        # WINDOWS_PER_LANE of them while the rows found fall short of the budget (pairs without work in the lane),
+        # each visiting at most VISITS_PER_ROW pairs per budget row (pairs without room are skipped, not read).
+        # Not less for the high candidates found: while high has work, normal keeps its background share of the
+        # window, which the planner can only give when normal candidates were read.
+        pairs = self.pending.sorted_pairs
+        budget_rows = CANDIDATE_ROWS_PER_DISPATCH * batch
+        reads = 0
+        for lane in lanes:
+            visited = 0
+            for _ in range(WINDOWS_PER_LANE):
+                if budget_rows <= 0 or visited >= len(pairs):
+                    break
+                window, self._read_after[lane], n = pair_read_window(
+                    pairs, self._read_after.get(lane), budget_rows, functools.partial(pair_k, lane),
+                    max_visits=min(len(pairs) - visited, VISITS_PER_ROW * budget_rows))
+                visited += n
+                if not window:
                     continue
-                k = pair_fetch_limit(room, tenant_room, lane=lane, cap=min(PER_PAIR_CAP, batch),
-                                     client_room=client_room[tenant_id])
-                if k > 0:
-                    tenants.append(tenant_id)
-                    platforms.append(platform_id)
-                    pair_lanes.append(lane)
-                    ks.append(k)
-        await self._read_pairs(conn, tenants, platforms, pair_lanes, ks, found)
+                before = len(found[lane])
+                if reads:
+                    self._yield_to_high()  # between two reads, as between the chunks of one
+                reads += 1
+                await self._read_pairs(conn, [r.tenant_id for r in window], [r.ai_platform_id for r in window],
+                                       [lane] * len(window), [r.k for r in window], found)
+                budget_rows -= len(found[lane]) - before
         return found
 
     async def _read_pairs(self, conn: Conn, tenants: list[int], platforms: list[int], lanes: list[str],
@@ -378,8 +422,12 @@ class Dispatcher:
             cur = await conn.execute(q.PAIR_CANDIDATES, {
                 "tenants": tenants[start:end], "platforms": platforms[start:end], "lanes": lanes[start:end],
                 "limits": ks[start:end]})
-            for r in await cur.fetchall():
+            rows = await cur.fetchall()
+            for r in rows:
                 found[r["lane"]].append(_candidate(r))
+            self.candidate_reads.statements += 1
+            self.candidate_reads.pairs += end - start
+            self.candidate_reads.rows += len(rows)
             start = end
 
     def _report_pauses(self, snap: Snapshot) -> None:

@@ -28,6 +28,7 @@ class PendingPairs:
         self._clock = clock
         self._pairs: set[tuple[int, int]] = set()
         self._tenants: set[int] = set()  # the tenants of `pairs`, for a per-completion lookup
+        self._sorted: list[tuple[int, int]] | None = None  # `pairs` in order, once asked for
         self.read_at = 0.0  # the clock's monotonic time of the last read (0 before the first)
         # A re-read in flight (see `refresh_in_background`), and what `add` added meanwhile.
         self.refreshing: asyncio.Task[None] | None = None
@@ -41,6 +42,14 @@ class PendingPairs:
     def pairs(self, pairs: set[tuple[int, int]]) -> None:
         self._pairs = set(pairs)
         self._tenants = {tenant for tenant, _ in self._pairs}
+        self._sorted = None
+
+    @property
+    def sorted_pairs(self) -> list[tuple[int, int]]:
+        """`pairs` in (tenant, platform) order (sorted once per change: a full pass walks a window of them)."""
+        if self._sorted is None:
+            self._sorted = sorted(self._pairs)
+        return self._sorted
 
     def has_pending(self, tenant_id: int) -> bool:
         return tenant_id in self._tenants
@@ -49,6 +58,7 @@ class PendingPairs:
         """New work the scanner just created (so the pass need not wait for the next refresh)."""
         self._pairs.update(pairs)
         self._tenants.update(tenant for tenant, _ in pairs)
+        self._sorted = None
         self._added.update(pairs)
 
     @property

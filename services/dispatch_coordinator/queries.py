@@ -25,11 +25,11 @@ READY = f"t.status = 'pending' AND t.dispatch_after <= now() AND {NO_ACTIVE_EXEC
 # work_mem, i.e. up to ~100,000 of them) instead of NO_ACTIVE_EXECUTION's probe per task, which cost 110-120 ms a
 # statement over a 10,000-task backlog (6-11 ms now), twice every maintenance tick, on the cores collect-now
 # shares. monitor_task_id IS NOT NULL keeps NOT IN's NULL semantics out of it.
-READY_BACKLOG = (
-    "t.status = 'pending' AND t.dispatch_after <= now() AND t.id NOT IN ("
-    "SELECT d.monitor_task_id FROM desktop_tasks d WHERE d.kind = 'monitor' "
+NOT_ACTIVE_HASHED = (
+    "t.id NOT IN (SELECT d.monitor_task_id FROM desktop_tasks d WHERE d.kind = 'monitor' "
     f"AND d.status IN {ACTIVE_EXECUTION_SQL} AND d.monitor_task_id IS NOT NULL)"
 )
+READY_BACKLOG = f"t.status = 'pending' AND t.dispatch_after <= now() AND {NOT_ACTIVE_HASHED}"
 
 # The same test for the candidate scans, which walk an index in dispatch order and stop at a LIMIT: the
 # LATERAL .. LIMIT 1 forces one probe of `uq_desktop_tasks_monitor_active` per row walked (the planner
@@ -158,35 +158,42 @@ WHERE NOT EXISTS ({_HIGH_TRACKED}) AND d.kind = 'monitor' AND d.created_at >= to
 GROUP BY 1
 """
 
-# Eligible clients with their monitor load. Set-based: one
-# aggregate over the active executions (partial index) and one set of clients with pending high work,
-# joined to the (few) eligible clients; no per-client correlated subquery.
+# Eligible clients with their monitor load. Set-based: one aggregate over the active work, folded into ONE jsonb
+# object (client id -> [in_progress, queued, queued_high, interrupt_overdue]), and the clients with pending high work
+# as one array, each looked up per eligible client: no join between the clients and the aggregate, so no plan can
+# rescan the aggregate per client. As a join it did when the statistics were taken while no client was online (the
+# planner estimated one client): a nested loop of 1,041 clients over 501 loads, 215 of the pass's 245 ms at 1,000,000
+# ready tasks (docs/benchmarks.md "Backlog scale").
 CLIENTS = f"""
 WITH load AS MATERIALIZED (
-    SELECT d.target_client_id AS client_id,
-           count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
-           count(*) FILTER (WHERE d.status = 'queued') AS queued,
-           count(*) FILTER (WHERE d.status = 'queued' AND d.lane = 'high') AS queued_high,
-           bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
-                   -- evaluated last, for the (few) interrupted executions: the mode's soft timeout (§10.5)
-                   AND d.interrupted_at < now() - make_interval(
-                       secs => {interrupt_timeout_ms_sql("soft", "d", "ps", "15000")} / 1000.0)) AS interrupt_overdue
-    FROM {ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
-    GROUP BY 1
+    SELECT coalesce(jsonb_object_agg(a.client_id::text, jsonb_build_array(
+               a.in_progress, a.queued, a.queued_high, a.interrupt_overdue)), '{{}}'::jsonb) AS by_client
+    FROM (SELECT d.target_client_id AS client_id,
+                 count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
+                 count(*) FILTER (WHERE d.status = 'queued') AS queued,
+                 count(*) FILTER (WHERE d.status = 'queued' AND d.lane = 'high') AS queued_high,
+                 coalesce(bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
+                          -- evaluated last, for the (few) interrupted executions: the mode's soft timeout (§10.5)
+                          AND d.interrupted_at < now() - make_interval(
+                              secs => {interrupt_timeout_ms_sql("soft", "d", "ps", "15000")} / 1000.0)), false)
+                     AS interrupt_overdue
+          FROM {ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
+          GROUP BY 1) a
 ), high AS MATERIALIZED (
     -- Clients with pending high business work not yet running (its ready-list index, lane = 'high').
-    SELECT DISTINCT t.target_client_id AS client_id
-    FROM monitoring_collect_tasks t {ACTIVE_PROBE}
+    SELECT coalesce(array_agg(DISTINCT t.target_client_id), '{{}}') AS clients
+    FROM monitoring_collect_tasks t
     WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.target_client_id IS NOT NULL
-      AND act.busy IS NULL
+      AND {NOT_ACTIVE_HASHED}
 )
 SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-       c.platform_health, coalesce(a.in_progress, 0) AS in_progress, coalesce(a.queued, 0) AS queued,
-       coalesce(a.queued_high, 0) > 0 OR h.client_id IS NOT NULL AS pending_high,
-       coalesce(a.interrupt_overdue, false) AS interrupt_overdue
+       c.platform_health, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
+       coalesce((a.l ->> 2)::int, 0) > 0 OR c.id = ANY(h.clients) AS pending_high,
+       coalesce((a.l ->> 3)::boolean, false) AS interrupt_overdue
 FROM desktop_clients c
-LEFT JOIN load a ON a.client_id = c.id
-LEFT JOIN high h ON h.client_id = c.id
+CROSS JOIN load
+CROSS JOIN high h
+CROSS JOIN LATERAL (SELECT load.by_client -> c.id::text AS l) a
 WHERE {ELIGIBLE_CLIENT_SQL}
 """
 
@@ -331,14 +338,16 @@ LIMIT %(limit)s
 FOR UPDATE OF t SKIP LOCKED
 """
 
+# The active-execution test is the hashed set (READY_BACKLOG), read once per statement, not a probe per task walked:
+# see CLAIM.
 PAIR_CANDIDATES = f"""
 SELECT c.* FROM unnest(%(tenants)s::bigint[], %(platforms)s::bigint[], %(lanes)s::text[], %(limits)s::int[])
      AS p(tenant_id, ai_platform_id, lane, k)
 CROSS JOIN LATERAL (
     SELECT {_CANDIDATE_COLUMNS}
-    FROM monitoring_collect_tasks t {ACTIVE_PROBE}
+    FROM monitoring_collect_tasks t
     WHERE t.tenant_id = p.tenant_id AND t.ai_platform_id = p.ai_platform_id AND t.dispatch_lane = p.lane
-      AND {READY_PROBED}
+      AND {READY_BACKLOG}
     -- The leading (equal) keys make ix_collect_tasks_ready_pair the only index giving this order, so the
     -- probe is a short range scan of its pair even when statistics are stale (the per-lane ready index
     -- would filter every other pair's rows out).
@@ -360,6 +369,11 @@ CROSS JOIN LATERAL (
 # statistics made the planner walk a whole partial index of pending tasks instead), ids in ascending
 # order so concurrent lockers of the same rows cannot deadlock. `ctid` lets business.COUNT_DISPATCH_ATTEMPTS update the
 # very rows locked here with a TID scan (a locked row cannot move).
+# The active-execution test is READY_BACKLOG's hashed set, read once per claim (the outstanding executions: bounded by
+# the clients' queues), not ACTIVE_PROBE's probe per claimed task: with statistics taken while nothing was outstanding
+# both partial indexes of active executions look empty, the planner may probe with ix_desktop_tasks_client_active
+# (whose key does not match) and read every outstanding execution per claimed task (500 claims, 501 outstanding:
+# 110 ms and 254,001 buffers against 3,000; docs/benchmarks.md "Backlog scale").
 CLAIM = f"""
 SELECT t.*
 FROM unnest(%(task_ids)s::bigint[]) WITH ORDINALITY AS u(id, n)
@@ -367,8 +381,8 @@ CROSS JOIN LATERAL (
     SELECT t.ctid AS row_ref, t.id, t.tenant_id, t.workspace_id, t.dispatch_priority, t.dispatch_lane,
            t.trigger_source, t.collect_request_id, t.question_id, t.enqueued_at, t.brand_id, t.ai_platform_id,
            t.business_date, t.target_client_id, t.next_execution_id, t.execution_owner, {_CLICK_TRACEPARENT}
-    FROM monitoring_collect_tasks t {ACTIVE_PROBE}
-    WHERE t.id = u.id AND {READY_PROBED}
+    FROM monitoring_collect_tasks t
+    WHERE t.id = u.id AND {READY_BACKLOG}
     OFFSET 0
     FOR UPDATE OF t
 ) t

@@ -18,6 +18,7 @@ DEFAULT_INTERVALS: dict[str, float] = {
     "unknown_executions": 10.0,
     "business_day_expiry": 60.0,
     "safe_point_tuning": 60.0,
+    "history_retention": 300.0,
 }
 
 
@@ -26,14 +27,30 @@ class ReconcilerConfig:
     intervals: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_INTERVALS))
     # Rows handled per run of one job (each row in its own short transaction).
     batch_size: int = 500
+    # History retention (jobs/history_retention.py): finished executions, their attempts and finished legacy leases
+    # older than `history_retention_days`, finished collect-now requests older than `request_retention_days`, deleted
+    # `retention_batch_rows` per table and transaction, at most `retention_batches_per_run` transactions a run.
+    history_retention_days: int = 35
+    request_retention_days: int = 35
+    retention_batch_rows: int = 2_000
+    retention_batches_per_run: int = 50
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ReconcilerConfig:
-        """`RECONCILER_INTERVALS="expired_leases=1,offline_clients=1"` and `RECONCILER_BATCH_SIZE`."""
+        """`RECONCILER_INTERVALS="expired_leases=1,offline_clients=1"`, `RECONCILER_BATCH_SIZE`, and the retention's
+        `HISTORY_RETENTION_DAYS`, `REQUEST_RETENTION_DAYS`, `RETENTION_BATCH_ROWS`, `RETENTION_BATCHES_PER_RUN`."""
         source = os.environ if env is None else env
         intervals = dict(DEFAULT_INTERVALS)
         intervals.update(parse_intervals(source.get("RECONCILER_INTERVALS", "")))
         batch = int(source.get("RECONCILER_BATCH_SIZE", "500"))
         if batch <= 0:
             raise ValueError("RECONCILER_BATCH_SIZE must be positive")
-        return cls(intervals=intervals, batch_size=batch)
+        defaults = cls()
+        retention = {name: int(source.get(name.upper(), str(getattr(defaults, name)))) for name in (
+            "history_retention_days", "request_retention_days", "retention_batch_rows", "retention_batches_per_run")}
+        # The safe-point tuning looks back a week over attempts (safe_point_window_days' default): keep more.
+        for name, least in (("history_retention_days", 8), ("request_retention_days", 1), ("retention_batch_rows", 1),
+                            ("retention_batches_per_run", 1)):
+            if retention[name] < least:
+                raise ValueError(f"{name.upper()} must be at least {least}")
+        return cls(intervals=intervals, batch_size=batch, **retention)

@@ -56,7 +56,8 @@ def test_config_from_env_overrides_only_named_jobs() -> None:
 
 def test_registry_has_every_job_with_its_interval() -> None:
     assert list(JOBS) == ["expired_leases", "request_ttl", "offline_clients", "interrupt_timeouts",
-                          "unknown_executions", "business_day_expiry", "migration_reconcile", "safe_point_tuning"]
+                          "unknown_executions", "business_day_expiry", "migration_reconcile", "safe_point_tuning",
+                          "history_retention"]
     config = ReconcilerConfig()
     settings = DispatchSettings(reconcile_interval_seconds=300)
     for name, job in JOBS.items():
@@ -65,3 +66,13 @@ def test_registry_has_every_job_with_its_interval() -> None:
         assert job.interval(config, settings) == expected
     # §16.2.4 interval is hot-reloaded from dispatch_settings.
     assert JOBS["migration_reconcile"].interval(config, DispatchSettings(reconcile_interval_seconds=5)) == 5.0
+
+
+def test_retention_settings_come_from_the_environment_and_keep_a_week_of_attempts() -> None:
+    config = ReconcilerConfig.from_env({"HISTORY_RETENTION_DAYS": "90", "REQUEST_RETENTION_DAYS": "7",
+                                        "RETENTION_BATCH_ROWS": "100", "RETENTION_BATCHES_PER_RUN": "3"})
+    assert (config.history_retention_days, config.request_retention_days, config.retention_batch_rows,
+            config.retention_batches_per_run) == (90, 7, 100, 3)
+    assert ReconcilerConfig.from_env({}).history_retention_days == 35
+    with pytest.raises(ValueError, match="HISTORY_RETENTION_DAYS"):
+        ReconcilerConfig.from_env({"HISTORY_RETENTION_DAYS": "3"})  # the safe-point tuning reads 7 days of attempts

@@ -6,6 +6,7 @@ from __future__ import annotations
 from services.reconciler.jobs import (
     business_day,
     expired_leases,
+    history_retention,
     interrupt_timeouts,
     migration,
     offline_clients,
@@ -24,6 +25,7 @@ JOBS: dict[str, Job] = {job.name: job for job in (
     business_day.JOB,
     migration.JOB,
     safe_point_tuning.JOB,
+    history_retention.JOB,
 )}
 
 __all__ = ["JOBS", "Job", "JobContext", "JobResult"]
