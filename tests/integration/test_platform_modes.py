@@ -9,26 +9,16 @@ from psycopg_pool import AsyncConnectionPool
 from libs.db.pool import Conn
 from libs.dispatch_settings import load_settings
 from services.dispatch_coordinator.dispatcher import read_snapshot
-from tests.support.reconcile_factory import heartbeat, insert_execution, insert_task, make_world
+from tests.support.reconcile_factory import heartbeat, insert_execution, insert_moded_task, make_world
 
 
 async def test_the_soft_timeout_of_an_interrupted_execution_is_its_modes(pool: AsyncConnectionPool[Conn]) -> None:
     async with pool.connection() as conn:
         w = await make_world(conn, clients=2)
-        openai = w.platform_ids["openai"]
         for index, (client, mode) in enumerate(zip(w.clients, ("deep_reasoning", "quick"), strict=True)):
             await heartbeat(conn, client, seconds_ago=1)
             await conn.execute("UPDATE desktop_clients SET online = true WHERE id = %s", (client,))
-            cur = await conn.execute(
-                "INSERT INTO monitoring_plans (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, "
-                "next_run_at, platform_mode) VALUES (%s, %s, %s, %s, %s, now() + interval '1 day', %s) "
-                "ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode) "
-                "DO UPDATE SET platform_mode = EXCLUDED.platform_mode RETURNING id",
-                (w.tenant_id, w.workspace_id, w.brand_id, w.question_ids[index], openai, mode))
-            plan = await cur.fetchone()
-            assert plan is not None
-            task = await insert_task(conn, w, question_index=index, platform="openai", dispatch_attempts=1)
-            await conn.execute("UPDATE monitoring_collect_tasks SET plan_id = %s WHERE id = %s", (plan["id"], task))
+            task = await insert_moded_task(conn, w, question_index=index, mode=mode)
             await insert_execution(conn, w, task, client, interrupted_ago=20)
         snapshot = await read_snapshot(conn, await load_settings(conn))
     overdue = {c.id: c.interrupt_overdue for c in snapshot.clients}

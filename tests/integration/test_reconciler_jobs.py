@@ -27,6 +27,7 @@ from tests.support.reconcile_factory import (
     heartbeat,
     insert_execution,
     insert_legacy_lease,
+    insert_moded_task,
     insert_request,
     insert_run,
     insert_task,
@@ -359,20 +360,10 @@ async def test_the_hard_timeout_of_an_interrupted_execution_is_its_modes(pool: A
     async with pool.connection() as conn:
         w = await make_world(conn, clients=1)
         stuck = w.clients[0]
-        openai = w.platform_ids["openai"]
         await heartbeat(conn, stuck, seconds_ago=1)
         tasks = {}
         for index, mode in enumerate(("deep_reasoning", "quick")):
-            cur = await conn.execute(
-                "INSERT INTO monitoring_plans (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, "
-                "next_run_at, platform_mode) VALUES (%s, %s, %s, %s, %s, now() + interval '1 day', %s) "
-                "ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode) "
-                "DO UPDATE SET platform_mode = EXCLUDED.platform_mode RETURNING id",
-                (w.tenant_id, w.workspace_id, w.brand_id, w.question_ids[index], openai, mode))
-            plan = await cur.fetchone()
-            assert plan is not None
-            task = await insert_task(conn, w, question_index=index, platform="openai", dispatch_attempts=1)
-            await conn.execute("UPDATE monitoring_collect_tasks SET plan_id = %s WHERE id = %s", (plan["id"], task))
+            task = await insert_moded_task(conn, w, question_index=index, mode=mode)
             tasks[mode] = await insert_execution(conn, w, task, stuck, interrupted_ago=50)
         assert (await reconcile(conn, "interrupt_timeouts")).fixed == 1
         assert (await execution(conn, tasks["deep_reasoning"]))["status"] == "in_progress"  # 50 s of its 180 s

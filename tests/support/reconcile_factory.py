@@ -89,6 +89,23 @@ async def insert_task(conn: Conn, world: World, *, question_index: int = 0, plat
     return int(row["id"])
 
 
+async def insert_moded_task(conn: Conn, world: World, *, question_index: int, mode: str,
+                            platform: str = "openai") -> int:
+    """A business task of a plan that runs in `mode` (§10.5: the plan names its platform mode)."""
+    cur = await conn.execute(
+        "INSERT INTO monitoring_plans (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, "
+        "next_run_at, platform_mode) VALUES (%s, %s, %s, %s, %s, now() + interval '1 day', %s) "
+        "ON CONFLICT (tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode) "
+        "DO UPDATE SET platform_mode = EXCLUDED.platform_mode RETURNING id",
+        (world.tenant_id, world.workspace_id, world.brand_id, world.question_ids[question_index],
+         world.platform_ids[platform], mode))
+    plan = await cur.fetchone()
+    assert plan is not None
+    task = await insert_task(conn, world, question_index=question_index, platform=platform, dispatch_attempts=1)
+    await conn.execute("UPDATE monitoring_collect_tasks SET plan_id = %s WHERE id = %s", (plan["id"], task))
+    return task
+
+
 async def insert_execution(conn: Conn, world: World, monitor_task_id: int, client_id: uuid.UUID, *,
                            status: str = "in_progress", lane: str = "normal", lease_expires_in: float = 60,
                            lease_epoch: int = 1, result_received_ago: float | None = None,
