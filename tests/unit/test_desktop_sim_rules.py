@@ -13,6 +13,7 @@ from tools.desktop_sim.rules import (
     LocalEntry,
     accepts_generation,
     backoff_delay,
+    drain_delay_s,
     handles_interrupt_now,
     is_safe_point,
     order_locally,
@@ -126,3 +127,10 @@ def test_legacy_work_yields_only_before_it_really_started() -> None:
     # legacy work (Phase 1): only while PREPARING or NAVIGATING, never once it is authenticating or later.
     assert [p for p, n in itertools.pairwise(PHASES) if yields_at_checkpoint("legacy", p, n)] == [
         "PREPARING", "NAVIGATING"]
+
+
+def test_a_draining_hubs_close_names_the_reconnect_delay_and_no_other_close_does() -> None:
+    assert drain_delay_s(4503, "draining; reconnect after 2750 ms") == 2.75
+    assert drain_delay_s(4503, "draining") is None
+    assert drain_delay_s(1001, "draining; reconnect after 2750 ms") is None
+    assert drain_delay_s(None, "") is None

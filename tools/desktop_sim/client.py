@@ -28,6 +28,7 @@ from tools.desktop_sim.rules import (
     LocalEntry,
     accepts_generation,
     backoff_delay,
+    drain_delay_s,
     handles_interrupt_now,
     is_safe_point,
     order_locally,
@@ -246,6 +247,7 @@ class SimClient:
     async def _connection_loop(self) -> None:
         attempt = 0
         assert self._session is not None
+        drain_delay: float | None = None
         while not self._stopping.is_set():
             heartbeat: asyncio.Task[None] | None = None
             try:
@@ -259,6 +261,8 @@ class SimClient:
                     msg = await ws.receive()
                     if msg.type in _SOCKET_ENDED:
                         self._note_close(msg.data if msg.type is aiohttp.WSMsgType.CLOSE else None)
+                        if msg.type is aiohttp.WSMsgType.CLOSE:
+                            drain_delay = drain_delay_s(msg.data, str(msg.extra or ""))
                         break
                     if msg.type != aiohttp.WSMsgType.TEXT:
                         continue
@@ -291,9 +295,12 @@ class SimClient:
             if self._stopping.is_set() or self.stats.died or self.stats.refused is not None:
                 return
             self._next_hub()  # the socket dropped or never opened: the next hub, if there are more
-            delay = backoff_delay(attempt, base_s=self.options.reconnect_base_s, max_s=self.options.reconnect_max_s,
-                                  rng=self._rng)
-            attempt += 1
+            if drain_delay is not None:  # a draining hub (4503) drew this socket's delay: spread, not backoff
+                delay, drain_delay = drain_delay, None
+            else:
+                delay = backoff_delay(attempt, base_s=self.options.reconnect_base_s,
+                                      max_s=self.options.reconnect_max_s, rng=self._rng)
+                attempt += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from libs.contracts.wire import HUB_DRAINING_CLOSE, reconnect_delay_ms
 from libs.domain.lanes import lane_weight
 
 PHASES: tuple[str, ...] = (
@@ -78,3 +79,12 @@ def backoff_delay(attempt: int, *, base_s: float, max_s: float, rng: random.Rand
     capped = min(max_s, base_s * (2 ** min(attempt, 30)))
     jitter: float = (rng or random.Random()).uniform(0.5, 1.0)
     return float(capped * jitter)
+
+
+def drain_delay_s(code: int | None, reason: str) -> float | None:
+    """The delay a draining hub named for this socket (close 4503, `draining; reconnect after <N> ms`), in seconds;
+    None for any other close (reconnect with backoff)."""
+    if code != HUB_DRAINING_CLOSE:
+        return None
+    delay_ms = reconnect_delay_ms(reason)
+    return None if delay_ms is None else delay_ms / 1000
