@@ -44,12 +44,16 @@ contracts: install
 # Two pytest workers (pytest-xdist), a test file each at a time: most of the suite waits on real processes, the
 # servers and the network, not on the CPU; serially it took 20 minutes on this 2-core box, over its 12-minute budget.
 # Tests create their own databases, broker names and ports, so files run side by side; TEST_WORKERS=0 runs serially.
+# The schemathesis tests run on their own, serially: their cases share one test id per API (one item per operation,
+# the same name), and xdist reports such items once, so their failures could go unseen.
 TEST_WORKERS ?= 2
+SERIAL_TESTS := tests/e2e/test_contract_fuzz.py
 test: install backends lint
 	bash scripts/ensure-promtool.sh
 	bash scripts/ensure-node-tools.sh
 	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile \
-		--durations=25
+		--durations=25 $(foreach t,$(SERIAL_TESTS),--ignore=$(t))
+	DATABASE_URL=$(TEST_DATABASE_URL) AMQP_URL=$(TEST_AMQP_URL) $(BIN)/pytest $(SERIAL_TESTS)
 
 test-unit: install
 	$(BIN)/pytest tests/unit
