@@ -41,12 +41,12 @@ lint-contracts:
 contracts: install
 	$(BIN)/monitorctl contracts write
 
-# Two pytest workers (pytest-xdist), a test file each at a time: most of the suite waits on real processes, the
-# servers and the network, not on the CPU; serially it took 20 minutes on this 2-core box, over its 12-minute budget.
-# Tests create their own databases, broker names and ports, so files run side by side; TEST_WORKERS=0 runs serially.
+# TEST_WORKERS=2 runs two pytest-xdist workers, a test file each at a time (12.7 minutes on this 2-core box against
+# 20 serially), but three timing-bound e2e tests (test_legacy_path_e2e b and c, test_collect_now_e2e d) failed once
+# with two e2e files side by side, so the default stays serial until they are made to tolerate it.
 # The schemathesis tests run on their own, serially: their cases share one test id per API (one item per operation,
 # the same name), and xdist reports such items once, so their failures could go unseen.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 0
 SERIAL_TESTS := tests/e2e/test_contract_fuzz.py
 test: install backends lint
 	bash scripts/ensure-promtool.sh
