@@ -386,6 +386,8 @@ export class DesktopClient extends EventEmitter {
 
   private async leaseFreeSlots(): Promise<void> {
     let free = this.options.maxConcurrent - this.active.size;
+    // Granted push-lease: leases arrive by themselves; a lease call only for work the hub said is queued.
+    if (this.hello?.capabilities?.includes(PUSH_LEASE) && this.known.size === 0) return;
     while (free > 0 && !this.stopping.signal.aborted && this.refusal === null) {
       const { tasks } = await this.http.lease({ max_tasks: free });
       if (this.stopping.signal.aborted) return;  // stopped meanwhile: these leases expire on the hub
