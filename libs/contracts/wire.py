@@ -39,10 +39,14 @@ FIELDS_SINCE: dict[str, dict[str, str]] = {
     "TaskControl": {"traceparent": "1.1"},
     "Hello": {"protocol_version": "1.2", "capabilities": "1.3"},
 }
-# Optional behaviours a client asks for on its upgrade, comma-separated in this header; the hub's hello lists the ones
-# it granted (`capabilities`). `push_lease` (docs/desktop-protocol.md "Push-lease"): `task_available` may carry the
-# lease itself (token, epoch, expiry and what the task runs), so the client starts without a lease call.
+# Optional behaviours a client asks for on its upgrade, comma-separated in this header or query parameter; the hub's
+# hello lists the ones it granted (`capabilities`). `push_lease` (docs/desktop-protocol.md "Push-lease"):
+# `task_available` may carry the lease itself (token, epoch, expiry and what the task runs), so the client starts
+# without a lease call.
 CAPABILITIES_HEADER = "X-Monitor-Capabilities"
+# ... or in this query parameter of the upgrade URL (a browser-side WebSocket, e.g. an Electron renderer, cannot set
+# headers).
+CAPABILITIES_QUERY = "capabilities"
 PUSH_LEASE = "push_lease"
 KNOWN_CAPABILITIES: frozenset[str] = frozenset({PUSH_LEASE})
 

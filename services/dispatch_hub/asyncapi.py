@@ -30,10 +30,11 @@ from libs.contracts.http import (
 )
 from libs.contracts.wire import (
     CAPABILITIES_HEADER,
+    CAPABILITIES_QUERY,
     FIELDS_SINCE,
-    PUSH_LEASE,
     HUB_DRAINING_CLOSE,
     PROTOCOL_VERSION,
+    PUSH_LEASE,
     SUPPORTED_MAJORS,
     ErrorEvent,
     Heartbeat,
@@ -152,7 +153,8 @@ def asyncapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 "title": "The desktop client's socket",
                 "description": _CHANNEL,
                 "messages": channel_messages,
-                "bindings": {"ws": {"method": "GET", "headers": _upgrade_headers(), "bindingVersion": "0.1.0"}},
+                "bindings": {"ws": {"method": "GET", "headers": _upgrade_headers(), "query": _upgrade_query(),
+                                    "bindingVersion": "0.1.0"}},
                 "x-handshake-refusals": [{"status": status, "error": error, "meaning": meaning, "client_action": act}
                                          for status, error, meaning, act in HANDSHAKE_REFUSALS],
                 "x-close-codes": [{"code": c.code, "name": c.name, "meaning": c.meaning,
@@ -212,6 +214,13 @@ def _message(name: str, schema: dict[str, Any]) -> dict[str, Any]:
             "payload": {"$ref": f"#/components/schemas/{name}"}}
 
 
+def _upgrade_query() -> dict[str, Any]:
+    return {"type": "object", "properties": {
+        CAPABILITIES_QUERY: {"type": "string", "x-since": "1.3",
+                             "description": f"As the {CAPABILITIES_HEADER} header, for a client that cannot set "
+                                            "headers (a browser-side WebSocket); the two are merged."}}}
+
+
 def _upgrade_headers() -> dict[str, Any]:
     offered = " or ".join(f"`{subprotocol(m)}`" for m in SUPPORTED_MAJORS)
     return {"type": "object", "required": ["Authorization"], "properties": {
@@ -233,7 +242,8 @@ def _upgrade_headers() -> dict[str, Any]:
 _INFO = ("The desktop client's WebSocket to a dispatch-hub: the hub pushes `task_available` and `task_control` "
          "events (forwarded unchanged from RabbitMQ) after a `hello` and a replay from the database; the client "
          "heartbeats. Work itself is taken and ended over HTTP (pull-lease, extend, cancel, result; schemas in "
-         "components), or, for a client granted `push_lease` on its upgrade, arrives leased on `task_available`. Versioned `MAJOR.MINOR`: within a major every change is additive (a new field with a default, "
+         "components), or, for a client granted `push_lease` on its upgrade, arrives leased on `task_available`. "
+         "Versioned `MAJOR.MINOR`: within a major every change is additive (a new field with a default, "
          "a new message type, control or error code a client ignores when it does not know it), so a client decodes "
          "with unknown fields allowed and unknown message types skipped. Fields carry `x-since` when they arrived "
          "after 1.0. docs/desktop-protocol.md is the prose version, with sequence diagrams.")
