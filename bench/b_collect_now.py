@@ -29,7 +29,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -113,6 +113,9 @@ class Latencies:
     to_socket: list[float]
     to_lease: list[float]
     to_running: list[float]
+    # From the task_available on the socket: what the lease mode itself costs, apart from the dispatch before it.
+    socket_to_lease: list[float] = field(default_factory=list)
+    socket_to_running: list[float] = field(default_factory=list)
 
 
 async def _measure(settings: Settings, stack: Stack, world: dict[str, Any], clicks: int, *,
@@ -141,7 +144,8 @@ async def _measure(settings: Settings, stack: Stack, world: dict[str, Any], clic
                 event = msgspec.json.decode((await ws.receive(timeout=10)).data)
                 if event.get("type") == "task_available" and event.get("lane") == "high":
                     break
-            latencies.to_socket.append((time.perf_counter() - clicked) * 1000)
+            on_socket = time.perf_counter()
+            latencies.to_socket.append((on_socket - clicked) * 1000)
             marks.append(Click(request_id, event["task_id"], clicked_wall, accepted_wall, time.time()))
             if push:  # the lease came with the event
                 assert event.get("lease_token"), event
@@ -150,11 +154,13 @@ async def _measure(settings: Settings, stack: Stack, world: dict[str, Any], clic
                 async with http.post(f"{hub}/api/desktop/monitor/lease", json={"max_tasks": 1}, headers=auth) as resp:
                     tasks = (await resp.json())["tasks"]
             latencies.to_lease.append((time.perf_counter() - clicked) * 1000)
+            latencies.socket_to_lease.append((time.perf_counter() - on_socket) * 1000)
             for task in tasks:
                 async with http.post(f"{hub}/api/desktop/tasks/{task['task_id']}/extend", json={
                         "lease_token": task["lease_token"], "execution_phase": "NAVIGATING"}, headers=auth) as resp:
                     assert resp.status == 200, await resp.text()
                 latencies.to_running.append((time.perf_counter() - clicked) * 1000)
+                latencies.socket_to_running.append((time.perf_counter() - on_socket) * 1000)
                 async with http.post(f"{hub}/api/desktop/tasks/{task['task_id']}/result", json={
                         "lease_token": task["lease_token"], "status": "succeeded", "answer_text": "bench"},
                         headers=auth) as resp:
@@ -348,6 +354,9 @@ async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, click
         print(f"  {name}: click -> task_available on the socket (ms): {summary(latencies.to_socket)}", flush=True)
         print(f"  {name}: click -> lease in hand (ms):                {summary(latencies.to_lease)}", flush=True)
         print(f"  {name}: click -> running (first extend answered, ms): {summary(latencies.to_running)}", flush=True)
+        print(f"  {name}: task_available -> lease in hand (ms):       {summary(latencies.socket_to_lease)}", flush=True)
+        print(f"  {name}: task_available -> running (ms):             {summary(latencies.socket_to_running)}",
+              flush=True)
         await _breakdown(settings, name, marks)
     finally:
         if fleet is not None:

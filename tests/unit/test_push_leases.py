@@ -113,6 +113,9 @@ def test_push_lease_key_fails_closed() -> None:
         secret.encode())
     assert Settings.from_env(env={"PUSH_LEASE_ENABLED": "1", "DEV_MODE": "1"}).push_lease_key() == (
         DEV_PUSH_LEASE_SECRET.encode())
+    with pytest.raises(ConfigError, match="placeholder"):  # deploy/k8s/base/secret.example.yaml's, copied as is
+        Settings.from_env(env={"PUSH_LEASE_ENABLED": "1",
+                               "PUSH_LEASE_SECRET": "REPLACE_ME_WITH_OUTPUT_OF_OPENSSL_RAND_HEX_32"}).push_lease_key()
     with pytest.raises(ConfigError, match="PUSH_LEASE_TTL_SECONDS"):
         Settings.from_env(env={"PUSH_LEASE_TTL_SECONDS": "500"})
 
