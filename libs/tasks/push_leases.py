@@ -143,7 +143,11 @@ async def issue(conn: Conn, rows: Sequence[dict[str, Any]], *, key: bytes, ttl_s
         return []
     payload = [{"id": str(r["id"]), "token_hash": hash_token(derive_token(key, r["id"], FIRST_EPOCH))}
                for r in rows]
-    cur = await conn.execute(ISSUE, {"rows": msgspec.json.encode(payload).decode(), "ttl_s": ttl_s})
+    # Synced, not just fetched: in the caller's pipeline (libs/db/tx.pipelined_transaction) a fetch without a sync
+    # leaves libpq reporting the transaction status from before its BEGIN, which the outbox writer refuses.
+    async with conn.pipeline() as pipe:
+        cur = await conn.execute(ISSUE, {"rows": msgspec.json.encode(payload).decode(), "ttl_s": ttl_s})
+        await pipe.sync()
     return [_lease(r) for r in await cur.fetchall()]
 
 

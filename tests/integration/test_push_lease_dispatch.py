@@ -121,3 +121,26 @@ async def test_an_unanswered_push_lease_expires_and_is_requeued(pool: AsyncConne
     assert execution["status"] == "aborted"  # as any expired lease (services/reconciler/jobs/expired_leases.py)
     assert attempt["status"] == "expired"
     assert business["status"] == "pending" and business["dispatch_lane"] == "retry"  # requeued for a client
+
+
+async def test_the_high_pass_pushes_a_clicks_leases_and_marks_the_request_running(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """The collect-now path: the high pass's pipeline has not synced since its BEGIN when the leases are issued (a
+    fetch without a sync there made the outbox writer refuse the pass: every click waited for a re-election)."""
+    from tests.integration.test_coordinator_high_pass import _settings, _two_tasks_for_one_client
+    from tests.integration.test_coordinator_load import collect_now
+
+    tenant, client, picked = await _two_tasks_for_one_client(pool)
+    async with pool.connection() as conn:
+        await push_leases.record_capability(conn, {client: True})
+        request_id, _ = await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client,
+                                          task_ids=[r["id"] for r in picked])
+    outcome = await Dispatcher(pool, push_leases=PushLeaseIssuer(KEY, ttl_s=TTL_S)).run_high_pass(
+        await _settings(pool))
+    assert outcome.high_dispatched == 2
+    rows = await _rows(pool, "SELECT id, status, lease_epoch, lease_token_hash FROM desktop_tasks")
+    assert [(r["status"], r["lease_epoch"]) for r in rows] == [("in_progress", 1)] * 2
+    assert all(r["lease_token_hash"] == hash_token(push_leases.derive_token(KEY, r["id"], 1)) for r in rows)
+    request = (await _rows(pool, "SELECT status, dispatched_task_count FROM monitoring_collect_requests "
+                                 "WHERE id = %(r)s", {"r": request_id}))[0]
+    assert request["status"] == "running" and request["dispatched_task_count"] == 2  # leased, as a lease call marks
