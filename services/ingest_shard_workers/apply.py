@@ -27,7 +27,7 @@ from libs.mq.topology import LIFECYCLE, PROJECTION
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
-from libs.tasks.requests import CountDelta, request_count_delta, request_status_after
+from libs.tasks.requests import CountDelta, request_count_delta
 from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import (
     EndedExecution,
@@ -330,17 +330,15 @@ async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[
             delta = CountDelta(completed=delta.completed + change.completed, failed=delta.failed + change.failed)
         deltas[key] = delta
     for (request_id, tenant_id), delta in sorted(deltas.items(), key=lambda item: str(item[0][0])):
-        cur = await conn.execute(collect_requests.RECORD_RESULTS, {"id": request_id, "tenant_id": tenant_id,
-                                                      "completed": delta.completed, "failed": delta.failed})
-        row = await cur.fetchone()
-        if row is None:
+        recorded = await collect_requests.record_results(conn, request_id=request_id, tenant_id=tenant_id,
+                                                         delta=delta)
+        if recorded is None:
             continue
-        if row["first_result"]:
-            outcome.first_result_latencies_ms.append(max(0.0, float(row["since_created_ms"])))
-        status = request_status_after(str(row["status"]), requested=int(row["requested_task_count"]),
-                                      completed=int(row["completed_task_count"]), failed=int(row["failed_task_count"]))
-        if status != row["status"]:
-            await conn.execute(collect_requests.FINISH, {"id": request_id, "status": status})
+        if recorded.first_result:
+            outcome.first_result_latencies_ms.append(max(0.0, recorded.since_created_ms))
+        status = recorded.final_status()
+        if status is not None:
+            await collect_requests.finish(conn, request_id=request_id, status=status)
             log.info("collect request finished", extra={"collect_request_id": str(request_id),
                                                         "tenant_id": tenant_id, "status": status})
         outcome.rows_written += 1
