@@ -35,7 +35,6 @@ STILL_OUTSIDE: frozenset[str] = frozenset({
     "services/dispatch_hub/heartbeats.py",
     "services/dispatch_hub/leases.py",
     "services/dispatch_hub/queries.py",
-    "services/reconciler/jobs/business_day.py",
     "services/reconciler/jobs/expired_leases.py",
     "services/reconciler/jobs/interrupt_timeouts.py",
     "services/reconciler/jobs/migration.py",
