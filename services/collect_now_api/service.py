@@ -520,8 +520,9 @@ def _scope_hash(brand_id: int, body: CollectNowRequest, business_date: date) -> 
 
 def _scope_hashes(brand_id: int, body: CollectNowRequest, today: date) -> dict[date, str]:
     """The request's scope hash for every business date a tenant can be on when it is `today` in UTC: time zones
-    span UTC-12 to UTC+14, one more day each way for clock skew near midnight. READS then returns only the user's
-    recent requests of this scope (not every request of the idempotency window, decoded and compared here)."""
+    span UTC-12 to UTC+14, one more day each way for clock skew near midnight. The click's read
+    (clicks.read_for_click) then returns only the user's recent requests of this scope (not every request of the
+    idempotency window, decoded and compared here)."""
     return {day: _scope_hash(brand_id, body, day) for day in (today + timedelta(days=n) for n in range(-2, 3))}
 
 
