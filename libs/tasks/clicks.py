@@ -172,33 +172,32 @@ _active = msgspec.json.Decoder(list[ActiveRequest])
 _scope = msgspec.json.Decoder(list[ScopeRow])
 
 
-class ClickReads:
-    """What `read_for_click` read. `brand_id` None: the brand is not the caller's. The row sets are decoded when first
+class ClickReads(msgspec.Struct, frozen=True):
+    """What `read_for_click` read. `brand_id` None: the brand is not the caller's. The row sets stay JSON until first
     asked for (a replay needs only `recent`)."""
 
-    __slots__ = ("_row", "brand_id", "business_date", "keyword_ok", "oldest_user_request_age_s",
-                 "user_requests_last_hour", "workspace_id")
-
-    def __init__(self, row: dict[str, Any]) -> None:
-        self._row = row
-        self.brand_id: int | None = row["brand_id"]
-        self.workspace_id: int | None = row["workspace_id"]
-        self.business_date: date | None = row["business_date"]
-        self.keyword_ok: bool = bool(row["keyword_ok"])
-        self.user_requests_last_hour: int = int(row["user_requests_last_hour"])
-        self.oldest_user_request_age_s: float | None = row["oldest_user_request_age_s"]
+    brand_id: int | None
+    workspace_id: int | None
+    business_date: date | None
+    keyword_ok: bool
+    user_requests_last_hour: int
+    oldest_user_request_age_s: float | None
+    recent_json: str
+    candidates_json: str
+    active_json: str
+    scope_json: str
 
     def recent(self) -> list[RecentRequest]:
-        return _recent.decode(self._row["recent"])
+        return _recent.decode(self.recent_json)
 
     def candidates(self) -> list[ClientCandidateRow]:
-        return _candidates.decode(self._row["candidates"])
+        return _candidates.decode(self.candidates_json)
 
     def active(self) -> list[ActiveRequest]:
-        return _active.decode(self._row["active"])
+        return _active.decode(self.active_json)
 
     def scope(self) -> list[ScopeRow]:
-        return _scope.decode(self._row["scope"])
+        return _scope.decode(self.scope_json)
 
 
 def _recent_params(*, tenant_id: int, brand_id: int, user_id: int, window_s: int,
@@ -222,7 +221,11 @@ async def read_for_click(conn: Conn, *, tenant_id: int, workspace_id: int, brand
     async def read() -> ClickReads:
         row = await cur.fetchone()
         assert row is not None, "one row, the brand's columns NULL when it is not found"
-        return ClickReads(row)
+        return ClickReads(brand_id=row["brand_id"], workspace_id=row["workspace_id"],
+                          business_date=row["business_date"], keyword_ok=bool(row["keyword_ok"]),
+                          user_requests_last_hour=int(row["user_requests_last_hour"]),
+                          oldest_user_request_age_s=row["oldest_user_request_age_s"], recent_json=row["recent"],
+                          candidates_json=row["candidates"], active_json=row["active"], scope_json=row["scope"])
 
     return Queued(read)
 
