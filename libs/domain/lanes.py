@@ -47,6 +47,12 @@ class LaneSpec:
     # (`client_has_high`), it is not held by the client's queue depth (tree step 4) nor by an overdue interrupt, its
     # executions carry the client's interrupt generation, and a click withdraws the client's work of the other lanes.
     preempts: bool = False
+    # §10.1: a click on its client takes this lane's work back: queued work is cancelled, running work asked to
+    # yield (scheduled work only: never the click's own lane, never retries).
+    preemptible: bool = False
+    # Outbox priority of its `task_available` (libs/outbox): above 0, claimed before older events, relayed by the
+    # coordinator right after its commit and woken by NOTIFY (a click waits for it).
+    outbox_priority: int = 0
     # §12.4: dispatched while the auto slow-down holds the other lanes.
     slowdown_exempt: bool = False
     # libs/domain/platform_health.py: held back on a client that reports a broken login on the task's platform, and
@@ -79,10 +85,10 @@ LANE_SPECS: tuple[LaneSpec, ...] = (
     LaneSpec("publish", "high", 15000, 19999, 90, 18000, source="publish"),
     LaneSpec("publish", "normal", 10000, 14999, 80, 12000, source="publish"),
     LaneSpec("monitor", "high", 5000, 5999, 70, 5000, entry="collect_now", budget_exempt=True, preempts=True,
-             slowdown_exempt=True, retries_into="high", source="collect_now"),
-    LaneSpec("monitor", "normal_boosted", 1000, 4999, 50, 1000, entry="aging", route_as="normal",
+             outbox_priority=1, slowdown_exempt=True, retries_into="high", source="collect_now"),
+    LaneSpec("monitor", "normal_boosted", 1000, 4999, 50, 1000, entry="aging", route_as="normal", preemptible=True,
              held_for_broken_login=True, normal_backlog=True, ages_into="normal_boosted", retries_into="retry"),
-    LaneSpec("monitor", "normal", 100, 999, 40, 100, entry="schedule", held_for_broken_login=True,
+    LaneSpec("monitor", "normal", 100, 999, 40, 100, entry="schedule", preemptible=True, held_for_broken_login=True,
              normal_backlog=True, ages_into="normal_boosted", retries_into="retry"),
     LaneSpec("monitor", "retry", 10, 99, 20, 50, entry="failure", held_for_broken_login=True, retry_gated=True,
              retries_into="retry", source="retry_recovery"),
@@ -118,6 +124,8 @@ def table_problems(specs: tuple[LaneSpec, ...]) -> list[str]:
                 problems.append(f"monitor/{s.name}: {field_name} {target!r} is not a monitor lane")
         if not s.retries_into:
             problems.append(f"monitor/{s.name}: says no lane to retry into")
+        if s.preempts and s.preemptible:
+            problems.append(f"monitor/{s.name}: a lane that preempts cannot be preempted by a click")
     for entry in ("collect_now", "schedule", "failure"):
         if sum(1 for s in monitor if s.entry == entry) != 1:
             problems.append(f"exactly one monitor lane must be entered by {entry!r}")
@@ -190,6 +198,17 @@ def sql_names(where: Callable[[LaneSpec], bool] = lambda s: True) -> str:
 def sql_all_names() -> str:
     """Every lane name of any kind as an SQL list (what `desktop_tasks.lane` may hold)."""
     return _quoted(ALL_LANE_NAMES)
+
+
+# The lane classes SQL statements filter on, as `lane IN {...}` / `lane NOT IN {...}` lists. The aging statements
+# must spell AGING_LANES_SQL as ix_collect_tasks_aging does (tests/integration/test_lane_schema.py holds the index to
+# the table), so that the planner can use that partial index.
+BUDGET_EXEMPT_SQL = sql_names(lambda s: s.budget_exempt)
+PREEMPTING_SQL = sql_names(lambda s: s.preempts)
+PREEMPTIBLE_SQL = sql_names(lambda s: s.preemptible)
+AGING_LANES_SQL = sql_names(lambda s: s.ages)
+NORMAL_BACKLOG_SQL = sql_names(lambda s: s.normal_backlog)
+HELD_FOR_BROKEN_LOGIN_SQL = sql_names(lambda s: s.held_for_broken_login)
 
 
 def _case(column: str, value: Callable[[LaneSpec], str]) -> str:

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 
 from libs.db.pool import Conn, connect
-from libs.domain.lanes import LANE_SPECS, LaneSpec
+from libs.domain.lanes import AGING_LANES_SQL, LANE_SPECS, LaneSpec
 
 Specs = tuple[LaneSpec, ...]
 
@@ -138,6 +138,25 @@ async def test_a_migration_that_disagrees_with_the_table_is_caught(database_url:
         "index ix_collect_tasks_aging lacks ['normal_boosted']",
         "index ix_lane_probe compares lanes ['high']: say in EXPECTED which lanes it stands for",
     ]
+
+
+async def test_the_derived_aging_list_uses_the_aging_index(database_url: str) -> None:
+    """The table's spelling of the aging lanes (in dispatch order) still lets the planner prove the partial index's
+    predicate (written in another order in migration 023)."""
+    conn = await connect(database_url)
+
+    async def plan(lanes_sql: str) -> str:
+        cur = await conn.execute(f"""EXPLAIN SELECT t.enqueued_at, t.id FROM monitoring_collect_tasks t
+            WHERE t.status = 'pending' AND t.dispatch_lane IN {lanes_sql} ORDER BY t.enqueued_at, t.id LIMIT 1""")
+        return " ".join(str(next(iter(dict(r).values()))) for r in await cur.fetchall())
+
+    try:
+        await conn.execute("SET enable_seqscan = off")
+        derived, wider = await plan(AGING_LANES_SQL), await plan("('normal', 'retry')")
+    finally:
+        await conn.close()
+    assert AGING_LANES_SQL == "('normal_boosted', 'normal')" and "ix_collect_tasks_aging" in derived, derived
+    assert "ix_collect_tasks_aging" not in wider, wider  # a lane the index does not hold: it cannot serve
 
 
 def test_the_comparison_reader() -> None:

@@ -76,6 +76,10 @@ def test_sql_lists_derive_from_the_table() -> None:
     assert lanes.sql_names(lambda s: s.ages) == "('normal_boosted', 'normal')"
     assert lanes.sql_names() == "('high', 'normal_boosted', 'normal', 'retry')"
     assert lanes.sql_all_names() == "('urgent', 'high', 'normal', 'normal_boosted', 'retry')"
+    assert (lanes.BUDGET_EXEMPT_SQL, lanes.PREEMPTING_SQL, lanes.PREEMPTIBLE_SQL) == (
+        "('high')", "('high')", "('normal_boosted', 'normal')")
+    assert lanes.AGING_LANES_SQL == lanes.NORMAL_BACKLOG_SQL == "('normal_boosted', 'normal')"
+    assert lanes.HELD_FOR_BROKEN_LOGIN_SQL == "('normal_boosted', 'normal', 'retry')"
     with pytest.raises(ValueError, match="no lane matches"):
         lanes.sql_names(lambda s: False)
     assert lanes.retry_lane_sql("t.dispatch_lane") == (
@@ -109,6 +113,9 @@ def test_table_problems_catch_a_broken_table() -> None:
     second_click = replace(lanes.monitor_lane("retry"), entry="collect_now")
     broken = tuple(second_click if s.kind == "monitor" and s.name == "retry" else s for s in LANE_SPECS)
     assert any("entered by 'collect_now'" in p for p in table_problems(broken))
+    both = replace(lanes.CLICK_LANE, preemptible=True)
+    assert any("cannot be preempted" in p for p in table_problems(
+        tuple(both if s is lanes.CLICK_LANE else s for s in LANE_SPECS)))
     assert any("a lane name is" in p for p in table_problems((*LANE_SPECS, replace(express, name="x'; --"))))
 
 
