@@ -131,3 +131,16 @@ def test_a_hub_grants_push_lease_only_with_a_key() -> None:
     assert gateway(KEY).grant(["push_lease"]) == {PUSH_LEASE}
     assert gateway(None).grant(["push_lease"]) == frozenset()
     assert gateway(KEY).grant([]) == frozenset()
+
+
+def test_the_simulator_starts_a_pushed_event_as_the_lease_call_would_have_answered() -> None:
+    from tools.desktop_sim.client import pushed_lease
+
+    event = msgspec.to_builtins(_available(lease_token="lt1.1.x", lease_epoch=1, lease_expires_at=NOW,
+                                           brand=BrandRef(brand_id=7, name="Acme"),
+                                           question=QuestionRef(question_id=9, text="best?"),
+                                           platform=PlatformRef(ai_platform_id=2, code="openai")))
+    lease = pushed_lease(event)
+    assert lease["task_id"] == str(TASK) and lease["lease_token"] == "lt1.1.x" and lease["lease_epoch"] == 1
+    assert lease["platform"]["code"] == "openai" and lease["brand"]["name"] == "Acme"
+    assert lease["question"]["text"] == "best?" and lease["execution_owner"] == "desktop_tasks"
