@@ -32,6 +32,7 @@ from libs.mq.dead_letter import DeadLetterPublisher, dead_letter_or_give_back
 from libs.mq.topology import Topology, declare_lifecycle
 from libs.outbox.relay import OutboxRelay
 from libs.tasks import legacy
+from libs.tasks.push_leases import PushLeaseIssuer
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.dispatch_coordinator.dispatcher import Dispatcher, PassOutcome, is_transient
@@ -95,6 +96,8 @@ class CoordinatorConfig:
     listen: bool = True
     # How long this process's claims on its own high events last (see Dispatcher: the relay).
     relay_lease_seconds: float = 5.0
+    # Push-lease (libs/tasks/push_leases.py): executions of push clients are leased at dispatch; None: all pull.
+    push_leases: PushLeaseIssuer | None = None
 
 
 # The lifecycle events the coordinator consumes: completions and clients coming online wake dispatch; a
@@ -159,7 +162,8 @@ class Coordinator:
         # Confirmed before the original is acked (libs/mq/dead_letter.py), on a channel of its own.
         self._dead_letters = DeadLetterPublisher(amqp, config.topology) if amqp is not None else None
         self.dispatcher: Dispatching = dispatcher if dispatcher is not None else Dispatcher(
-            pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds, clock=clock)
+            pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds, clock=clock,
+            push_leases=config.push_leases)
         # A collect-now asked for dispatch: the next pass starts with a high-only pass.
         self._high_wake = asyncio.Event()
         self.dispatcher.high_waiting = self._high_wake.is_set

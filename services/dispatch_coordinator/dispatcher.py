@@ -56,6 +56,7 @@ from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
 from libs.tasks import business, executions, legacy
 from libs.tasks import requests as collect_requests
+from libs.tasks.push_leases import PushLeaseIssuer
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
 from services.dispatch_coordinator.high_relay import HighRelay
@@ -258,8 +259,9 @@ class Dispatcher:
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, relay: OutboxRelay | None = None,
                  relay_lease_seconds: float = 5.0, clock: Clock = SYSTEM_CLOCK,
-                 candidate_chunk_rows: int = CANDIDATE_CHUNK_ROWS) -> None:
+                 candidate_chunk_rows: int = CANDIDATE_CHUNK_ROWS, push_leases: PushLeaseIssuer | None = None) -> None:
         self._pool = pool
+        self.push_leases = push_leases  # leases at dispatch for push clients (libs/tasks/push_leases.py)
         self._clock = clock
         self._chunk_rows = candidate_chunk_rows
         self.high_relay = HighRelay(relay, lease_seconds=relay_lease_seconds)
@@ -714,6 +716,8 @@ class Dispatcher:
         desktop = [r for r in rows if r["execution_owner"] != "legacy"]
         if desktop:
             await executions.create(conn, desktop, ts=ts)
+            if self.push_leases is not None:  # a round trip: the leases go on the events (libs/tasks/push_leases.py)
+                events = await self.push_leases.lease_created(conn, desktop, events)
         if len(desktop) < len(rows):
             await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
         high = any(r["lane"] == "high" for r in rows)

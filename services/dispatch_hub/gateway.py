@@ -28,16 +28,19 @@ from libs.contracts.amqp import LifecycleEvent, LifecycleKind
 from libs.contracts.wire import (
     HUB_DRAINING_CLOSE,
     PROTOCOL_VERSION,
+    PUSH_LEASE,
     Hello,
     TaskAvailable,
     dispatch_decoder,
     draining_close_reason,
+    requested_capabilities,
 )
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
 from libs.mq.topology import LIFECYCLE, Topology, declare_hub_queue
 from libs.outbox.writer import OutboxEvent, enqueue_many
+from libs.tasks import push_leases
 from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
 from services.dispatch_hub.auth import ClientPrincipal
@@ -79,6 +82,7 @@ class Attaching:
 
     principal: ClientPrincipal
     socket_id: uuid.UUID
+    push_lease: bool = False  # the socket was granted push_lease (libs/tasks/push_leases.py)
 
 
 def task_available_from_row(row: dict[str, Any]) -> TaskAvailable:
@@ -95,8 +99,9 @@ class Gateway:
                  hub_id: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
                  heartbeat_flush_s: float, max_sockets_per_client: int = 2, revocation_check_s: float = 2.0,
                  on_revoked: Callable[[uuid.UUID], None] | None = None,
-                 write_health: WriterHealth | None = None) -> None:
+                 write_health: WriterHealth | None = None, push_key: bytes | None = None) -> None:
         self._pool = pool
+        self.push_key = push_key  # push-lease on (PUSH_LEASE_SECRET): tokens derived here (libs/tasks/push_leases.py)
         self._amqp = amqp
         self._topology = topology
         self.hub_id = hub_id
@@ -186,10 +191,14 @@ class Gateway:
         if tracing.enabled():
             self._deliver_traced(message, client_id, conns, arrived)
             return
-        text = message.body.decode()
+        text = (self.push_key and push_leases.add_token(message.body, self.push_key)) or message.body.decode()
         for conn in conns:
             conn.deliver(text, arrived)
             self.forwarded += 1
+
+    def grant(self, requested: Iterable[str]) -> frozenset[str]:
+        """The capabilities a socket's upgrade asked for (CAPABILITIES_HEADER values) that this hub grants."""
+        return requested_capabilities(tuple(requested)) if self.push_key is not None else frozenset()
 
     def _deliver_traced(self, message: AbstractIncomingMessage, client_id: uuid.UUID,
                         conns: tuple[Connection, ...], arrived: float) -> None:
@@ -204,6 +213,9 @@ class Gateway:
             with contextlib.suppress(msgspec.MsgspecError):  # not ours to judge: forwarded unchanged
                 event = dispatch_decoder.decode(message.body)
                 span.set_attribute(tracing.TASK_ID, str(event.task_id))
+                if isinstance(event, TaskAvailable) and event.lease_epoch is not None and self.push_key:
+                    event = msgspec.structs.replace(event, lease_token=push_leases.derive_token(
+                        self.push_key, event.task_id, event.lease_epoch))
                 text = msgspec.json.encode(msgspec.structs.replace(
                     event, traceparent=tracing.traceparent_of(span))).decode()
             for conn in conns:
@@ -273,13 +285,15 @@ class Gateway:
             metrics.desktop_websocket_connections.inc()
             self._close_oldest_beyond_limit(client_id)
             # Under the client's lock, so a concurrent last-socket close cannot mark it offline before this.
-            generation, replay = await _finished(self._attaching.submit(Attaching(principal, conn.socket_id)))
+            generation, replay = await _finished(self._attaching.submit(
+                Attaching(principal, conn.socket_id, PUSH_LEASE in conn.capabilities)))
         available = sum(1 for t in replay if '"task_available"' in t)
         hello = Hello(client_id=client_id, tenant_id=principal.tenant_id, hub_instance=self.hub_id,
                       server_time=datetime.now(UTC),
                       heartbeat_interval_s=announced_heartbeat_interval(self.heartbeat_interval_s),
                       interrupt_generation=generation, replayed_available=available,
-                      replayed_controls=len(replay) - available, protocol_version=PROTOCOL_VERSION)
+                      replayed_controls=len(replay) - available, protocol_version=PROTOCOL_VERSION,
+                      capabilities=sorted(conn.capabilities))
         log.info("client connected", extra={"client_id": str(client_id), "tenant_id": principal.tenant_id,
                                             "replayed": len(replay)})
         return [msgspec.json.encode(hello).decode(), *replay]
@@ -300,6 +314,7 @@ class Gateway:
                 beyond = await db.execute(q.SOCKETS_BEYOND_CAP, {
                     "client_ids": [p.client_id for p in principals], "tenant_ids": [p.tenant_id for p in principals],
                     "cap": self.max_sockets_per_client})
+                await push_leases.record_capability(db, {s.principal.client_id: s.push_lease for s in sockets})
                 await pipe.sync()
                 rows = await cur.fetchall()
                 replaced = await beyond.fetchall()
@@ -360,6 +375,8 @@ class Gateway:
         interrupts = await cur.fetchall()
         now = datetime.now(UTC)
         events: dict[ClientPrincipal, list[str]] = {}
+        for pushed in await push_leases.replay(db, list(by_id), key=self.push_key) if self.push_key else ():
+            events.setdefault(by_id[pushed.target_client_id], []).append(msgspec.json.encode(pushed.event).decode())
         for r in queued:
             events.setdefault(by_id[r["target_client_id"]], []).append(
                 msgspec.json.encode(task_available_from_row(r)).decode())
