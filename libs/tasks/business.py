@@ -8,11 +8,18 @@ whoever runs it (docs/architecture.md "State machines", "Write matrix").
 
 Ending work (an execution or a legacy lease) and what it does to the business task (yield, retry, finish) is
 libs/tasks/transitions.py; the legacy lease columns on the row are libs/tasks/legacy.py's.
+
+The coordinator's statements are private (`_NAME`) behind operations (`scan_due_plans`, `count_dispatched`,
+`apply_aging`, `rollback_to_legacy`); the collect-now and reconciler statements below are still public constants
+until their callers move to operations (issue #23).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from libs.db.pool import Conn
 from libs.tasks.fragments import (
@@ -88,7 +95,7 @@ WHERE tenant_id = %(tenant_id)s AND collect_request_id = ANY(%(old_ids)s::uuid[]
 # ---- dispatch ----------------------------------------------------------------------------------------------------
 
 # The coordinator dispatched these rows (by ctid, locked by its claim): one attempt more, the replacement id used.
-COUNT_DISPATCH_ATTEMPTS = """
+_COUNT_DISPATCH_ATTEMPTS = """
 UPDATE monitoring_collect_tasks t
 SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), next_execution_id = NULL,
     updated_at = now()
@@ -102,7 +109,7 @@ WHERE t.ctid = ANY(%(row_refs)s::tid[])
 # libs.domain.shard.ingest_shard_key's format ("{tenant}:{brand}:{YYYY-MM-DD}"; the scanner tests assert
 # the two agree). Zones Postgres does not know fall back to UTC like tenant_zone(); %(zones)s lists the
 # known ones. The plans are updated by `ctid` (rows locked by this very statement cannot move).
-SCAN_DUE_PLANS = """
+_SCAN_DUE_PLANS = """
 WITH due AS MATERIALIZED (
     SELECT p.ctid AS row_ref, p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id,
            p.collector_type, p.run_mode, p.next_run_at, greatest(1, p.interval_seconds) AS step_s,
@@ -147,18 +154,54 @@ SELECT (SELECT count(*) FROM advanced) AS plans,
 
 async def count_dispatched(conn: Conn, row_refs: list[Any]) -> None:
     """The rows a pass dispatched (their ctids, locked by its claim) count one dispatch attempt more."""
-    await conn.execute(COUNT_DISPATCH_ATTEMPTS, {"row_refs": row_refs})
+    await conn.execute(_COUNT_DISPATCH_ATTEMPTS, {"row_refs": row_refs})
+
+
+class CreatedGroup(msgspec.Struct, frozen=True):
+    """Tasks a scan created, per (tenant, platform, execution path)."""
+
+    tenant_id: int
+    ai_platform_id: int
+    execution_owner: str
+    n: int
+
+
+class ScanBatch(msgspec.Struct, frozen=True):
+    """One scan batch: the plans it advanced and the tasks it created."""
+
+    plans: int
+    created: list[CreatedGroup]
+
+
+async def scan_due_plans(conn: Conn, *, limit: int, zones: Sequence[str], priority: int,
+                         rollout_percentage: int) -> ScanBatch:
+    """One batch of due plans (SKIP LOCKED), each its task for its latest due slot (idempotent on the business key),
+    each advanced past now. `zones`: the time zones Postgres knows (others fall back to UTC)."""
+    cur = await conn.execute(_SCAN_DUE_PLANS, {"limit": limit, "zones": list(zones), "priority": priority,
+                                               "rollout": rollout_percentage})
+    row = await cur.fetchone()
+    assert row is not None
+    return ScanBatch(plans=int(row["plans"]), created=[  # `created`: a json document, loaded by psycopg
+        CreatedGroup(int(g["tenant_id"]), int(g["ai_platform_id"]), str(g["execution_owner"]), int(g["n"]))
+        for g in row["created"]])
 
 # ---- lanes and bindings ------------------------------------------------------------------------------------------
 
 # Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost.
-APPLY_AGING = """
+_APPLY_AGING = """
 UPDATE monitoring_collect_tasks t
 SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
 FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
      AS v(id, lane, priority, boost)
 WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'normal_boosted')
 """
+
+
+async def apply_aging(conn: Conn, *, ids: Sequence[int], lanes: Sequence[str], priorities: Sequence[int],
+                      boosts: Sequence[int]) -> None:
+    """Aged pending normal tasks get their new lane, priority and boost (ids[i]: lanes[i], ...)."""
+    await conn.execute(_APPLY_AGING, {"ids": list(ids), "lanes": list(lanes), "priorities": list(priorities),
+                                      "boosts": list(boosts)})
 
 
 # The reconciler: pending high work bound to a client without a fresh heartbeat (or disabled) is unbound, lane kept.
@@ -208,8 +251,14 @@ WHERE id = %(id)s AND status = 'pending'
 
 # Pending desktop_tasks-owned tasks without an active execution go to the legacy path (a row with one is left alone:
 # without --force its execution finishes on desktop_tasks). Any zombie legacy lease columns are cleared on the way.
-ROLLBACK_TO_LEGACY = f"""
+_ROLLBACK_TO_LEGACY = f"""
 UPDATE monitoring_collect_tasks t
 SET execution_owner = 'legacy', {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
 WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.id NOT IN ({ACTIVE_TASK_IDS_SQL})
 """
+
+
+async def rollback_to_legacy(conn: Conn) -> int:
+    """Every pending desktop_tasks-owned task without an active execution goes to the legacy path; how many did."""
+    cur = await conn.execute(_ROLLBACK_TO_LEGACY)
+    return cur.rowcount

@@ -463,8 +463,7 @@ async def emergency_rollback(conn: Conn, *, force_in_flight: bool, dry_run: bool
             await set_setting(conn, "rollout_percentage", 0)
         movement = await _tenant_movement(conn, before, 0)
         aborted = await _abort_in_flight(conn) if force_in_flight else 0
-        cur = await conn.execute(business.ROLLBACK_TO_LEGACY)
-        moved = cur.rowcount
+        moved = await business.rollback_to_legacy(conn)
         cur = await conn.execute(_IN_FLIGHT)
         left_row = await cur.fetchone()
         left = int(left_row["n"]) if left_row else 0
