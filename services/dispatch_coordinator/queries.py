@@ -5,10 +5,6 @@ gauges and aging), libs/tasks/business.py (the scan, aging's write)."""
 
 from __future__ import annotations
 
-from libs.tasks.ready import READY
-
-__all__ = ["READY"]
-
 # An execution counts against its window's budget unless collect-now cancelled it while still queued (never
 # leased): that one gives its budget back. One SQL definition (migration 021) for the count and the ledger.
 COUNTS_AGAINST_BUDGET = "dispatch_budget_counts(d.kind, d.status, d.interrupt_reason, d.lease_epoch)"
