@@ -9,13 +9,16 @@ whoever runs it (docs/architecture.md "State machines", "Write matrix").
 Ending work (an execution or a legacy lease) and what it does to the business task (yield, retry, finish) is
 libs/tasks/transitions.py; the legacy lease columns on the row are libs/tasks/legacy.py's.
 
-The coordinator's statements are private (`_NAME`) behind operations (`scan_due_plans`, `count_dispatched`,
-`apply_aging`, `rollback_to_legacy`); the collect-now and reconciler statements below are still public constants
-until their callers move to operations (issue #23).
+Every statement has its operation: the coordinator's (`scan_due_plans`, `count_dispatched`, `apply_aging`,
+`rollback_to_legacy`) hold private statements (`_NAME`); the reconciler's (`unbind_high_of_stale_clients`,
+`demote_timed_out`, `rebind_high`, `expire`) keep their statements public, and collect-now's (CREATE_MISSING_TASKS,
+PROMOTE_SCOPE, MARK_SUPERSEDED, run in its pipelined click) are still statements, until their callers move to
+operations (issue #23).
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -216,6 +219,22 @@ RETURNING t.id, t.tenant_id, c.id AS client_id, t.collect_request_id
 """
 
 
+class Unbound(msgspec.Struct, frozen=True):
+    """Pending high work unbound from a client without a fresh heartbeat (or disabled)."""
+
+    id: int
+    tenant_id: int
+    client_id: uuid.UUID
+    collect_request_id: uuid.UUID | None
+
+
+async def unbind_high_of_stale_clients(conn: Conn, *, heartbeat_timeout_s: float) -> list[Unbound]:
+    """Pending high work bound to a client whose last heartbeat is older than `heartbeat_timeout_s` (or that is
+    disabled) is unbound, its lane kept."""
+    cur = await conn.execute(UNBIND_HIGH_OF_STALE_CLIENTS, {"timeout_s": heartbeat_timeout_s})
+    return [Unbound(r["id"], r["tenant_id"], r["client_id"], r["collect_request_id"]) for r in await cur.fetchall()]
+
+
 # The reconciler: a timed-out request's pending tasks that are not executing leave the high lane, unbound.
 DEMOTE_TIMED_OUT = f"""
 UPDATE monitoring_collect_tasks t
@@ -225,6 +244,14 @@ WHERE t.collect_request_id = %(id)s AND t.tenant_id = %(tenant_id)s AND t.status
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
                   AND d.status IN {ACTIVE_EXECUTION_SQL})
 """
+
+
+async def demote_timed_out(conn: Conn, *, request_id: uuid.UUID, tenant_id: int, normal_priority: int) -> int:
+    """A timed-out request's pending high tasks without an active execution go to the normal lane, unbound; how
+    many did."""
+    cur = await conn.execute(DEMOTE_TIMED_OUT, {"id": request_id, "tenant_id": tenant_id,
+                                                "normal_priority": normal_priority})
+    return cur.rowcount
 
 
 # The reconciler: a client that did not yield before the hard timeout loses its pending high work to another.
@@ -238,6 +265,14 @@ WHERE t.tenant_id = %(tenant_id)s AND t.target_client_id = %(client_id)s AND t.s
 """
 
 
+async def rebind_high(conn: Conn, *, tenant_id: int, client_id: uuid.UUID, new_client_id: uuid.UUID | None) -> int:
+    """The pending high work bound to `client_id` and not running goes to `new_client_id` (None: unbound); how many
+    tasks moved."""
+    cur = await conn.execute(REBIND_HIGH, {"tenant_id": tenant_id, "client_id": client_id,
+                                           "new_client_id": new_client_id})
+    return cur.rowcount
+
+
 # ---- the end of a row's day and path ------------------------------------------------------------------------------
 
 # The reconciler: a pending task whose business day is over (nothing live on it) expires.
@@ -247,6 +282,12 @@ SET status = 'expired', completed_at = now(), last_error = 'business date is ove
     {CLEAR_LEGACY_LEASE_SQL}
 WHERE id = %(id)s AND status = 'pending'
 """
+
+
+async def expire(conn: Conn, task_id: int) -> bool:
+    """The pending task's business day is over: expired (False: it was not pending)."""
+    cur = await conn.execute(EXPIRE, {"id": task_id})
+    return cur.rowcount == 1
 
 
 # Pending desktop_tasks-owned tasks without an active execution go to the legacy path (a row with one is left alone:

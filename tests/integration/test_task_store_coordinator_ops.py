@@ -1,6 +1,7 @@
 """The coordinator's operations of the task store (docs/architecture.md "The task store: the coordinator's
-operations"), one test per module, against real Postgres: each answers typed Structs, and the READY rule they share
-(libs/tasks/ready.py) leaves out a task with an active execution wherever it is read."""
+operations"), one test per module (and business.py's reconciler operations), against real Postgres: each answers
+typed Structs, and the READY rule they share (libs/tasks/ready.py) leaves out a task with an active execution
+wherever it is read."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from datetime import UTC, datetime, timedelta
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
-from libs.tasks import admin_ops, backlog_reads, consistency_reads, dispatch_reads, explain_reads
+from libs.tasks import admin_ops, backlog_reads, business, consistency_reads, dispatch_reads, explain_reads
 from tests.support.reconcile_factory import (
     World,
     heartbeat,
     insert_execution,
     insert_legacy_lease,
+    insert_request,
     insert_task,
     make_world,
 )
@@ -211,3 +213,29 @@ async def test_admin_ops_status_rollout_and_rollback_reads(pool: AsyncConnection
         await conn.execute("UPDATE desktop_tasks SET interrupted_at = now(), "
                            "interrupt_reason = 'interrupt_hard_timeout' WHERE id = %s", (s.execution,))
         assert await admin_ops.preemption_outcomes(conn, since=since) == admin_ops.PreemptionOutcomes(0, 1)
+
+
+async def test_business_operations_of_the_reconciler_move_high_work_and_expire(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    async with pool.connection() as conn:
+        s = await _seed(conn, questions=5)
+        w = s.world
+        assert await business.rebind_high(conn, tenant_id=w.tenant_id, client_id=w.clients[1],
+                                          new_client_id=w.clients[0]) == 1
+        assert await business.rebind_high(conn, tenant_id=w.tenant_id, client_id=w.clients[1],
+                                          new_client_id=w.clients[0]) == 0
+        await heartbeat(conn, w.clients[0], seconds_ago=120)
+        assert await business.unbind_high_of_stale_clients(conn, heartbeat_timeout_s=30) == [
+            business.Unbound(s.high, w.tenant_id, w.clients[0], None)]
+
+        request = await insert_request(conn, w, client_id=w.clients[1])
+        clicked = await insert_task(conn, w, question_index=3, lane="high", target_client_id=w.clients[1],
+                                    collect_request_id=request)
+        assert await business.demote_timed_out(conn, request_id=request, tenant_id=w.tenant_id,
+                                               normal_priority=100) == 1
+        cur = await conn.execute("SELECT dispatch_lane, target_client_id FROM monitoring_collect_tasks WHERE id = %s",
+                                 (clicked,))
+        assert await cur.fetchone() == {"dispatch_lane": "normal", "target_client_id": None}
+
+        assert await business.expire(conn, s.ready_normal)
+        assert not await business.expire(conn, s.ready_normal)  # no longer pending
