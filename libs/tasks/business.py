@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
@@ -155,9 +154,9 @@ SELECT (SELECT count(*) FROM advanced) AS plans,
 
 
 
-async def count_dispatched(conn: Conn, row_refs: list[Any]) -> None:
+async def count_dispatched(conn: Conn, row_refs: Sequence[str]) -> None:
     """The rows a pass dispatched (their ctids, locked by its claim) count one dispatch attempt more."""
-    await conn.execute(_COUNT_DISPATCH_ATTEMPTS, {"row_refs": row_refs})
+    await conn.execute(_COUNT_DISPATCH_ATTEMPTS, {"row_refs": list(row_refs)})
 
 
 class CreatedGroup(msgspec.Struct, frozen=True):
