@@ -614,7 +614,8 @@ _WARM_UP_PARAMS: dict[str, object] = {
 
 def high_pass_warm_up() -> list[tuple[str, Mapping[str, object]]]:
     """What a new pooled connection of the coordinator plans before its first click (libs.db.pool: EXPLAIN, nothing
-    runs): the high pass's statements, with parameters that match no row."""
+    runs): the high pass's statements, with parameters that match no row. The store names its own statements here,
+    business.py's private one included: the pool only plans them."""
     return [(statement, _WARM_UP_PARAMS) for statement in (
         _HIGH_SNAPSHOT, _LOCK_HIGH_CLIENTS, _HIGH_CANDIDATES_LOCKED, business._COUNT_DISPATCH_ATTEMPTS,
         executions.INSERT_EXECUTIONS, collect_requests.MARK_DISPATCHED)]
