@@ -24,20 +24,11 @@ SQL_LIKE = re.compile(r"\b(?:SELECT|UPDATE|INSERT|DELETE|FROM|WHERE|JOIN|AND|OR|
 
 STILL_OUTSIDE: frozenset[str] = frozenset({
     "services/collect_now_api/service.py",
-    "services/dispatch_coordinator/admin.py",
-    "services/dispatch_coordinator/coordinator.py",
-    "services/dispatch_coordinator/dispatcher.py",
-    "services/dispatch_coordinator/explain.py",
-    "services/dispatch_coordinator/maintenance.py",
-    "services/dispatch_coordinator/queries.py",
-    "services/dispatch_coordinator/rollout_ramp.py",
-    "services/dispatch_coordinator/scanner.py",
     "services/dispatch_hub/heartbeats.py",
     "services/dispatch_hub/leases.py",
     "services/dispatch_hub/queries.py",
     "services/reconciler/jobs/expired_leases.py",
     "services/reconciler/jobs/interrupt_timeouts.py",
-    "services/reconciler/jobs/migration.py",
     "services/reconciler/jobs/offline_clients.py",
     "services/reconciler/jobs/unknown_executions.py",
 })
