@@ -414,6 +414,7 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
                            ContentBody(body)]
             written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames, drain_future=written)
+            cpu0 = _cpu_s(stack)
             started = time.time()
             await channel.write_queue.put(payload)
             await written
@@ -426,10 +427,12 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
                 if len(times) >= len(clients):
                     break
                 await asyncio.sleep(0.05)  # polling the fleet's processes with a deadline
+            hub_cpu = _cpu_s(stack) - cpu0
             spans = [(t - started) * 1000 for t in times]
             print(f"  fan-out #{round_no}: {len(times)}/{len(clients)} arrived; the {len(clients)} publishes written "
                   f"in {(published - started) * 1000:.0f} ms; publish -> arrival (ms): "
-                  f"{summary(spans) if spans else 'none'}; {_load()}", flush=True)
+                  f"{summary(spans) if spans else 'none'}; hub CPU {hub_cpu:.2f} s "
+                  f"({hub_cpu / max(1, len(clients)) * 1e6:.0f} µs an event); {_load()}", flush=True)
             await asyncio.sleep(1)
     finally:
         await connection.close()
