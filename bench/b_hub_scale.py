@@ -425,7 +425,8 @@ def _fan_out_frames(topology: Topology, clients: list[tuple[str, str]], keys: di
 async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple[str, str]]) -> None:
     """One `task_available` per client, published straight to the dispatch exchange as the outbox relay would
     publish them (`_fan_out_frames`: towards each client's hub, read before the clock starts; one envelope per hub
-    per relay batch; `HUB_SCALE_FANOUT=single`: one message per event, as before dispatch batches). The publishes
+    per relay batch; `HUB_SCALE_FANOUT=single`: one message per event, as before dispatch batches; `both`: the
+    two alternate). The publishes
     are marshalled before the clock starts and written to the broker in one go: a Python publisher's own cost
     (~130-500 µs a message on this box, over a second for 10,000) would otherwise be most of the figure, and in
     production the events come from publishers on other machines. After the rounds: each hub's intake against its
@@ -433,13 +434,16 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
     settings = stack.settings
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
     keys = await _routed_keys(settings, clients)
-    relay_batch = 1 if os.environ.get("HUB_SCALE_FANOUT") == "single" else settings.outbox_batch_size
+    mode = os.environ.get("HUB_SCALE_FANOUT", "batch")
+    # `both`: single and batched rounds alternate, so the two are compared on the same stack and the same load.
+    modes = ["single", "batch"] * FANOUT_ROUNDS if mode == "both" else [mode] * FANOUT_ROUNDS
     intake0 = await _per_hub(stack, "hub_dispatch_events_received_total")
     connection = await aio_pika.connect(settings.amqp_url)
     try:
         channel: Any = await (await connection.channel(publisher_confirms=False)).get_underlay_channel()
-        for round_no in range(1, FANOUT_ROUNDS + 1):
+        for round_no, round_mode in enumerate(modes, start=1):
             marker = uuid.uuid4()
+            relay_batch = 1 if round_mode == "single" else settings.outbox_batch_size
             frames = _fan_out_frames(topology, clients, keys, marker, relay_batch)
             written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames, drain_future=written)
@@ -458,9 +462,10 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
                 await asyncio.sleep(0.05)  # polling the fleet's processes with a deadline
             hub_cpu = _cpu_s(stack) - cpu0
             spans = [(t - started) * 1000 for t in times]
-            print(f"  fan-out #{round_no}: {len(times)}/{len(clients)} arrived; {len(frames) // 3} broker messages "
-                  f"for {len(clients)} events written in {(published - started) * 1000:.0f} ms; publish -> arrival "
-                  f"(ms): {summary(spans) if spans else 'none'}; hub CPU {hub_cpu:.2f} s "
+            print(f"  fan-out #{round_no} ({round_mode}): {len(times)}/{len(clients)} arrived; "
+                  f"{len(frames) // 3} broker messages for {len(clients)} events written in "
+                  f"{(published - started) * 1000:.0f} ms; publish -> arrival (ms): "
+                  f"{summary(spans) if spans else 'none'}; hub CPU {hub_cpu:.2f} s "
                   f"({hub_cpu / max(1, len(clients)) * 1e6:.0f} µs an event); {_load()}", flush=True)
             await asyncio.sleep(1)
     finally:
@@ -473,7 +478,7 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
               f"{k / total_sockets * 100:.1f}% of the sockets; off by "
               f"{(n / total_in) / max(1e-9, k / total_sockets) * 100 - 100:+.1f}%)"
               for i, (n, k) in enumerate(zip(intake, sockets, strict=True))]
-    print(f"  intake per hub over {FANOUT_ROUNDS} rounds: " + "; ".join(shares), flush=True)
+    print(f"  intake per hub over {len(modes)} rounds: " + "; ".join(shares), flush=True)
 
 
 async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: asyncio.Event | None = None) -> list[float]:

@@ -152,15 +152,15 @@ async def _dead_letters(amqp: AbstractRobustConnection, topology: Topology, n: i
     queue = await channel.get_queue(topology.hub_dlq, ensure=False)
     found: list[AbstractIncomingMessage] = []
 
-    async def got() -> bool:
+    async def got() -> list[AbstractIncomingMessage] | None:
         message = await queue.get(no_ack=True, fail=False)
         if message is not None:
             found.append(message)
-        return len(found) >= n
+        return found if len(found) >= n else None
 
-    await eventually(got, message=f"{n} dead letters in the hub's DLQ")
+    complete: list[AbstractIncomingMessage] = await eventually(got, message=f"{n} dead letters in the hub's DLQ")
     await channel.close()
-    return found
+    return complete
 
 
 async def test_malformed_envelopes_go_to_the_dlq_and_one_bad_item_never_takes_the_others(
