@@ -6,7 +6,8 @@ clients each: authenticate, hello + replay, heartbeat at the hub's interval). Ev
 execution, so every (re)connect carries a replay. Measured, in this order:
 
 1. connect: every client at once, until each has its hello and replay; hub RSS before and after (per connection);
-2. fan-out: one `task_available` per client published straight to the dispatch exchange, until all arrived;
+2. fan-out: one `task_available` per client published straight to the dispatch exchange as the outbox relay would
+   (one `dispatch_batch` envelope per hub per relay batch; HUB_SCALE_FANOUT=single|both), until all arrived;
 3. probe: click (POST collect-now) -> high `task_available` on one more client's socket, with the fleet connected
    and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path);
 4. reconnect storm: the hub is killed (SIGKILL) and started again; until every client has its new hello and replay.
