@@ -23,7 +23,7 @@ from libs.contracts.wire import TaskAvailable
 from libs.mq.hub_routing import hub_routing_key
 from libs.mq.topology import DISPATCH, LIFECYCLE
 from libs.outbox import dispatch_batches as batches
-from libs.outbox.relay import ClaimedEvent, envelope_event, validate_payload
+from libs.outbox.relay import ClaimedEvent, OutboxRelay, PublishError, envelope_event, validate_payload
 from libs.telemetry import metrics
 from services.dispatch_hub import envelope as hub_envelope
 
@@ -187,3 +187,42 @@ async def test_consume_delivers_the_good_items_then_dead_letters_the_envelope_wi
 async def _append(into: list[str], reason: str) -> None:
     await asyncio.sleep(0)
     into.append(reason)
+
+
+class _Publisher:
+    """Takes envelopes until `fail_at` (0-based), which fails with `error`; records what it was given."""
+
+    def __init__(self, fail_at: int, error: Exception) -> None:
+        self.fail_at, self.error = fail_at, error
+        self.published: list[ClaimedEvent] = []
+
+    def ready(self) -> bool:
+        return True
+
+    async def wait_ready(self, timeout: float) -> bool:
+        return True
+
+    async def publish(self, event: ClaimedEvent) -> None:
+        if len(self.published) == self.fail_at:
+            raise self.error
+        self.published.append(event)
+
+
+@pytest.mark.parametrize(("error", "failed_as"), [
+    (PublishError("transient", "nacked"), "failed"),
+    (PublishError("transient", "no confirm", broker_unavailable=True), "unattempted")])
+async def test_an_envelope_that_fails_is_each_of_its_events_failure_and_stops_the_hubs_rest(
+        error: PublishError, failed_as: str) -> None:
+    publisher = _Publisher(fail_at=1, error=error)
+    relay = OutboxRelay(None, publisher, claimed_by="test")  # type: ignore[arg-type]  # no database touched here
+    client = uuid.uuid4()
+    n = 2 * batches.MAX_EVENTS + 1
+    events = [_event(i, client=client, payload=b"{}") for i in range(1, n + 1)]
+    first, second, *rest = [len(e.event_ids) for e in batches.pack("pod-a", events)]
+    assert rest, "three envelopes at least"
+    outcomes: dict[int, tuple[str, Any]] = {}
+    await relay._publish_envelopes("pod-a", events, outcomes)  # type: ignore[arg-type]
+    assert [p.message_type for p in publisher.published] == [DISPATCH_BATCH]
+    expected = {i: "published" if i <= first else failed_as if i <= first + second else "unattempted"
+                for i in range(1, n + 1)}
+    assert {i: o for i, (o, _) in outcomes.items()} == expected
