@@ -38,6 +38,7 @@ from libs.contracts.wire import (
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
+from libs.mq.dead_letter import DeadLetterPublisher
 from libs.mq.topology import LIFECYCLE, Topology, declare_hub_queue
 from libs.outbox.writer import OutboxEvent, enqueue_many
 from libs.tasks import push_leases
@@ -46,6 +47,7 @@ from services.dispatch_hub import queries as q
 from services.dispatch_hub.auth import ClientPrincipal
 from services.dispatch_hub.batching import Batcher
 from services.dispatch_hub.connections import Connection
+from services.dispatch_hub.envelope import DispatchEvent, consume_envelope, is_envelope
 from services.dispatch_hub.heartbeats import HeartbeatWriter
 from services.dispatch_hub.leases import current_interrupt
 from services.dispatch_hub.logic import announced_heartbeat_interval, client_id_from_routing_key
@@ -116,6 +118,7 @@ class Gateway:
         self._client_locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
+        self._dead_letters = DeadLetterPublisher(amqp, topology)  # malformed dispatch batches (envelope.py)
         self.heartbeats = HeartbeatWriter(pool, hub=hub_id, interval_s=heartbeat_flush_s,
                                           is_connected=lambda c: c in self._sockets, write_health=write_health,
                                           refresh_s=heartbeat_interval_s, on_revived=self._replay_revived)
@@ -171,14 +174,26 @@ class Gateway:
         return (self._amqp.connected.is_set() and self._channel is not None and not self._channel.is_closed)
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._dead_letters.close()
         if self._channel is not None:
             with contextlib.suppress(Exception):
                 await self._channel.close()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        if is_envelope(message):  # many clients' events in one message (services/dispatch_hub/envelope.py)
+            await consume_envelope(message, self._on_event, self._dead_letter)
+            return
+        self._on_event(DispatchEvent.of_message(message))
+
+    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
+        await self._dead_letters.publish(self._topology.hub_dlq, message, reason)
+
+    def _on_event(self, message: DispatchEvent) -> None:
+        """One dispatch event to its client's sockets here (dropped when the client is not, or no longer, here)."""
         self.received += 1
         metrics.hub_dispatch_events_received_total.inc()
-        client_id = client_id_from_routing_key(message.routing_key or "")
+        client_id = client_id_from_routing_key(message.routing_key)
         if client_id is None:
             log.warning("dispatch event with an unexpected routing key", extra={"routing_key": message.routing_key})
             return
@@ -200,14 +215,14 @@ class Gateway:
         """The capabilities a socket's upgrade asked for (CAPABILITIES_HEADER values) that this hub grants."""
         return requested_capabilities(tuple(requested)) if self.push_key is not None else frozenset()
 
-    def _deliver_traced(self, message: AbstractIncomingMessage, client_id: uuid.UUID,
+    def _deliver_traced(self, message: DispatchEvent, client_id: uuid.UUID,
                         conns: tuple[Connection, ...], arrived: float) -> None:
         """Deliver in a span that is a child of the publisher's (AMQP headers); the event goes out with that
         span's `traceparent`, which the client sends back on its calls for the task."""
         with tracing.span("hub.deliver", kind=tracing.SpanKind.CONSUMER,
                           parent=tracing.context_from_headers(message.headers), attributes={
                               "messaging.system": "rabbitmq", "messaging.message.id": message.message_id,
-                              "monitoring.message_type": message.type, tracing.CLIENT_ID: str(client_id),
+                              "monitoring.message_type": message.message_type, tracing.CLIENT_ID: str(client_id),
                               "monitoring.sockets": len(conns)}) as span:
             text = message.body.decode()
             with contextlib.suppress(msgspec.MsgspecError):  # not ours to judge: forwarded unchanged
