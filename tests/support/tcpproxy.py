@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 
 class TcpProxy:
@@ -14,10 +15,15 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._held: socket.socket | None = None
 
     async def start(self, port: int = 0) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", port or self.port)
+        # SO_REUSEPORT: while cut, the port is held by a socket bound to it (not listening, so connections are
+        # refused); a restore listens beside it, then lets it go. Closed and bound again, the port was free for a
+        # few seconds, and another test's service or outgoing connection on the box could take it meanwhile.
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", port or self.port, reuse_port=True)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._release_port()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -43,9 +49,21 @@ class TcpProxy:
             with contextlib.suppress(Exception):
                 writer.close()
 
+    def _hold_port(self) -> None:
+        held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", self.port))
+        self._held = held
+
+    def _release_port(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
     async def cut(self) -> None:
-        """Stop accepting and drop every open connection."""
+        """Stop accepting (new connections are refused) and drop every open connection; the port stays this proxy's."""
         if self._server is not None:
+            self._hold_port()
             self._server.close()
             await self._server.wait_closed()
             self._server = None
@@ -61,3 +79,4 @@ class TcpProxy:
 
     async def close(self) -> None:
         await self.cut()
+        self._release_port()
