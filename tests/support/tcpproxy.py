@@ -16,6 +16,7 @@ class TcpProxy:
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self._held: socket.socket | None = None
+        self._cuts = 0
 
     async def start(self, port: int = 0) -> None:
         # SO_REUSEPORT: while cut, the port is held by a socket bound to it (not listening, so connections are
@@ -26,12 +27,21 @@ class TcpProxy:
         self._release_port()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A connection accepted before a cut is dropped by it, also while its upstream connection is still being
+        # opened: one that slipped through stayed up for the whole "outage" (an HTTP client kept it alive and
+        # reused it, e.g. for a WebSocket upgrade through a proxy that was cut).
+        self._writers.add(writer)
+        cuts = self._cuts
         try:
             up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
             writer.close()
             return
-        self._writers.update({writer, up_writer})
+        if self._cuts != cuts:
+            up_writer.transport.abort()
+            writer.transport.abort()
+            return
+        self._writers.add(up_writer)
         a = asyncio.create_task(self._pipe(reader, up_writer))
         b = asyncio.create_task(self._pipe(up_reader, writer))
         self._pipes.update({a, b})
@@ -62,6 +72,7 @@ class TcpProxy:
 
     async def cut(self) -> None:
         """Stop accepting (new connections are refused) and drop every open connection; the port stays this proxy's."""
+        self._cuts += 1
         if self._server is not None:
             self._hold_port()
             self._server.close()
