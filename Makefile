@@ -43,7 +43,7 @@ contracts: install
 
 # Two pytest-xdist workers, a test file each at a time (TEST_WORKERS=0 runs serially): the tests isolate their
 # databases, broker names and ports, and the ones that failed with two e2e files side by side wait on what they
-# check, not on a loaded box's timing (test_legacy_path_e2e b and c, the TCP proxy's port; see git log).
+# check, not on a loaded box's timing (test_legacy_path_e2e b and c; collect-now d through the TCP proxy; git log).
 # The schemathesis tests run on their own, serially: their cases share one test id per API (one item per operation,
 # the same name), and xdist reports such items once, so their failures could go unseen.
 TEST_WORKERS ?= 2
