@@ -186,6 +186,9 @@ async def test_b_double_click_supersedes_and_the_old_generation_is_ignored(
                 return any(t == running_id for t, _ in busy.stats.aborted)
 
             await eventually(acknowledged, timeout=20, message=f"preempted task acknowledged\n{stack.logs()}")
+            # Scale 20 was for the clicks to land while a task waits; the tasks the client takes from now on (the
+            # second click's scope, one at a time) run at the fast profile's pace.
+            busy.options.timings = FAST
             # Only the newest interrupt was honoured: the abort carries the second generation.
             assert (running_id, second["interrupt_generation"]) in busy.stats.aborted
             first_row = await one(pool, "SELECT status, superseded_by_request_id FROM monitoring_collect_requests "

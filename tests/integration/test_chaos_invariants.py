@@ -126,6 +126,9 @@ async def test_two_runs_of_a_task_at_once_on_either_path_are_a_violation(pool: A
         await lease(conn, world, fine, a, created=0, finished=3, status="aborted", reason="client_offline")
         await lease(conn, world, fine, b, created=3, leased=4, finished=9, status="expired")
         await attempt(conn, world, fine, a, started=9, finished=15)
+        # Its end stamped 0.1 s before its pull (the ending transaction began first): after the execution, no error.
+        await lease(conn, world, fine, b, created=15.5, leased=16, finished=15.9, status="aborted",
+                    reason="client_offline")
 
     found = await check_double_execution(pool)
 

@@ -109,7 +109,9 @@ async def test_leader_runs_jobs_publishes_events_and_hands_over(
             return any(e["event"] == "client.offline" and e["client_id"] == str(w.clients[1]) for e in events())
 
         await eventually(offline, timeout=10, message="client.offline from the new leader")
-        assert '"event": "reconcile job ran"' in standby.logs()
+        # The job logs its run once it has ended, which can be after its event reached the broker.
+        await eventually(lambda: '"event": "reconcile job ran"' in standby.logs(), timeout=10,
+                         message="the new leader's job run in its log")
 
 
 async def _async(value: bool) -> bool:

@@ -863,13 +863,16 @@ async def check_results(pool: AsyncConnectionPool[Conn], accepted: set[str]) -> 
 
 # Every run of a business task on either path, as [start, end) (an open one runs to now): the attempts of its
 # desktop_tasks executions, and its legacy leases from the pull (the offer, if it was never pulled) to their end.
+# An end stamped before its start (the ending transaction began before the one that started the run committed; see
+# STAMP_TOLERANCE_S) spans the two stamps the other way round: a run that was there between them, never an error.
 RUNS = """
-SELECT 'execution' AS path, a.task_id::text || '#' || a.lease_epoch AS id, a.monitor_task_id,
-       a.started_at AS s, a.finished_at AS e
-FROM desktop_task_attempts a
-UNION ALL
-SELECT 'legacy', l.id::text, l.monitor_task_id, coalesce(l.leased_at, l.created_at), l.finished_at
-FROM legacy_leases l
+SELECT path, id, monitor_task_id, least(s, coalesce(e, s)) AS s, CASE WHEN e < s THEN s ELSE e END AS e
+FROM (SELECT 'execution' AS path, a.task_id::text || '#' || a.lease_epoch AS id, a.monitor_task_id,
+             a.started_at AS s, a.finished_at AS e
+      FROM desktop_task_attempts a
+      UNION ALL
+      SELECT 'legacy', l.id::text, l.monitor_task_id, coalesce(l.leased_at, l.created_at), l.finished_at
+      FROM legacy_leases l) stamped
 """
 
 

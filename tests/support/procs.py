@@ -76,7 +76,10 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, *, ready_path: str = "/readyz", timeout: float = 30.0) -> ServiceProcess:
+    def start(self, *, ready_path: str = "/readyz", timeout: float = 60.0) -> ServiceProcess:
+        """Start the service and wait for `ready_path` to answer 200. A start takes about a second on a quiet box
+        (most of it imports); a stack's five to thirteen processes importing at once beside another test file's
+        took 10-20 s under a load of 10-18, so the deadline leaves room for that."""
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen([*self.wrapper, str(BIN / self.name), *self.args], env=self.env,
                                      stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
@@ -127,7 +130,7 @@ async def refused_start(service: str, env: dict[str, str], log_dir: Path) -> tup
 
     process = ServiceProcess(service, env, log_dir=log_dir)
     try:
-        await asyncio.to_thread(process.start, timeout=15)
+        await asyncio.to_thread(process.start)  # a refusal ends it as soon as its configuration is read
     except RuntimeError as exc:
         assert "exited with 2" in str(exc), str(exc)[-2000:]
         assert "Traceback" not in process.logs(), process.logs()[-2000:]

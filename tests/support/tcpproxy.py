@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 
 class TcpProxy:
@@ -14,18 +15,33 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self._held: socket.socket | None = None
+        self._cuts = 0
 
     async def start(self, port: int = 0) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", port or self.port)
+        # SO_REUSEPORT: while cut, the port is held by a socket bound to it (not listening, so connections are
+        # refused); a restore listens beside it, then lets it go. Closed and bound again, the port was free for a
+        # few seconds, and another test's service or outgoing connection on the box could take it meanwhile.
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", port or self.port, reuse_port=True)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._release_port()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A connection accepted before a cut is dropped by it, also while its upstream connection is still being
+        # opened: one that slipped through stayed up for the whole "outage" (an HTTP client kept it alive and
+        # reused it, e.g. for a WebSocket upgrade through a proxy that was cut).
+        self._writers.add(writer)
+        cuts = self._cuts
         try:
             up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
             writer.close()
             return
-        self._writers.update({writer, up_writer})
+        if self._cuts != cuts:
+            up_writer.transport.abort()
+            writer.transport.abort()
+            return
+        self._writers.add(up_writer)
         a = asyncio.create_task(self._pipe(reader, up_writer))
         b = asyncio.create_task(self._pipe(up_reader, writer))
         self._pipes.update({a, b})
@@ -43,9 +59,22 @@ class TcpProxy:
             with contextlib.suppress(Exception):
                 writer.close()
 
+    def _hold_port(self) -> None:
+        held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        held.bind(("127.0.0.1", self.port))
+        self._held = held
+
+    def _release_port(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
     async def cut(self) -> None:
-        """Stop accepting and drop every open connection."""
+        """Stop accepting (new connections are refused) and drop every open connection; the port stays this proxy's."""
+        self._cuts += 1
         if self._server is not None:
+            self._hold_port()
             self._server.close()
             await self._server.wait_closed()
             self._server = None
@@ -61,3 +90,4 @@ class TcpProxy:
 
     async def close(self) -> None:
         await self.cut()
+        self._release_port()
