@@ -373,19 +373,19 @@ async def test_d_rollback_mid_day_then_forward_again(settings: Settings, pool: A
         await eventually(lambda: _in_flight_executions(pool), timeout=30, interval=0.05,
                          message=f"scheduled work in flight on desktop_tasks\n{stack.logs()}")
         # The dry run counts and changes nothing.
-        dry = await monitorctl_json(settings, "rollback")
+        dry = await monitorctl_json(settings, "rollback", executable=True)
         assert dry["dry_run"] is True and dry["rollout_percentage_before"] == 100 and dry["rollout_changed"]
         assert (await one(pool, "SELECT value FROM dispatch_settings WHERE key = 'rollout_percentage'"))["value"] \
             == 100
         # Apply without --force: rollout 0, pending work without an execution moves to legacy, in-flight work finishes.
         in_flight = {r["id"] for r in await rows(pool, "SELECT id FROM desktop_tasks WHERE status = 'in_progress'")}
-        applied = await monitorctl_json(settings, "rollback", "--yes")
+        applied = await monitorctl_json(settings, "rollback", "--yes", executable=True)
         assert applied["dry_run"] is False and applied["rollout_percentage"] == 0
         assert applied["aborted_executions"] == 0
         ended = await rows(pool, "SELECT status, interrupt_reason FROM desktop_tasks WHERE id = ANY(%s)",
                            list(in_flight))
         assert not [e for e in ended if e["interrupt_reason"] == "phase2_emergency_rollback"]
-        again = await monitorctl_json(settings, "rollback", "--yes")
+        again = await monitorctl_json(settings, "rollback", "--yes", executable=True)
         assert again["business_tasks_to_legacy"] == 0 and again["aborted_executions"] == 0  # idempotent
         # Work continues on the legacy path: what was pending, and a click made now.
         clicked = await stack.collect_now(tenant, tenant["brands"][1]["brand_id"], {"preempt": True})
@@ -401,7 +401,7 @@ async def test_d_rollback_mid_day_then_forward_again(settings: Settings, pool: A
 
         # Forward again: only new tasks take desktop_tasks; a legacy task re-collected starts its new run on it too,
         # while a legacy task in flight keeps its path.
-        forward = await monitorctl_json(settings, "rollout", "set", "100", "--force")
+        forward = await monitorctl_json(settings, "rollout", "set", "100", "--force", executable=True)
         assert forward["rollout_percentage"] == {"before": 0, "after": 100}
         before = {r["id"]: r["execution_owner"] for r in await rows(
             pool, "SELECT id, execution_owner FROM monitoring_collect_tasks")}
@@ -409,7 +409,7 @@ async def test_d_rollback_mid_day_then_forward_again(settings: Settings, pool: A
         await eventually(lambda: _in_flight_executions(pool), timeout=30, interval=0.05,
                          message=f"the click's work in flight on desktop_tasks\n{stack.logs()}")
         # Then a forced rollback while it runs: aborted, clients told, tasks back on legacy, and they still finish.
-        forced = await monitorctl_json(settings, "rollback", "--yes", "--force")
+        forced = await monitorctl_json(settings, "rollback", "--yes", "--force", executable=True)
         assert forced["forced"] is True and forced["aborted_executions"] >= 1
         assert forced["task_control_messages"] == forced["aborted_executions"]
         await eventually(lambda: all_done(pool), timeout=120, interval=0.2,

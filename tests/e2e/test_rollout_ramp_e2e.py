@@ -19,7 +19,7 @@ from libs.dispatch_settings import SettingError, load_settings, set_setting
 from services.dispatch_coordinator import admin, rollout_ramp
 from tests.support.db import one
 from tests.support.desktop import insert_ready_task
-from tests.support.monitorctl import run_monitorctl
+from tests.support.monitorctl import run_in_process
 from tests.support.procs import ServiceProcess, service_env
 from tests.support.wait import eventually
 
@@ -46,7 +46,7 @@ async def test_advance_is_refused_while_a_gate_fails_and_taken_once_it_held_for_
     reconciler = ServiceProcess("reconciler", service_env(settings), log_dir=tmp_path).start()
     try:
         await eventually(lambda: _orphans_seen(pool), timeout=20, message="an observation with the orphan")
-        refused = run_monitorctl(settings, "rollout", "advance")
+        refused = await run_in_process(settings, "rollout", "advance")
         assert refused.returncode == 1, refused.stderr
         verdict = msgspec.json.decode(refused.stdout)
         assert verdict["applied"] is False and verdict["next_step"] == 25
