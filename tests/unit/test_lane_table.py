@@ -33,12 +33,6 @@ STILL_NAMING: frozenset[str] = frozenset({
     "libs/tasks/fragments.py",
     "libs/tasks/legacy.py",
     "libs/tasks/transitions.py",
-    "services/collect_now_api/service.py",
-    "services/dispatch_coordinator/admin.py",
-    "services/dispatch_coordinator/dispatcher.py",
-    "services/dispatch_coordinator/explain.py",
-    "services/dispatch_coordinator/maintenance.py",
-    "services/dispatch_coordinator/queries.py",
     "services/reconciler/jobs/interrupt_timeouts.py",
 })
 
