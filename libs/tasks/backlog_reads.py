@@ -15,6 +15,7 @@ from datetime import datetime
 import msgspec
 
 from libs.db.pool import Conn
+from libs.domain.lanes import AGING_LANES_SQL, CLICK_LANE, NORMAL_BACKLOG_SQL
 from libs.tasks import legacy, ready
 
 # ---- the answers -------------------------------------------------------------------------------------------------
@@ -90,18 +91,21 @@ class AgingCandidate(msgspec.Struct, frozen=True):
 
 # ---- the statements ----------------------------------------------------------------------------------------------
 
+# The click lane as an SQL literal ('high').
+_CLICK = f"'{CLICK_LANE.name}'"
+
 # ---- aging ---------------------------------------------------------------------------------------
 
 _AGING_READY_COUNT = f"""
 SELECT count(*) AS n FROM monitoring_collect_tasks t
-WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG}
+WHERE t.dispatch_lane IN {AGING_LANES_SQL} AND {ready.READY_BACKLOG}
 """
 
 # The boundary of an aging round: the (enqueued_at, id) of the `limit`-th oldest ready normal task. An index-only
 # walk of ix_collect_tasks_aging (migration 021 includes dispatch_after), which stops there.
 _AGING_BOUNDARY = f"""
 SELECT t.enqueued_at, t.id FROM monitoring_collect_tasks t
-WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG}
+WHERE t.dispatch_lane IN {AGING_LANES_SQL} AND {ready.READY_BACKLOG}
 ORDER BY t.enqueued_at, t.id
 OFFSET %(limit)s - 1 LIMIT 1
 """
@@ -114,7 +118,7 @@ _AGING_OLDEST = f"""
 SELECT t.id, t.dispatch_lane AS lane, t.dispatch_priority AS priority, t.aging_boost, t.enqueued_at,
        extract(epoch FROM (now() - t.enqueued_at)) / 60.0 AS wait_minutes
 FROM (SELECT t.id FROM monitoring_collect_tasks t
-      WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG} AND t.aging_boost < %(cap)s
+      WHERE t.dispatch_lane IN {AGING_LANES_SQL} AND {ready.READY_BACKLOG} AND t.aging_boost < %(cap)s
         AND (t.enqueued_at, t.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint)
         AND (t.enqueued_at, t.id) <= (%(last_at)s::timestamptz, %(last_id)s::bigint)
       ORDER BY t.enqueued_at, t.id
@@ -132,7 +136,7 @@ _HIGH_BACKLOG = f"""
 SELECT count(*) AS n,
        coalesce(extract(epoch FROM (now() - min(greatest(t.enqueued_at, t.dispatch_after)))) * 1000, 0) AS oldest_ms
 FROM monitoring_collect_tasks t
-WHERE t.dispatch_lane = 'high' AND {ready.READY_BACKLOG}
+WHERE t.dispatch_lane = {_CLICK} AND {ready.READY_BACKLOG}
 """
 
 # The rest of the backlog gauges come from a census of the pending tasks taken a slice at a time
@@ -145,10 +149,10 @@ WHERE t.dispatch_lane = 'high' AND {ready.READY_BACKLOG}
 _CENSUS_SLICE = f"""
 SELECT grouping(s.tenant_id, s.lane) = 0 AS by_lane, grouping(s.owner) = 0 AS by_owner,
        grouping(s.bucket) = 0 AS by_bucket, s.tenant_id, s.lane, s.owner, s.bucket,
-       count(*) FILTER (WHERE s.ready AND s.lane <> 'high') AS ready,
-       count(*) FILTER (WHERE s.ready AND s.lane IN ('normal', 'normal_boosted')) AS ready_normal,
+       count(*) FILTER (WHERE s.ready AND s.lane <> {_CLICK}) AS ready,
+       count(*) FILTER (WHERE s.ready AND s.lane IN {NORMAL_BACKLOG_SQL}) AS ready_normal,
        count(*) AS pending, max(s.id) AS last_id
-FROM (SELECT r.*, CASE WHEN r.ready AND r.lane IN ('normal', 'normal_boosted') THEN
+FROM (SELECT r.*, CASE WHEN r.ready AND r.lane IN {NORMAL_BACKLOG_SQL} THEN
                       floor(ln(1 + greatest(0, %(reference)s::float8 - extract(epoch FROM r.enqueued_at)::float8)) * 64)
                   END::int AS bucket
       FROM (SELECT t.id, t.tenant_id, t.dispatch_lane AS lane, t.execution_owner AS owner, t.enqueued_at,
@@ -163,7 +167,7 @@ GROUP BY GROUPING SETS ((s.tenant_id, s.lane), (s.owner), (s.bucket), ())
 # The same counts exactly, each in one statement over the whole backlog: what the census is tested against.
 _BACKLOG = f"""
 SELECT t.tenant_id, t.dispatch_lane AS lane, count(*) AS n,
-       extract(epoch FROM (now() - min(CASE WHEN t.dispatch_lane = 'high'
+       extract(epoch FROM (now() - min(CASE WHEN t.dispatch_lane = {_CLICK}
                                             THEN greatest(t.enqueued_at, t.dispatch_after)
                                             ELSE t.enqueued_at END))) * 1000 AS oldest_ms
 FROM monitoring_collect_tasks t
@@ -175,7 +179,7 @@ _NORMAL_WAIT_P99 = f"""
 SELECT coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM (now() - t.enqueued_at)) * 1000),
                 0) AS p99_ms
 FROM monitoring_collect_tasks t
-WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG}
+WHERE t.dispatch_lane IN {NORMAL_BACKLOG_SQL} AND {ready.READY_BACKLOG}
 """
 
 _OWNER_COUNTS = """

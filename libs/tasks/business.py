@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import msgspec
 
 from libs.db.pool import Conn
+from libs.domain.lanes import AGING_LANES_SQL, CLICK_LANE, SCHEDULED_LANE
 from libs.tasks.fragments import (
     ACTIVE_TASK_IDS_SQL,
     CLIENT_GENERATION_SQL,
@@ -31,6 +32,10 @@ from libs.tasks.fragments import (
     STALE_CLIENT_SQL,
 )
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL
+
+# The lanes collect-now promotes to and the scanner creates in, as SQL literals ('high', 'normal').
+_CLICK = f"'{CLICK_LANE.name}'"
+_SCHEDULED = f"'{SCHEDULED_LANE.name}'"
 
 # ---- creation ----------------------------------------------------------------------------------------------------
 
@@ -42,7 +47,7 @@ INSERT INTO monitoring_collect_tasks
      dispatch_priority, dispatch_lane, target_client_id, dispatch_after, interrupt_generation,
      collect_request_id, ingest_shard_key, execution_owner)
 SELECT %(tenant_id)s, %(workspace_id)s, %(brand_id)s, s.question_id, s.ai_platform_id, %(business_date)s,
-       s.plan_id, 'manual', %(priority)s, 'high', %(client_id)s, now(), {CLIENT_GENERATION_SQL}, %(request_id)s,
+       s.plan_id, 'manual', %(priority)s, {_CLICK}, %(client_id)s, now(), {CLIENT_GENERATION_SQL}, %(request_id)s,
        %(shard_key)s, {ROLLOUT_OWNER_SQL}
 FROM unnest(%(question_ids)s::bigint[], %(platform_ids)s::bigint[], %(plan_ids)s::bigint[])
      AS s(question_id, ai_platform_id, plan_id)
@@ -69,7 +74,7 @@ WITH scope AS (
     FOR UPDATE OF t
 ), promoted AS (
     UPDATE monitoring_collect_tasks t
-    SET status = 'pending', dispatch_lane = 'high', dispatch_priority = %(priority)s,
+    SET status = 'pending', dispatch_lane = {_CLICK}, dispatch_priority = %(priority)s,
         target_client_id = %(client_id)s, interrupt_generation = {CLIENT_GENERATION_SQL},
         collect_request_id = %(request_id)s, superseded_by_request_id = NULL, dispatch_after = now(),
         execution_owner = CASE WHEN t.status = 'pending' THEN t.execution_owner ELSE {ROLLOUT_OWNER_SQL} END,
@@ -111,7 +116,7 @@ WHERE t.ctid = ANY(%(row_refs)s::tid[])
 # libs.domain.shard.ingest_shard_key's format ("{tenant}:{brand}:{YYYY-MM-DD}"; the scanner tests assert
 # the two agree). Zones Postgres does not know fall back to UTC like tenant_zone(); %(zones)s lists the
 # known ones. The plans are updated by `ctid` (rows locked by this very statement cannot move).
-_SCAN_DUE_PLANS = """
+_SCAN_DUE_PLANS = f"""
 WITH due AS MATERIALIZED (
     SELECT p.ctid AS row_ref, p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id,
            p.collector_type, p.run_mode, p.next_run_at, greatest(1, p.interval_seconds) AS step_s,
@@ -132,7 +137,7 @@ WITH due AS MATERIALIZED (
                                           dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner,
                                           enqueued_at, dispatch_after)
     SELECT o.tenant_id, o.workspace_id, o.brand_id, o.question_id, o.ai_platform_id, o.collector_type, o.run_mode,
-           o.business_date, o.id, 'pending', 'automatic', %(priority)s, 'normal',
+           o.business_date, o.id, 'pending', 'automatic', %(priority)s, {_SCHEDULED},
            o.tenant_id || ':' || o.brand_id || ':' || to_char(o.business_date, 'YYYY-MM-DD'),
            CASE WHEN o.tenant_id %% 100 < %(rollout)s THEN 'desktop_tasks' ELSE 'legacy' END, now(), now()
     FROM occ o
@@ -190,12 +195,12 @@ async def scan_due_plans(conn: Conn, *, limit: int, zones: Sequence[str], priori
 # ---- lanes and bindings ------------------------------------------------------------------------------------------
 
 # Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost.
-_APPLY_AGING = """
+_APPLY_AGING = f"""
 UPDATE monitoring_collect_tasks t
 SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
 FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
      AS v(id, lane, priority, boost)
-WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'normal_boosted')
+WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN {AGING_LANES_SQL}
 """
 
 
@@ -211,7 +216,7 @@ UNBIND_HIGH_OF_STALE_CLIENTS = f"""
 UPDATE monitoring_collect_tasks t
 SET target_client_id = NULL, updated_at = now()
 FROM desktop_clients c
-WHERE t.target_client_id = c.id AND t.status = 'pending' AND t.dispatch_lane = 'high'
+WHERE t.target_client_id = c.id AND t.status = 'pending' AND t.dispatch_lane = {_CLICK}
   AND t.tenant_id = c.tenant_id
   AND ({STALE_CLIENT_SQL} OR c.disabled_at IS NOT NULL)
 RETURNING t.id, t.tenant_id, c.id AS client_id, t.collect_request_id
@@ -237,9 +242,9 @@ async def unbind_high_of_stale_clients(conn: Conn, *, heartbeat_timeout_s: float
 # The reconciler: a timed-out request's pending tasks that are not executing leave the high lane, unbound.
 DEMOTE_TIMED_OUT = f"""
 UPDATE monitoring_collect_tasks t
-SET dispatch_lane = 'normal', dispatch_priority = %(normal_priority)s, target_client_id = NULL, updated_at = now()
+SET dispatch_lane = {_SCHEDULED}, dispatch_priority = %(normal_priority)s, target_client_id = NULL, updated_at = now()
 WHERE t.collect_request_id = %(id)s AND t.tenant_id = %(tenant_id)s AND t.status = 'pending'
-  AND t.dispatch_lane = 'high'
+  AND t.dispatch_lane = {_CLICK}
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
                   AND d.status IN {ACTIVE_EXECUTION_SQL})
 """
@@ -254,11 +259,11 @@ async def demote_timed_out(conn: Conn, *, request_id: uuid.UUID, tenant_id: int,
 
 
 # The reconciler: a client that did not yield before the hard timeout loses its pending high work to another.
-REBIND_HIGH = """
+REBIND_HIGH = f"""
 UPDATE monitoring_collect_tasks t
 SET target_client_id = %(new_client_id)s, updated_at = now()
 WHERE t.tenant_id = %(tenant_id)s AND t.target_client_id = %(client_id)s AND t.status = 'pending'
-  AND t.dispatch_lane = 'high'
+  AND t.dispatch_lane = {_CLICK}
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
                   AND d.status IN ('in_progress', 'unknown'))
 """

@@ -20,6 +20,7 @@ import msgspec
 from psycopg import AsyncCursor
 
 from libs.db.pool import Conn
+from libs.domain.lanes import CLICK_LANE, lane_names
 from libs.domain.platform_health import OverrideMode
 from libs.tasks import business, executions, ready
 from libs.tasks import requests as collect_requests
@@ -184,6 +185,14 @@ class FirstDispatch(msgspec.Struct, frozen=True):
 
 # ---- the statements ----------------------------------------------------------------------------------------------
 
+# Lanes as SQL literals ('high'), for statements that compare one lane with `=`: the click lane (the high pass
+# walks its part of ix_collect_tasks_ready), the lane whose pending work keeps the others off its client (§10), and
+# the lane a window's budget counts apart (§9.2), as migration 021's ledger triggers compare it. Each is one lane of
+# the table: the unpacking fails at import once a table change makes one of them more.
+_CLICK = f"'{CLICK_LANE.name}'"
+(_PREEMPTING,) = (f"'{name}'" for name in lane_names(lambda s: s.preempts))
+(_BUDGET_EXEMPT,) = (f"'{name}'" for name in lane_names(lambda s: s.budget_exempt))
+
 # An execution counts against its window's budget unless collect-now cancelled it while still queued (never
 # leased): that one gives its budget back. One SQL definition (migration 021) for the count and the ledger.
 _COUNTS_AGAINST_BUDGET = "dispatch_budget_counts(d.kind, d.status, d.interrupt_reason, d.lease_epoch)"
@@ -205,7 +214,7 @@ WHERE l.window_start = %(window_start)s AND l.window_seconds = %(window)s
   AND EXISTS ({_ledger_tracks("%(window_start)s")})
 GROUP BY 1, 2
 UNION ALL
-SELECT d.tenant_id, d.lane = 'high', count(*)
+SELECT d.tenant_id, d.lane = {_BUDGET_EXEMPT}, count(*)
 FROM dispatch_budget_rows d
 WHERE NOT EXISTS ({_ledger_tracks("%(window_start)s")}) AND d.kind = 'monitor'
   AND d.created_at >= to_timestamp(%(window_start)s) AND d.created_at < to_timestamp(%(window_start)s + %(window)s)
@@ -221,7 +230,7 @@ FROM dispatch_budget_totals t
 WHERE t.window_start = (SELECT ws FROM w) AND t.window_seconds = %(window)s AND EXISTS ({_HIGH_TRACKED})
 GROUP BY 1
 UNION ALL
-SELECT d.lane = 'high', count(*)
+SELECT d.lane = {_BUDGET_EXEMPT}, count(*)
 FROM dispatch_budget_rows d
 WHERE NOT EXISTS ({_HIGH_TRACKED}) AND d.kind = 'monitor' AND d.created_at >= to_timestamp((SELECT ws FROM w))
   AND d.created_at < to_timestamp((SELECT ws FROM w) + %(window)s) AND {_COUNTS_AGAINST_BUDGET}
@@ -241,7 +250,7 @@ WITH load AS MATERIALIZED (
     FROM (SELECT d.target_client_id AS client_id,
                  count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
                  count(*) FILTER (WHERE d.status = 'queued') AS queued,
-                 count(*) FILTER (WHERE d.status = 'queued' AND d.lane = 'high') AS queued_high,
+                 count(*) FILTER (WHERE d.status = 'queued' AND d.lane = {_PREEMPTING}) AS queued_high,
                  coalesce(bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
                           -- evaluated last, for the (few) interrupted executions: the mode's soft timeout (§10.5)
                           AND d.interrupted_at < now() - make_interval(
@@ -250,10 +259,10 @@ WITH load AS MATERIALIZED (
           FROM {ready.ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
           GROUP BY 1) a
 ), high AS MATERIALIZED (
-    -- Clients with pending high business work not yet running (its ready-list index, lane = 'high').
+    -- Clients with pending high business work not yet running (its ready-list index, lane = {_PREEMPTING}).
     SELECT coalesce(array_agg(DISTINCT t.target_client_id), '{{}}') AS clients
     FROM monitoring_collect_tasks t
-    WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.target_client_id IS NOT NULL
+    WHERE t.dispatch_lane = {_PREEMPTING} AND t.status = 'pending' AND t.target_client_id IS NOT NULL
       AND {ready.NOT_ACTIVE_HASHED}
 )
 SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
@@ -299,7 +308,7 @@ WITH w AS MATERIALIZED (
     -- out): a walk of the high lane of ix_collect_tasks_ready, without the candidate query's per-task probes.
     SELECT DISTINCT t.tenant_id, t.workspace_id, t.target_client_id
     FROM monitoring_collect_tasks t
-    WHERE t.dispatch_lane = 'high' AND t.status = 'pending' AND t.dispatch_after <= now()
+    WHERE t.dispatch_lane = {_CLICK} AND t.status = 'pending' AND t.dispatch_after <= now()
 )
 SELECT extract(epoch FROM w.ts)::float8 AS now, w.ts, w.ws::float8 AS window_start,
        b.cluster_used, b.non_high_used,
@@ -372,7 +381,7 @@ _CLICK_TRACEPARENT = """CASE WHEN t.collect_request_id IS NOT NULL THEN (
 _HIGH_CANDIDATES = f"""
 SELECT {_CANDIDATE_COLUMNS}
 FROM monitoring_collect_tasks t {ready.ACTIVE_PROBE}
-WHERE t.dispatch_lane = 'high' AND {ready.READY_PROBED}
+WHERE t.dispatch_lane = {_CLICK} AND {ready.READY_PROBED}
 ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
 LIMIT %(limit)s
 """
@@ -381,10 +390,10 @@ LIMIT %(limit)s
 # its write needs no _CLAIM round trip: first the clients that ready high work is bound to (share mode,
 # as _LOCK_CLIENTS), then the high candidates themselves, locked (SKIP LOCKED: a task a collect-now is
 # promoting right now is left to the pass its commit wakes) with the columns _CLAIM would re-read.
-_LOCK_HIGH_CLIENTS = """
+_LOCK_HIGH_CLIENTS = f"""
 SELECT c.id FROM desktop_clients c
 WHERE c.id IN (SELECT t.target_client_id FROM monitoring_collect_tasks t
-               WHERE t.dispatch_lane = 'high' AND t.status = 'pending'
+               WHERE t.dispatch_lane = {_CLICK} AND t.status = 'pending'
                  AND t.target_client_id IS NOT NULL)
 ORDER BY c.id
 FOR SHARE OF c
@@ -395,7 +404,7 @@ SELECT {_CANDIDATE_COLUMNS}, t.ctid AS row_ref, t.dispatch_priority, t.dispatch_
        t.collect_request_id, t.question_id, t.enqueued_at AS enqueued_ts, t.brand_id, t.business_date,
        t.next_execution_id, t.execution_owner, {_CLICK_TRACEPARENT}
 FROM monitoring_collect_tasks t {ready.ACTIVE_PROBE}
-WHERE t.dispatch_lane = 'high' AND {ready.READY_PROBED}
+WHERE t.dispatch_lane = {_CLICK} AND {ready.READY_PROBED}
 ORDER BY t.dispatch_priority DESC, t.enqueued_at, t.id
 LIMIT %(limit)s
 FOR UPDATE OF t SKIP LOCKED
@@ -454,12 +463,12 @@ ORDER BY u.n
 
 # Lane rule re-checked at write time, after _LOCK_CLIENTS: a collect-now that committed since the snapshot
 # wins, so no normal goes to a client that now has pending high work not already running.
-_CLIENTS_WITH_HIGH = """
+_CLIENTS_WITH_HIGH = f"""
 SELECT DISTINCT h.target_client_id AS client_id
 FROM monitoring_collect_tasks h
 LEFT JOIN LATERAL (SELECT true AS busy FROM desktop_tasks x WHERE x.monitor_task_id = h.id AND x.kind = 'monitor'
                    AND x.status IN ('in_progress', 'unknown') LIMIT 1) run ON true
-WHERE h.target_client_id = ANY(%(clients)s::uuid[]) AND h.status = 'pending' AND h.dispatch_lane = 'high'
+WHERE h.target_client_id = ANY(%(clients)s::uuid[]) AND h.status = 'pending' AND h.dispatch_lane = {_PREEMPTING}
   AND run.busy IS NULL
 """
 

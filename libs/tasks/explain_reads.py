@@ -15,6 +15,7 @@ from datetime import date, datetime
 import msgspec
 
 from libs.db.pool import Conn
+from libs.domain.lanes import CLICK_LANE, sql_names
 from libs.tasks import ready
 
 # ---- the answers -------------------------------------------------------------------------------------------------
@@ -118,10 +119,11 @@ _TENANT_BACKLOG = f"""
 SELECT t.dispatch_lane AS lane, count(*) AS n FROM monitoring_collect_tasks t
 WHERE t.tenant_id = %(tenant_id)s AND {ready.READY} GROUP BY 1
 """
-_HIGH_BACKLOG = f"SELECT count(*) AS n FROM monitoring_collect_tasks t WHERE t.dispatch_lane = 'high' AND {ready.READY}"
+_HIGH_BACKLOG = (f"SELECT count(*) AS n FROM monitoring_collect_tasks t WHERE t.dispatch_lane = '{CLICK_LANE.name}' "
+                 f"AND {ready.READY}")
 _NORMAL_WORK = f"""
 SELECT EXISTS (SELECT 1 FROM monitoring_collect_tasks t
-               WHERE t.dispatch_lane IN ('normal', 'normal_boosted', 'retry') AND {ready.READY}) AS any
+               WHERE t.dispatch_lane IN {sql_names(lambda s: not s.budget_exempt)} AND {ready.READY}) AS any
 """
 
 
@@ -178,7 +180,7 @@ async def high_ready_count(conn: Conn) -> int:
 
 
 async def normal_has_work(conn: Conn) -> bool:
-    """Is any normal, normal_boosted or retry task ready?"""
+    """Is any task ready in a lane the tenant budget holds?"""
     cur = await conn.execute(_NORMAL_WORK)
     row = await cur.fetchone()
     return bool(row and row["any"])

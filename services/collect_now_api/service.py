@@ -27,6 +27,7 @@ from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
+from libs.domain.lanes import CLICK_LANE
 from libs.domain.shard import ingest_shard_key
 from libs.http import ApiError
 from libs.outbox import NOTIFY_CHANNEL, enqueue_many
@@ -508,7 +509,7 @@ async def _write_events(conn: Conn, *, tenant_id: int, client_id: uuid.UUID | No
                           replacement_task_id=replacement if control == "interrupt_requested" else None,
                           urgent=True, now=now)  # claimed before older normal outbox events
             for ended, control in batches for execution in ended])
-    await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id, lane="high",
+    await emit_lifecycle(conn, "collect_now.accepted", tenant_id=tenant_id, client_id=client_id, lane=CLICK_LANE.name,
                          collect_request_id=request_id,
                          reason=PREEMPT_REASON if cancelled or interrupted else None)
 

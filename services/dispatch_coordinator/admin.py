@@ -29,6 +29,7 @@ from libs.dispatch_settings import (
     set_setting,
 )
 from libs.domain.dispatch import window_start
+from libs.domain.lanes import MONITOR_LANE_NAMES
 from libs.domain.platform_health import OverrideMode
 from libs.ingest.lag import ingest_lag_ms
 from libs.leader import leader_states
@@ -167,10 +168,12 @@ async def set_budget(conn: Conn, key: str, value: Any) -> Any:
 
 
 BUDGET_KEYS = ("cluster_dispatch_per_minute", "tenant_dispatch_per_minute")
-# Tenants with scheduled (non-high) dispatches counted in the last two budget windows.
+# Tenants with scheduled (non-high) dispatches counted in the last two budget windows: of the lanes the tenant
+# budget holds.
+_TENANT_HELD = f"d.lane <> {q.BUDGET_EXEMPT_LANE}"
 _ACTIVE_TENANTS = f"""
 SELECT count(DISTINCT d.tenant_id) AS n FROM dispatch_budget_rows d
-WHERE d.kind = 'monitor' AND d.lane <> 'high' AND d.created_at >= now() - make_interval(secs => %(window_s)s * 2)
+WHERE d.kind = 'monitor' AND {_TENANT_HELD} AND d.created_at >= now() - make_interval(secs => %(window_s)s * 2)
   AND {q.COUNTS_AGAINST_BUDGET}
 """
 
@@ -500,7 +503,7 @@ async def status(conn: Conn) -> dict[str, Any]:
     """Lane backlogs, active executions, clients online, outbox depth and dead letters, coordinator state."""
     settings = await load_settings(conn)
     lanes = {r.lane: {"ready": r.ready, "oldest_ms": int(r.oldest_ms)} for r in await admin_ops.lane_backlog(conn)}
-    for lane in ("high", "normal_boosted", "normal", "retry"):
+    for lane in MONITOR_LANE_NAMES:
         lanes.setdefault(lane, {"ready": 0, "oldest_ms": 0})
         lanes[lane]["paused"] = lane in settings.paused_lanes  # type: ignore[assignment]
     executions = await admin_ops.active_executions_by_status(conn)

@@ -46,7 +46,7 @@ from libs.domain.dispatch import (
     retry_allowed,
     window_start,
 )
-from libs.domain.lanes import lane_weight
+from libs.domain.lanes import CLICK_LANE, execution_source, lane_weight, monitor_lane, routing_word
 from libs.domain.platform_health import ClientHealth, OverrideMode, PauseSource, blocked_platforms, paused_pairs
 from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
@@ -130,7 +130,7 @@ class PassOutcome:
 
 def routing_key(lane: str, client_id: uuid.UUID) -> str:
     """`monitor.{lane}.{client}`; normal_boosted travels as normal."""
-    return f"monitor.{'normal' if lane == 'normal_boosted' else lane}.{client_id}"
+    return f"monitor.{routing_word(lane)}.{client_id}"
 
 
 def limits_from(settings: DispatchSettings, *, slowdown: bool) -> PassLimits:
@@ -317,11 +317,12 @@ class Dispatcher:
         batch = max(1, settings.dispatch_batch_size)
         found: dict[str, list[Candidate]] = defaultdict(list)
         self.candidate_reads = CandidateReads()
-        if "high" not in limits.paused_lanes:
-            found["high"].extend(_candidate(r) for r in await dispatch_reads.high_candidates(conn, limit=batch))
+        if CLICK_LANE.name not in limits.paused_lanes:
+            found[CLICK_LANE.name].extend(
+                _candidate(r) for r in await dispatch_reads.high_candidates(conn, limit=batch))
         if limits.slowdown or snap.ledger.non_high_used >= limits.non_high_cap:
             return found  # non-high cannot go this pass: no need to read its candidates
-        lanes = [lane for lane in LANE_ORDER if lane != "high" and lane not in limits.paused_lanes]
+        lanes = [lane for lane in LANE_ORDER if lane != CLICK_LANE.name and lane not in limits.paused_lanes]
         client_room, refused = normal_client_room(snap.clients)
         seen: set[tuple[int, int]] = set()  # pairs whose blocked reason this pass already counted
 
@@ -342,7 +343,7 @@ class Dispatcher:
                 if blocked is not None and first and tenant_room > 0 and room > 0:
                     blocked[refused.get(tenant_id, "no_eligible_client")] += 1
                 return 0
-            if lane == "retry" and not retry_allowed(
+            if monitor_lane(lane).retry_gated and not retry_allowed(
                     tenant_id, cluster_high_backlog=self.cluster_high_backlog,
                     tenant_normal_backlog=self.tenant_normal_backlog, watermark=limits.retry_low_watermark):
                 return 0
@@ -430,7 +431,7 @@ class Dispatcher:
         """
         outcome = PassOutcome()
         limits = limits_from(settings, slowdown=self.slowdown)
-        if "high" in limits.paused_lanes:
+        if CLICK_LANE.name in limits.paused_lanes:
             return outcome
         batch = max(1, settings.dispatch_batch_size)
         async with self._pool.connection() as conn:
@@ -477,7 +478,7 @@ class Dispatcher:
         outcome.considered = len(candidates)
         tracing.set_attributes(considered=outcome.considered)
         snapshot = read.snapshot
-        plan = plan_pass({"high": candidates}, snapshot.clients, snapshot.ledger, limits,
+        plan = plan_pass({CLICK_LANE.name: candidates}, snapshot.clients, snapshot.ledger, limits,
                          last_served=self.last_served, max_dispatches=batch, normal_has_work=bool(self.pairs))
         outcome.seconds_to_next_window = snapshot.window_start + snapshot.window_seconds - snapshot.now
         if not plan.decisions:
@@ -522,7 +523,7 @@ class Dispatcher:
                     await self._after_commit(written)
                     outcome.dispatched = len(written.rows)
                     tracing.set_attributes(considered=outcome.considered, dispatched=outcome.dispatched)
-                    outcome.high_dispatched = sum(1 for r in written.rows if r["lane"] == "high")
+                    outcome.high_dispatched = sum(1 for r in written.rows if r["lane"] == CLICK_LANE.name)
             except Preempted:
                 outcome.preempted = True
                 return outcome
@@ -594,7 +595,7 @@ class Dispatcher:
         yielded MAX_PREEMPTIONS times in a row (a stream of clicks cannot starve the normal lanes)."""
         if self.high_waiting is None or not self.high_waiting() or self._preempted_in_a_row >= MAX_PREEMPTIONS:
             return
-        if plan is not None and all(d.task.lane == "high" for d in plan.decisions):
+        if plan is not None and all(d.task.lane == CLICK_LANE.name for d in plan.decisions):
             return  # nothing but high to write: writing it is the fastest way
         self._preempted_in_a_row += 1
         raise Preempted
@@ -603,7 +604,7 @@ class Dispatcher:
                                           candidates: dict[str, list[Candidate]]) -> None:
         """Work the pass did not even read (no platform room, slow-down, spent budget) is still a rejection:
         counted once per blocked (tenant, platform) pair and pass, not once per waiting task."""
-        if any(candidates.get(lane) for lane in LANE_ORDER if lane != "high"):
+        if any(candidates.get(lane) for lane in LANE_ORDER if lane != CLICK_LANE.name):
             return
         if not self.pairs:
             return
@@ -637,7 +638,8 @@ class Dispatcher:
         claimed = await dispatch_reads.claim(
             conn, client_ids=sorted({d.client_id for d in decisions}, key=str),
             task_ids=[d.task.id for d in decisions],
-            normal_clients=sorted({d.client_id for d in decisions if d.task.lane != "high"}, key=str))
+            normal_clients=sorted({d.client_id for d in decisions if not monitor_lane(d.task.lane).preempts},
+                                  key=str))
         return _dispatchable_rows(decisions, claimed.tasks, claimed.clients_with_high)
 
     async def _queue_writes(self, conn: Conn, rows: list[dict[str, Any]], ts: datetime) -> _Written:
@@ -656,13 +658,13 @@ class Dispatcher:
                                       monitor_task_id=r["monitor_task_id"],
                                       collect_request_id=r["collect_request_id"]),
                 ordering_key=f"client:{r['target_client_id']}", tenant_id=r["tenant_id"],
-                priority=1 if r["lane"] == "high" else 0,  # high: claimed before older normal events
+                priority=monitor_lane(r["lane"]).outbox_priority,  # high: claimed before older normal events
                 traceparent=tracing.traceparent_of(clicks.get(r["collect_traceparent"] or "")))
             for r in rows
         ]
         requests: dict[uuid.UUID, int] = defaultdict(int)
         for r in rows:
-            if r["lane"] == "high" and r["collect_request_id"] is not None:
+            if r["lane"] == CLICK_LANE.name and r["collect_request_id"] is not None:
                 requests[r["collect_request_id"]] += 1
         refs = [r["row_ref"] for r in rows]
         await business.count_dispatched(conn, refs)
@@ -675,7 +677,7 @@ class Dispatcher:
                 events = await self.push_leases.lease_created(conn, desktop, events)
         if len(desktop) < len(rows):
             await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
-        high = any(r["lane"] == "high" for r in rows)
+        high = any(monitor_lane(r["lane"]).outbox_priority > 0 for r in rows)
         relay = self.high_relay.ready() if high else None
         event_ids = await enqueue_many(conn, events, notify=high and relay is None)
         own = None
@@ -707,7 +709,7 @@ class Dispatcher:
         for r in rows:
             metrics.dispatch_decisions_count.inc(lane=r["lane"])
             metrics.dispatch_dispatched_by_owner_count.inc(execution_owner=r["execution_owner"])
-            if r["lane"] == "high":
+            if r["lane"] == CLICK_LANE.name:
                 log.info("high task dispatched", extra={
                     "tenant_id": r["tenant_id"], "task_id": str(r["id"]), "monitor_task_id": r["monitor_task_id"],
                     "client_id": str(r["target_client_id"]),
@@ -769,13 +771,6 @@ def _click_spans(rows: list[dict[str, Any]]) -> dict[str, Span]:
     return spans
 
 
-def execution_source(lane: str, trigger_source: str, collect_request_id: uuid.UUID | None) -> str:
-    """`desktop_tasks.source` of a new execution (cross-service contract 2)."""
-    if lane == "high" and (trigger_source == "manual" or collect_request_id is not None):
-        return "collect_now"
-    return "retry_recovery" if lane == "retry" else "daily_schedule"
-
-
 def _dispatchable_rows(decisions: Sequence[Decision], claimed: dict[int, ClaimedTask],
                        clients_with_high: frozenset[uuid.UUID]) -> list[dict[str, Any]]:
     """The execution rows to write: the decisions whose locked, re-read business task still allows them."""
@@ -800,16 +795,17 @@ def _still_dispatchable(decision: Decision, task: ClaimedTask | None,
     if task.target_client_id is not None and task.target_client_id != decision.client_id:
         return None
     lane = task.dispatch_lane
-    if lane != "high" and decision.client_id in clients_with_high:
+    if not monitor_lane(lane).preempts and decision.client_id in clients_with_high:
         return None
     return {
         # an id decided ahead (a collect-now named it as the replacement of an interrupted execution) or a new one
         "id": task.next_execution_id or uuid.uuid4(), "monitor_task_id": task.id, "tenant_id": task.tenant_id,
         "workspace_id": task.workspace_id, "target_client_id": decision.client_id,
         "priority": task.dispatch_priority, "lane": lane, "lane_weight": lane_weight("monitor", lane),
-        "source": execution_source(lane, task.trigger_source, task.collect_request_id),
+        "source": execution_source(lane, from_click=task.trigger_source == "manual"
+                                   or task.collect_request_id is not None),
         "scheduler_group_key": f"qid:{task.question_id}",
-        "interrupt_generation": decision.interrupt_generation if lane == "high" else 0,
+        "interrupt_generation": decision.interrupt_generation if monitor_lane(lane).preempts else 0,
         "enqueued_at": task.enqueued_at, "brand_id": task.brand_id, "question_id": task.question_id,
         "ai_platform_id": task.ai_platform_id, "business_date": task.business_date,
         "collect_request_id": task.collect_request_id,

@@ -26,6 +26,7 @@ from libs.domain.dispatch import (
     evaluate,
     retry_allowed,
 )
+from libs.domain.lanes import monitor_lane
 from libs.tasks import explain_reads
 from libs.tasks.explain_reads import ExplainedTask
 from services.dispatch_coordinator.dispatcher import Snapshot, limits_from, read_snapshot
@@ -150,8 +151,8 @@ def _planner_verdict(t: ExplainedTask, candidate: Candidate, snap: Snapshot, lim
     """What a pass would decide for the task now: the client it goes to, or the reason it waits (the decision
     tree, then the retry lane's low-water rule)."""
     client, reason = evaluate(candidate, snap.ledger, limits, scope, by_id, normal_has_work=normal_has_work)
-    tenant_normal = sum(n for lane, n in tenant_backlog.items() if lane != "retry" and lane != "high")
-    if reason is None and t.lane == "retry" and not retry_allowed(
+    tenant_normal = sum(n for lane, n in tenant_backlog.items() if monitor_lane(lane).normal_backlog)
+    if reason is None and monitor_lane(t.lane).retry_gated and not retry_allowed(
             t.tenant_id, cluster_high_backlog=high_backlog, tenant_normal_backlog={t.tenant_id: tenant_normal},
             watermark=limits.retry_low_watermark):
         reason, client = "retry_waits_for_low_water", None
@@ -175,7 +176,7 @@ def _budgets(t: ExplainedTask, snap: Snapshot, limits: PassLimits, *, normal_has
         "cluster_room_for_lane": cluster_room(t.lane, snap.ledger, limits, normal_has_work=normal_has_work),
         "non_high_used": snap.ledger.non_high_used, "non_high_cap": limits.non_high_cap,
         "tenant_used": snap.ledger.tenant_used.get(t.tenant_id, 0), "tenant_limit": limits.tenant_per_window,
-        "tenant_budget_applies": t.lane != "high",
+        "tenant_budget_applies": not monitor_lane(t.lane).budget_exempt,
     }
 
 

@@ -18,6 +18,7 @@ from libs.db.pool import Conn
 from libs.db.write_health import FRESH_S, FRESH_TOTALS
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.aging import age_task, oldest_share
+from libs.domain.lanes import monitor_lane
 from libs.domain.slowdown import Signals, Thresholds, WriteStats, slowdown_reasons
 from libs.ingest.lag import ingest_lag_ms
 from libs.tasks import backlog_reads, business
@@ -57,7 +58,7 @@ class CensusTotals:
 
     @property
     def ready_normal(self) -> int:
-        return sum(n for (_, lane), n in self.tenant_lanes.items() if lane != "retry")
+        return sum(n for (_, lane), n in self.tenant_lanes.items() if monitor_lane(lane).normal_backlog)
 
     def wait_percentile_ms(self, quantile: float, now: float) -> float:
         """The nearest-rank `quantile` of the ready normal tasks' waits, as of `now` (they all waited on since the
@@ -161,11 +162,11 @@ async def observe_backlog(conn: Conn, census: BacklogCensus | None = None) -> Ba
     totals = await (census or census_for(conn)).advance(conn)
     if totals is not None:
         for (tenant_id, lane), n in totals.tenant_lanes.items():
-            if lane == "retry":
-                backlog.retry += n
-            else:
+            if monitor_lane(lane).normal_backlog:
                 backlog.normal += n
                 backlog.tenant_normal[tenant_id] = backlog.tenant_normal.get(tenant_id, 0) + n
+            else:
+                backlog.retry += n
         metrics.monitor_normal_starvation_age_p99.set(totals.wait_percentile_ms(0.99, time.time()))
         metrics.execution_owner_legacy_count.set(totals.owners.get("legacy", 0))
         metrics.execution_owner_desktop_tasks_count.set(totals.owners.get("desktop_tasks", 0))

@@ -5,9 +5,16 @@ gauges and aging), libs/tasks/business.py (the scan, aging's write)."""
 
 from __future__ import annotations
 
+from libs.domain.lanes import lane_names
+
 # An execution counts against its window's budget unless collect-now cancelled it while still queued (never
 # leased): that one gives its budget back. One SQL definition (migration 021) for the count and the ledger.
 COUNTS_AGAINST_BUDGET = "dispatch_budget_counts(d.kind, d.status, d.interrupt_reason, d.lease_epoch)"
+
+# The lane a window's budget counts apart (§9.2), as an SQL literal ('high'): compared with `=`, as migration 021's
+# ledger triggers compare it. One lane of the table: the unpacking fails at import once a table change makes it more.
+(BUDGET_EXEMPT_LANE,) = (f"'{name}'" for name in lane_names(lambda s: s.budget_exempt))
+IS_BUDGET_EXEMPT = f"d.lane = {BUDGET_EXEMPT_LANE}"
 
 # Serialises dispatch passes (and fences a zombie ex-leader whose lock session died mid-pass).
 PASS_LOCK = "SELECT pg_advisory_xact_lock(7401552111)"
@@ -17,7 +24,7 @@ NOW = "SELECT extract(epoch FROM c.ts)::float8 AS now, c.ts FROM (SELECT clock_t
 # The window's executions, counted: what the ledger below replaces on the passes. Still the ledger's start and the
 # ops status (`monitorctl status`), and the reference the ledger's tests compare it with.
 BUDGET_USED = f"""
-SELECT d.tenant_id, (d.lane = 'high') AS high, count(*) AS n
+SELECT d.tenant_id, ({IS_BUDGET_EXEMPT}) AS high, count(*) AS n
 FROM dispatch_budget_rows d
 WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s)
   AND d.created_at < to_timestamp(%(window_end)s) AND {COUNTS_AGAINST_BUDGET}
@@ -49,7 +56,7 @@ VALUES (%(window)s, %(window_start)s)
 """
 LEDGER_START = f"""
 WITH c AS MATERIALIZED (
-    SELECT dispatch_budget_window(d.created_at, %(window)s) AS window_start, d.tenant_id, d.lane = 'high' AS high,
+    SELECT dispatch_budget_window(d.created_at, %(window)s) AS window_start, d.tenant_id, {IS_BUDGET_EXEMPT} AS high,
            count(*)::int AS n
     FROM dispatch_budget_rows d
     WHERE d.kind = 'monitor' AND d.created_at >= to_timestamp(%(window_start)s) AND {COUNTS_AGAINST_BUDGET}

@@ -30,19 +30,9 @@ NAMES = frozenset(s.name for s in LANE_SPECS if s.kind == "monitor")
 SQL_LANE = re.compile(r"'(" + "|".join(sorted(NAMES, key=len, reverse=True)) + r")'")
 
 STILL_NAMING: frozenset[str] = frozenset({
-    "libs/tasks/backlog_reads.py",
-    "libs/tasks/business.py",
-    "libs/tasks/dispatch_reads.py",
-    "libs/tasks/explain_reads.py",
     "libs/tasks/fragments.py",
     "libs/tasks/legacy.py",
     "libs/tasks/transitions.py",
-    "services/collect_now_api/service.py",
-    "services/dispatch_coordinator/admin.py",
-    "services/dispatch_coordinator/dispatcher.py",
-    "services/dispatch_coordinator/explain.py",
-    "services/dispatch_coordinator/maintenance.py",
-    "services/dispatch_coordinator/queries.py",
     "services/reconciler/jobs/interrupt_timeouts.py",
 })
 
