@@ -54,7 +54,7 @@ from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
-from libs.tasks import business, executions, legacy
+from libs.tasks import business, execution_paths, executions
 from libs.tasks import requests as collect_requests
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
@@ -711,11 +711,7 @@ class Dispatcher:
         await business.count_dispatched(conn, refs)
         # Routed by owner (docs/legacy-path.md): an execution for desktop_tasks work, an offer on the business row
         # for legacy work; the same event tells the client either way.
-        desktop = [r for r in rows if r["execution_owner"] != "legacy"]
-        if desktop:
-            await executions.create(conn, desktop, ts=ts)
-        if len(desktop) < len(rows):
-            await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
+        await execution_paths.dispatch(conn, rows, ts=ts)
         high = any(r["lane"] == "high" for r in rows)
         relay = self.high_relay.ready() if high else None
         event_ids = await enqueue_many(conn, events, notify=high and relay is None)

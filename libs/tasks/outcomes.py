@@ -1,0 +1,65 @@
+"""What an operation of the task store answers when its move matches nothing (docs/architecture.md "The task store:
+Executions"): a typed outcome the caller must handle, never a silent `None`.
+
+- `NotFound`: no such row (on either execution path, for this tenant).
+- `Stale`: the row exists but is not in a state this move may leave (ended, already leased, requeued, ...).
+- `Fenced`: the lease's fence refused the move: the caller's token or epoch is not the lease's (it expired, ended or
+  was re-leased since). A deposed *leader* is refused by the database itself (trigger `leader_fence`, SQLSTATE
+  MLF01, `libs.leader.is_fenced`): its transaction is aborted already, so that one stays an exception.
+
+Each is a tagged msgspec Struct: `match outcome: case Stale(): ...` in the caller, and `assert_never` on the rest.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from psycopg import AsyncCursor
+
+
+class NotFound(msgspec.Struct, frozen=True, tag=True):
+    """No such execution or lease."""
+
+    task_id: uuid.UUID | None = None
+
+
+class Stale(msgspec.Struct, frozen=True, tag=True):
+    """The row is not in a state this move leaves; `status` is the one found, when read."""
+
+    task_id: uuid.UUID | None = None
+    status: str | None = None
+
+
+class Fenced(msgspec.Struct, frozen=True, tag=True):
+    """The lease's fence (token hash, epoch, holder) refused the move."""
+
+    task_id: uuid.UUID | None = None
+
+
+Refused = NotFound | Stale | Fenced
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """The answer of an operation queued in the caller's pipeline (libs.db.tx.pipelined_transaction): readable once
+    the pipeline has synced (or at once outside a pipeline)."""
+
+    __slots__ = ("_read",)
+
+    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
+        self._read = read
+
+    async def get(self) -> T:
+        return await self._read()
+
+
+def pending_rows(cursors: list[AsyncCursor[dict[str, Any]]],
+                 convert: Callable[[list[list[dict[str, Any]]]], T]) -> Pending[T]:
+    """The answer read from the rows of `cursors` (one list per cursor), converted."""
+    async def read() -> T:
+        return convert([await cur.fetchall() for cur in cursors])
+    return Pending(read)
