@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from libs.db.pool import Conn
 from libs.tasks import executions as desktop_path
@@ -52,6 +52,7 @@ from libs.tasks.records import (
 )
 
 
+@runtime_checkable
 class Executions(Protocol):
     """One execution path's lease protocol. Every operation runs in the caller's transaction (or pipeline)."""
 

@@ -62,10 +62,11 @@ async def _interrupting_click(settings: Settings, pool: AsyncConnectionPool[Conn
 
 async def test_the_interrupt_names_the_high_execution_that_replaces_it(settings: Settings,
                                                                        pool: AsyncConnectionPool[Conn]) -> None:
-    _, running, accepted, control = await _interrupting_click(settings, pool, legacy_path=False)
+    world, running, accepted, control = await _interrupting_click(settings, pool, legacy_path=False)
     async with pool.connection() as conn:
-        # the hub's replay of the interrupt names the same replacement
-        (row,) = await fetch_all(conn, "SELECT * FROM desktop_tasks WHERE id = %s", running)
+        # the hub's re-sent interrupt names the same replacement
+        row = await execution_paths.DESKTOP_TASKS.lease_state(conn, running, tenant_id=world.tenant_id)
+        assert isinstance(row, LeaseState)
         assert current_interrupt(row, now=control.updated_at).replacement_task_id == control.replacement_task_id
         settings_now = await load_settings(conn)
     outcome = await Dispatcher(pool).run_high_pass(settings_now)
