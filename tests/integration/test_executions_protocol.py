@@ -8,6 +8,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
 
@@ -15,6 +16,7 @@ from libs.auth import hash_token
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.domain.lanes import lane_weight
+from libs.leader import is_fenced
 from libs.tasks import execution_paths
 from libs.tasks.execution_paths import Executions
 from libs.tasks.outcomes import Fenced, NotFound, Stale
@@ -180,3 +182,36 @@ async def test_an_expired_lease_is_locked_once_then_stale_once_ended(
             assert isinstance(await execution_paths.end(conn, ExecutionEnd(task_id=task_id, outcome="expired",
                                                                            lease_epoch=1)), EndedExecution)
         assert await execution_paths.lock_expired(conn, task_id) == Stale(task_id=task_id)
+
+
+@PATHS
+async def test_a_deposed_leaders_dispatch_is_refused_by_the_fence_on_either_path(
+        pool: AsyncConnectionPool[Conn], seed: dict[str, Any], path: Executions) -> None:
+    """The database refuses it (SQLSTATE MLF01): an exception, not an outcome, since its transaction is aborted."""
+    tenant = seed["tenants"][0]
+    client = uuid.UUID(tenant["clients"][0]["client_id"])
+    platform = seed["platforms"][0]["ai_platform_id"]
+    async with pool.connection() as conn:
+        task_id = await insert_ready_task(conn, tenant=tenant, brand_index=0, question_index=1, platform_id=platform)
+        await conn.execute("UPDATE monitoring_collect_tasks SET execution_owner = %s WHERE id = %s",
+                           (path.owner, task_id))
+        cur = await conn.execute("SELECT * FROM monitoring_collect_tasks WHERE id = %s", (task_id,))
+        task = await cur.fetchone()
+        assert task is not None
+        row = {"id": uuid.uuid4(), "monitor_task_id": task_id, "tenant_id": task["tenant_id"],
+               "workspace_id": task["workspace_id"], "target_client_id": client, "ai_platform_id": platform,
+               "brand_id": task["brand_id"], "question_id": task["question_id"],
+               "business_date": task["business_date"], "lane": "normal",
+               "lane_weight": lane_weight("monitor", "normal"), "priority": 100, "interrupt_generation": 0,
+               "collect_request_id": None,
+               "enqueued_at": task["enqueued_at"], "source": "daily_schedule", "scheduler_group_key": "qid:1",
+               "execution_owner": path.owner}
+        with pytest.raises(psycopg.Error) as refused:
+            async with conn.transaction():
+                # a session of a coordinator whose term is no longer the stored one (migration 024)
+                await conn.execute("SELECT set_config('monitoring.leader_role', 'dispatch-coordinator', true), "
+                                   "set_config('monitoring.leader_term', '999999', true)")
+                await execution_paths.dispatch(conn, [row], ts=datetime.now(UTC))
+        assert is_fenced(refused.value)
+        assert await execution_paths.lease_state(conn, row["id"], tenant_id=task["tenant_id"]) == NotFound(
+            task_id=row["id"])
