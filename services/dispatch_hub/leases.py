@@ -230,8 +230,8 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             case Stale():  # cannot happen under the pick's row lock; not handed out if it did
                 log.error("a picked execution was not leased", extra={"task_id": str(offer.id)})
                 continue
-            case refused1:
-                assert_never(refused1)
+            case unhandled:
+                assert_never(unhandled)
         flags = offer.control_flags or {}
         tasks.append(LeasedTask(
             task_id=offer.id, monitor_task_id=offer.monitor_task_id, lane=offer.lane,  # type: ignore[arg-type]
@@ -278,8 +278,8 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                 _fence(await execution_paths.lease_state(conn, task_id, tenant_id=principal.tenant_id), principal,
                        body.lease_token)
                 raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
-            case refused2:
-                assert_never(refused2)
+            case unhandled:
+                assert_never(unhandled)
         if body.safe_point_interval_ms is not None:
             platform = await ctx.platforms.code(conn, extended.ai_platform_id)
             ctx.safe_points.observe(extended.ai_platform_id, platform, float(body.safe_point_interval_ms),
@@ -395,8 +395,8 @@ async def _abort_preempted(conn: Conn, principal: ClientPrincipal, task_id: uuid
             pass
         case Stale() | NotFound():  # ended by another writer since the fence, under our row lock: cannot happen
             return ack
-        case refused3:
-            assert_never(refused3)
+        case unhandled:
+            assert_never(unhandled)
     await yield_business_task(conn, ended.monitor_task_id)
     if preempt_wasted_work(body.execution_phase or row.execution_phase):
         ack.induced_retry = True
@@ -419,8 +419,8 @@ async def _client_cancel(conn: Conn, principal: ClientPrincipal, task_id: uuid.U
             pass
         case Stale() | NotFound():  # ended by another writer since the fence, under our row lock: cannot happen
             return
-        case refused4:
-            assert_never(refused4)
+        case unhandled:
+            assert_never(unhandled)
     await retry_business_task(conn, ended.monitor_task_id, max_attempts=max_attempts,
                               error=f"cancelled by client: {body.reason}")
     await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=principal.client_id,
@@ -466,8 +466,8 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                 pass
             case Stale():  # the fence passed: the row is there at this epoch
                 raise AssertionError(f"the result claim of a fenced lease matched nothing: {task_id}")
-            case refused5:
-                assert_never(refused5)
+            case unhandled:
+                assert_never(unhandled)
         post = classify_result_post(claim.previous, digest, received=claim.received)
         if post is ResultPost.CONFLICT:
             raise _result_conflict()

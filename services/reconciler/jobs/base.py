@@ -135,8 +135,8 @@ async def expire_and_retry(ctx: JobContext, row: dict[str, Any], *, reason: EndR
             pass
         case Stale() | NotFound():  # ended (or re-leased) by another writer since it was read
             return Expired(ended=False)
-        case refused1:
-            assert_never(refused1)
+        case unhandled:
+            assert_never(unhandled)
     status = await retry_business_task(conn, ended.monitor_task_id, max_attempts=ctx.settings.max_dispatch_attempts,
                                        error=retry_error or error)
     request = row["collect_request_id"]

@@ -34,8 +34,8 @@ async def expire_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> 
                 pass
             case Stale():  # extended, resulted, ended or locked by another writer since it was read
                 return
-            case refused1:
-                assert_never(refused1)
+            case unhandled:
+                assert_never(unhandled)
         expired = await expire_and_retry(ctx, msgspec.structs.asdict(lease), reason="lease_expired",
                                          error="lease expired without a result", retry_error="lease expired",
                                          phase=lease.execution_phase)

@@ -40,8 +40,8 @@ async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResul
                 pass
             case Stale():  # yielded, resulted, ended or locked by another writer since it was read
                 return
-            case refused1:
-                assert_never(refused1)
+            case unhandled_lock:
+                assert_never(unhandled_lock)
         client_id = row.target_client_id
         flags = row.control_flags or {}
         request_id = flags.get("collect_request_id")
@@ -52,8 +52,8 @@ async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResul
                 pass
             case Stale() | NotFound():  # cannot happen under the row lock; left as it is if it did
                 return
-            case refused2:
-                assert_never(refused2)
+            case unhandled_end:
+                assert_never(unhandled_end)
         await yield_business_task(conn, row.monitor_task_id)
         await send_control(conn, task_id=task_id, client_id=client_id, control="lease_revoked",
                            reason="interrupt_hard_timeout", interrupt_generation=row.interrupt_generation,
@@ -73,8 +73,8 @@ async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResul
                     pass
                 case Stale() | NotFound():
                     continue
-                case refused3:
-                    assert_never(refused3)
+                case unhandled_cancel:
+                    assert_never(unhandled_cancel)
             await yield_business_task(conn, q.monitor_task_id)
             await send_control(conn, task_id=q.id, client_id=client_id, control="cancelled",
                                reason="interrupt_hard_timeout", interrupt_generation=row.interrupt_generation,

@@ -35,16 +35,16 @@ async def release_queued(ctx: JobContext, task_id: uuid.UUID, result: JobResult)
                 pass
             case Stale():  # leased, ended, its client back or locked by another writer since it was read
                 return
-            case refused1:
-                assert_never(refused1)
+            case unhandled_lock:
+                assert_never(unhandled_lock)
         match await execution_paths.end(conn, ExecutionEnd(task_id=task_id, outcome="aborted",
                                                            reason="client_offline")):
             case EndedExecution():
                 pass
             case Stale() | NotFound():  # cannot happen under the row lock; left as it is if it did
                 return
-            case refused2:
-                assert_never(refused2)
+            case unhandled_end:
+                assert_never(unhandled_end)
         await yield_business_task(conn, work.monitor_task_id)
         await emit_lifecycle(conn, "task.released", tenant_id=work.tenant_id, client_id=work.target_client_id,
                              task_id=task_id, monitor_task_id=work.monitor_task_id,

@@ -35,8 +35,8 @@ async def _end(ctx: JobContext, request: ExecutionEnd) -> bool:
         case Stale() | NotFound():
             log.warning("an unknown execution under its row lock was not live", extra={"task_id": str(request.task_id)})
             return False
-        case refused1:
-            assert_never(refused1)
+        case unhandled:
+            assert_never(unhandled)
 
 
 async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -> None:
@@ -47,8 +47,8 @@ async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -
                 pass
             case Stale():  # converged, applied or locked by another writer since it was read
                 return
-            case refused2:
-                assert_never(refused2)
+            case unhandled_lock:
+                assert_never(unhandled_lock)
         statuses = await lease_context.run_evidence(conn, monitor_task_id=row.monitor_task_id, task_id=task_id,
                                                     leased_at=row.leased_at)
         run_status = "succeeded" if "succeeded" in statuses else ("failed" if "failed" in statuses else None)
@@ -61,8 +61,8 @@ async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -
                     pass
                 case Stale():  # cannot happen under the row lock
                     return
-                case refused3:
-                    assert_never(refused3)
+                case unhandled_requeue:
+                    assert_never(unhandled_requeue)
         elif verdict == "succeeded":
             await _end(ctx, ExecutionEnd(task_id=task_id, outcome="succeeded", reason="reconciled_from_unknown",
                                          phase=row.execution_phase))
