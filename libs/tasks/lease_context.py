@@ -21,7 +21,7 @@ from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 # What a result message needs from the business task.
 _RESULT_CONTEXT = """
-SELECT t.collector_type, t.run_mode, t.tenant_id, t.workspace_id, t.brand_id, t.question_id, t.ai_platform_id,
+SELECT t.id, t.collector_type, t.run_mode, t.tenant_id, t.workspace_id, t.brand_id, t.question_id, t.ai_platform_id,
        t.business_date
 FROM monitoring_collect_tasks t
 WHERE t.id = %(monitor_task_id)s AND t.tenant_id = %(tenant_id)s
@@ -63,6 +63,7 @@ RETURNING c.id, c.tenant_id, c.last_heartbeat_at, c.connected_hub
 class ResultContext(msgspec.Struct, frozen=True):
     """The business task a result is published for."""
 
+    id: int
     collector_type: str
     run_mode: str
     tenant_id: int
@@ -87,7 +88,10 @@ class UnboundHigh(msgspec.Struct, frozen=True):
     collect_request_id: uuid.UUID | None
 
 
-async def result_context(conn: Conn, monitor_task_id: int, *, tenant_id: int) -> ResultContext | NotFound:
+async def result_context(conn: Conn, monitor_task_id: int | None, *, tenant_id: int) -> ResultContext | NotFound:
+    """NotFound: no such business task (any more), or the execution has none (a `publish` one)."""
+    if monitor_task_id is None:
+        return NotFound()
     cur = await conn.execute(_RESULT_CONTEXT, {"monitor_task_id": monitor_task_id, "tenant_id": tenant_id})
     row = await cur.fetchone()
     return NotFound() if row is None else msgspec.convert(row, ResultContext)

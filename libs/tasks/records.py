@@ -72,7 +72,7 @@ class LeaseState(msgspec.Struct, frozen=True, tag=True):
     lease_token_hash: str | None
     interrupt_generation: int
     control_flags: dict[str, Any] | None
-    monitor_task_id: int
+    monitor_task_id: int | None  # None: a `publish` execution (another system's)
     tenant_id: int
     workspace_id: int | None
     ai_platform_id: int | None

@@ -521,7 +521,7 @@ def _result_message(ctx: HubContext, principal: ClientPrincipal, row: LeaseRow, 
     shard = shard_for(business_row.tenant_id, business_row.brand_id, business_row.business_date, ctx.ingest_shards)
     epoch = row.lease_epoch
     return MonitorResult(
-        result_id=result_id_for(row.id, epoch), task_id=row.id, monitor_task_id=row.monitor_task_id,
+        result_id=result_id_for(row.id, epoch), task_id=row.id, monitor_task_id=business_row.id,
         lease_epoch=epoch, tenant_id=business_row.tenant_id,
         workspace_id=business_row.workspace_id, brand_id=business_row.brand_id,
         question_id=business_row.question_id, ai_platform_id=business_row.ai_platform_id,
