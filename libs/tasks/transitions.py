@@ -18,12 +18,15 @@ import uuid
 from datetime import UTC, datetime
 from typing import Literal
 
+import msgspec
+
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind
 from libs.db.pool import Conn
 from libs.domain.lanes import RETRY_PRIORITY
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
 from libs.tasks import execution_paths
+from libs.tasks.outcomes import Stale
 from libs.tasks.records import EndedExecution, ExecutionEnd, ExecutionOutcome
 from libs.tasks.statuses import CLEAR_LEGACY_LEASE_SQL, ClientCancelReason, EndReason
 
@@ -82,19 +85,29 @@ RETURNING id
 """
 
 
-async def yield_business_task(conn: Conn, monitor_task_id: int) -> None:
+class Yielded(msgspec.Struct, frozen=True, tag=True):
+    """The business task is pending again with its dispatch attempt given back."""
+
+    monitor_task_id: int
+
+
+async def yield_business_task(conn: Conn, monitor_task_id: int) -> Yielded | Stale:
     """A preempted (or cancelled-while-queued) execution: back to pending, lane and enqueued_at kept,
-    the dispatch attempt given back."""
-    await conn.execute(_YIELD_BUSINESS, {"id": monitor_task_id})
+    the dispatch attempt given back. Stale: the business task is not pending (finished meanwhile)."""
+    cur = await conn.execute(_YIELD_BUSINESS, {"id": monitor_task_id})
+    return Yielded(monitor_task_id=monitor_task_id) if cur.rowcount else Stale(status=None)
 
 
-async def retry_business_task(conn: Conn, monitor_task_id: int, *, max_attempts: int, error: str | None) -> str | None:
+async def retry_business_task(conn: Conn, monitor_task_id: int, *, max_attempts: int,
+                              error: str | None) -> Literal["pending", "failed"] | Stale:
     """A failed or expired execution: pending in the retry lane (high work stays high), or failed once
-    `dispatch_attempts` reached `max_attempts`. Returns the new status (None if not pending)."""
+    `dispatch_attempts` reached `max_attempts`. Returns the new status; Stale: the task was not pending."""
     cur = await conn.execute(_RETRY_BUSINESS, {"id": monitor_task_id, "max_attempts": max_attempts,
                                                "retry_priority": RETRY_PRIORITY, "error": error})
     row = await cur.fetchone()
-    return None if row is None else str(row["status"])
+    if row is None:
+        return Stale()
+    return "failed" if row["status"] == "failed" else "pending"
 
 
 async def finish_business_task(conn: Conn, monitor_task_id: int, *, status: Literal["completed", "failed"],

@@ -29,6 +29,7 @@ from libs.tasks.records import (
     Offer,
     ResultClaim,
 )
+from libs.tasks.transitions import Yielded, finish_business_task, retry_business_task, yield_business_task
 from tests.support.desktop import dispatch_execution, insert_ready_task
 
 # Where each path keeps the lease's expiry: the execution row, the business row.
@@ -215,3 +216,16 @@ async def test_a_deposed_leaders_dispatch_is_refused_by_the_fence_on_either_path
         assert is_fenced(refused.value)
         assert await execution_paths.lease_state(conn, row["id"], tenant_id=task["tenant_id"]) == NotFound(
             task_id=row["id"])
+
+
+async def test_the_business_consequence_of_an_end_is_stale_on_a_finished_task(
+        pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
+    tenant = seed["tenants"][0]
+    async with pool.connection() as conn:
+        task_id = await insert_ready_task(conn, tenant=tenant, brand_index=0, question_index=2,
+                                          platform_id=seed["platforms"][0]["ai_platform_id"])
+        assert await yield_business_task(conn, task_id) == Yielded(monitor_task_id=task_id)
+        assert await retry_business_task(conn, task_id, max_attempts=5, error="x") == "pending"
+        assert await finish_business_task(conn, task_id, status="completed")
+        assert await yield_business_task(conn, task_id) == Stale()
+        assert await retry_business_task(conn, task_id, max_attempts=5, error="x") == Stale()

@@ -137,8 +137,9 @@ async def expire_and_retry(ctx: JobContext, row: dict[str, Any], *, reason: EndR
             return Expired(ended=False)
         case unhandled:
             assert_never(unhandled)
-    status = await retry_business_task(conn, ended.monitor_task_id, max_attempts=ctx.settings.max_dispatch_attempts,
-                                       error=retry_error or error)
+    retried = await retry_business_task(conn, ended.monitor_task_id, max_attempts=ctx.settings.max_dispatch_attempts,
+                                        error=retry_error or error)
+    status = None if isinstance(retried, Stale) else retried  # Stale: finished meanwhile (a late result applied)
     request = row["collect_request_id"]
     await emit_lifecycle(conn, "task.aborted", tenant_id=ended.tenant_id, client_id=ended.client_id,
                          task_id=ended.task_id, monitor_task_id=ended.monitor_task_id,

@@ -77,8 +77,9 @@ async def converge_one(ctx: JobContext, task_id: uuid.UUID, result: JobResult) -
             error = "result failed" if failed else "result accepted but never ingested"
             await _end(ctx, ExecutionEnd(task_id=task_id, outcome="failed" if failed else "expired",
                                          reason="reconciled_from_unknown", error=error, phase=row.execution_phase))
-            business = await retry_business_task(conn, monitor_task_id,
-                                                 max_attempts=ctx.settings.max_dispatch_attempts, error=error)
+            retried = await retry_business_task(conn, monitor_task_id,
+                                                max_attempts=ctx.settings.max_dispatch_attempts, error=error)
+            business = None if isinstance(retried, Stale) else retried  # Stale: a late result finished it
             await emit_lifecycle(conn, "task.failed" if failed else "task.aborted", tenant_id=row.tenant_id,
                                  client_id=row.target_client_id,
                                  task_id=task_id, monitor_task_id=monitor_task_id,
