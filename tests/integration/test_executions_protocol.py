@@ -49,7 +49,7 @@ async def seed(pool: AsyncConnectionPool[Conn]) -> dict[str, Any]:
 
 
 async def queued_work(conn: Conn, path: Executions, seed: dict[str, Any]) -> tuple[uuid.UUID, int, uuid.UUID]:
-    """Work queued for the seed's client on `path`, as the coordinator writes it: (task id, tenant, client)."""
+    """Work queued for the seeded client on `path`, as the coordinator writes it: (task id, tenant, client)."""
     tenant = seed["tenants"][0]
     client = uuid.UUID(tenant["clients"][0]["client_id"])
     platform = seed["platforms"][0]["ai_platform_id"]
