@@ -16,11 +16,13 @@ import msgspec
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
+from libs.domain.lanes import MONITOR_LANE_NAMES
 from libs.domain.rollout import DEFAULT_RAMP, RampError, parse_ramp
 
 log = logging.getLogger("dispatch_settings")
 
-LANES = ("high", "normal", "normal_boosted", "retry")
+# The lanes an operator may pause (`monitorctl lane pause`), from the lane table (libs/domain/lanes.py).
+LANES: tuple[str, ...] = tuple(sorted(MONITOR_LANE_NAMES))
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,11 @@ T = TypeVar("T")
 
 MAX_MESSAGE_BYTES = 256 * 1024
 
+# The monitor lanes' names on the wire, and every kind's (a publish lane too): the names of the lane table
+# (libs/domain/lanes.py, LANE_SPECS). A Literal cannot be built from it for a type checker, so it is written out and
+# tests/unit/test_lane_table.py holds it equal to the table.
 Lane = Literal["high", "normal", "normal_boosted", "retry"]
+ExecutionLane = Literal["high", "normal", "normal_boosted", "retry", "urgent"]
 TaskKind = Literal["monitor", "publish"]
 ExecutionStatus = Literal["queued", "in_progress", "succeeded", "failed", "aborted", "unknown"]
 ExecutionPhase = Literal[

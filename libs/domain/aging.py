@@ -11,11 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from libs.domain.lanes import AGING_CAP, clamp_priority, lane_spec
-
-# Moving a task from the normal range (100..999) to the normal_boosted range (1000..4999) shifts its
-# priority by the distance between the ranges' floors, so relative order inside normal survives.
-_LANE_SHIFT = lane_spec("monitor", "normal_boosted").min_priority - lane_spec("monitor", "normal").min_priority
+from libs.domain.lanes import AGING_CAP, clamp_priority, monitor_lane
 
 
 def aging_boost(wait_minutes: float) -> int:
@@ -48,12 +44,17 @@ class Aged:
 
 
 def age_task(lane: str, priority: int, already_boosted: int, wait_minutes: float, cap: int = AGING_CAP) -> Aged | None:
-    """The task's new lane, priority and total boost after one round; None when nothing changes."""
+    """The task's new lane (its lane's `ages_into`), priority and total boost after one round; None when nothing
+    changes (or the lane does not age)."""
+    spec = monitor_lane(lane)
     increment = aging_increment(wait_minutes, already_boosted, cap)
-    if increment <= 0:
+    if increment <= 0 or not spec.ages:
         return None
-    base = priority + _LANE_SHIFT if lane == "normal" else priority
-    return Aged(lane="normal_boosted", priority=clamp_priority("monitor", "normal_boosted", base + increment),
+    into = monitor_lane(spec.ages_into)
+    # Moving a task into another lane's range (normal 100..999 to normal_boosted 1000..4999) shifts its priority by
+    # the distance between the ranges' floors, so relative order inside the lane it leaves survives.
+    base = priority + into.min_priority - spec.min_priority if into.name != spec.name else priority
+    return Aged(lane=into.name, priority=clamp_priority("monitor", into.name, base + increment),
                 aging_boost=already_boosted + increment)
 
 

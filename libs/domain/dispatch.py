@@ -50,9 +50,13 @@ from dataclasses import dataclass, field
 from typing import Literal
 from uuid import UUID
 
-# Lanes in dispatch order (lane_weight DESC).
-LANE_ORDER: tuple[str, ...] = ("high", "normal_boosted", "normal", "retry")
-NORMAL_LANES: frozenset[str] = frozenset({"normal", "normal_boosted"})
+from libs.domain.lanes import SCHEDULED_LANE, lane_names, monitor_lane
+
+# Lanes in dispatch order (lane_weight DESC), and the lane classes the rules below name (libs/domain/lanes.py).
+LANE_ORDER: tuple[str, ...] = lane_names()
+NORMAL_LANES: frozenset[str] = frozenset(lane_names(lambda s: s.normal_backlog))
+# The lanes that must leave the budget-exempt ones the normal background share when they have work.
+NON_EXEMPT_LANES: tuple[str, ...] = lane_names(lambda s: not s.budget_exempt)
 
 RejectReason = Literal[
     "cluster_budget", "tenant_budget", "client_concurrency", "client_queue_depth", "platform_concurrency",
@@ -186,7 +190,7 @@ class PassResult:
 def cluster_room(lane: str, ledger: Ledger, limits: PassLimits, *, normal_has_work: bool) -> int:
     """Slots of the window's cluster budget this lane may still use (tree step 1 plus lane quotas)."""
     room = limits.cluster_per_window - ledger.cluster_used
-    if lane == "high":
+    if monitor_lane(lane).budget_exempt:
         if normal_has_work:
             room -= max(0, limits.normal_guarantee - ledger.non_high_used)
         return room
@@ -196,34 +200,34 @@ def cluster_room(lane: str, ledger: Ledger, limits: PassLimits, *, normal_has_wo
 def task_reject_reason(task: Candidate, ledger: Ledger, limits: PassLimits, *,
                        normal_has_work: bool) -> RejectReason | None:
     """Tree steps that depend on the task only (1, 2); lane pauses and slow-down come first."""
-    high = task.lane == "high"
+    lane = monitor_lane(task.lane)
     if task.lane in limits.paused_lanes:
         return "lane_paused"
-    if limits.slowdown and not high:
+    if limits.slowdown and not lane.slowdown_exempt:
         return "auto_slowdown"
     if cluster_room(task.lane, ledger, limits, normal_has_work=normal_has_work) <= 0:
         return "cluster_budget"
-    if not high and ledger.tenant_used.get(task.tenant_id, 0) >= limits.tenant_per_window:
+    if not lane.budget_exempt and ledger.tenant_used.get(task.tenant_id, 0) >= limits.tenant_per_window:
         return "tenant_budget"
-    if not high and (task.tenant_id, task.ai_platform_id) in ledger.paused_pairs:
+    if lane.held_for_broken_login and (task.tenant_id, task.ai_platform_id) in ledger.paused_pairs:
         return "tenant_platform_paused"
     return None
 
 
 def client_reject_reason(task: Candidate, client: ClientState) -> RejectReason | None:
     """Tree steps 3 and 4 for one client, plus the lane rules that keep normal off a client."""
-    high = task.lane == "high"
+    lane = monitor_lane(task.lane)
     if client.in_progress >= client.max_concurrent:
         return "client_concurrency"
-    if not high:
+    if not lane.preempts:
         if client.queued >= client.max_queue_depth:
             return "client_queue_depth"
         if client.pending_high:
             return "client_has_high"
         if client.interrupt_overdue:
             return "client_interrupt_overdue"
-        if task.ai_platform_id in client.blocked_platforms:
-            return "platform_unhealthy"
+    if lane.held_for_broken_login and task.ai_platform_id in client.blocked_platforms:
+        return "platform_unhealthy"
     return None
 
 
@@ -277,17 +281,18 @@ def evaluate(task: Candidate, ledger: Ledger, limits: PassLimits, scope_clients:
 
 def apply(task: Candidate, client: ClientState, ledger: Ledger) -> Decision:
     """Spend the budgets and capacity one dispatch uses."""
-    high = task.lane == "high"
+    lane = monitor_lane(task.lane)
     ledger.cluster_used += 1
-    if not high:
+    if not lane.budget_exempt:
         ledger.non_high_used += 1
         ledger.tenant_used[task.tenant_id] = ledger.tenant_used.get(task.tenant_id, 0) + 1
     key = (task.tenant_id, task.ai_platform_id)
     ledger.platform_active[key] = ledger.platform_active.get(key, 0) + 1
     client.queued += 1
-    if high:
+    if lane.preempts:
         client.pending_high = True
-    return Decision(task=task, client_id=client.id, interrupt_generation=client.interrupt_generation if high else 0)
+    return Decision(task=task, client_id=client.id,
+                    interrupt_generation=client.interrupt_generation if lane.preempts else 0)
 
 
 # ---- lane order and fairness ---------------------------------------------------------------------
@@ -345,7 +350,7 @@ def plan_pass(candidates: Mapping[str, Sequence[Candidate]], clients: Sequence[C
     for client in clients:
         by_scope[(client.tenant_id, client.workspace_id)].append(client)
     if normal_has_work is None:
-        normal_has_work = any(candidates.get(lane) for lane in (*NORMAL_LANES, "retry"))
+        normal_has_work = any(candidates.get(lane) for lane in NON_EXEMPT_LANES)
     budget_left = max_dispatches if max_dispatches is not None else math.inf
 
     for lane in LANE_ORDER:
@@ -353,14 +358,15 @@ def plan_pass(candidates: Mapping[str, Sequence[Candidate]], clients: Sequence[C
         if not lane_tasks:
             continue
         tenants_out: set[int] = set()
+        retry_gated = monitor_lane(lane).retry_gated
         for task in round_robin(lane_tasks, rotation.get(lane)):
             if budget_left <= 0:
                 break
             if task.tenant_id in tenants_out:
                 continue
-            if lane == "retry" and not retry_allowed(task.tenant_id, cluster_high_backlog=cluster_high_backlog,
-                                                     tenant_normal_backlog=normal_backlog,
-                                                     watermark=limits.retry_low_watermark):
+            if retry_gated and not retry_allowed(task.tenant_id, cluster_high_backlog=cluster_high_backlog,
+                                                 tenant_normal_backlog=normal_backlog,
+                                                 watermark=limits.retry_low_watermark):
                 result.rejections["retry_waits_for_low_water"] += 1
                 tenants_out.add(task.tenant_id)
                 continue
@@ -396,13 +402,14 @@ def pair_fetch_limit(room: int, tenant_room: int, *, lane: str, cap: int, client
     """
     if room <= 0:
         return 0
-    usable = room if lane == "high" else min(room, tenant_room)
-    if lane != "high" and client_room is not None:
+    spec = monitor_lane(lane)
+    usable = room if spec.budget_exempt else min(room, tenant_room)
+    if not spec.preempts and client_room is not None:
         usable = min(usable, client_room)
     return 0 if usable <= 0 else min(cap, usable + 2)
 
 
-_NORMAL_PROBE = Candidate(id=0, tenant_id=0, workspace_id=0, ai_platform_id=0, lane="normal", priority=0,
+_NORMAL_PROBE = Candidate(id=0, tenant_id=0, workspace_id=0, ai_platform_id=0, lane=SCHEDULED_LANE.name, priority=0,
                           enqueued_at=0.0)
 
 

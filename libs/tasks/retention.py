@@ -10,7 +10,7 @@ the budget ledger, the current windows)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from libs.db.pool import Conn
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, sql_list
@@ -46,8 +46,9 @@ DELETE FROM monitoring_collect_requests WHERE id IN (
 """
 
 
-@dataclass(slots=True)
-class Purged:
+class Purged(msgspec.Struct):
+    """What one batch deleted, per table."""
+
     executions: int = 0
     attempts: int = 0
     legacy_leases: int = 0

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import psycopg
-from psycopg import AsyncCursor, AsyncPipeline
+from psycopg import AsyncPipeline
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
@@ -27,14 +27,15 @@ from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.dispatch_settings import DispatchSettings
-from libs.domain.lanes import HIGH_PRIORITY
 from libs.domain.shard import ingest_shard_key
 from libs.http import ApiError
 from libs.outbox import NOTIFY_CHANNEL, enqueue_many
 from libs.outbox.writer import PRIORITY_WAKE
-from libs.tasks import business, execution_paths
+from libs.tasks import clicks, execution_paths
 from libs.tasks import requests as collect_requests
+from libs.tasks.clicks import ClickReads, RecentRequest, ScopeRow
 from libs.tasks.controls import control_event
+from libs.tasks.queued import Queued
 from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, emit_lifecycle
 from libs.telemetry import metrics, tracing
@@ -144,48 +145,6 @@ class _Execution:
     lane: str
 
 
-# The row sets of q.READS (JSON documents), typed.
-class _RecentRequest(msgspec.Struct, frozen=True):
-    id: uuid.UUID
-    scope_hash: str
-    target_client_id: uuid.UUID | None
-    requested_task_count: int
-    aborted_queued_count: int
-    interrupt_requested_count: int
-    interrupt_generation: int
-    ttl_expires_at: datetime
-    status: str
-    affected_task_count: int
-
-
-class _CandidateRow(msgspec.Struct, frozen=True):
-    id: uuid.UUID
-    max_concurrent_monitor: int
-    platform_health: dict[str, str] | None
-    heartbeat_age_s: float
-    in_progress: int
-    attempts: int
-    aborts: int
-
-
-class _ActiveRequest(msgspec.Struct, frozen=True):
-    id: uuid.UUID
-    target_client_id: uuid.UUID | None
-    ttl_remaining_s: float
-
-
-class _ScopeRow(msgspec.Struct, frozen=True):
-    question_id: int
-    ai_platform_id: int
-    plan_id: int | None
-
-
-_recent = msgspec.json.Decoder(list[_RecentRequest])
-_candidates = msgspec.json.Decoder(list[_CandidateRow])
-_active = msgspec.json.Decoder(list[_ActiveRequest])
-_scope = msgspec.json.Decoder(list[_ScopeRow])
-
-
 @tracing.traced("collect_now")
 async def collect_now(pool: AsyncConnectionPool[Conn], principal: TenantPrincipal, brand_id: int,
                       body: CollectNowRequest, settings: DispatchSettings, *,
@@ -258,10 +217,11 @@ class _Click:
     settings: DispatchSettings
     today: date  # the UTC date by the API's clock
     lock_wait: str  # how long the tenant's lock is waited for (lock_timeout)
-    reads: dict[str, Any] = field(default_factory=dict)
+    reads: ClickReads | None = None
+    business_date: date = date.min  # the tenant's, as the reads found it
     scope_hash: str = ""
     choice: ClientChoice | None = None
-    scope: list[_ScopeRow] = field(default_factory=list)
+    scope: list[ScopeRow] = field(default_factory=list)
     superseded_ids: list[uuid.UUID] = field(default_factory=list)  # the client's active requests this one replaces
     request_id: uuid.UUID = field(default_factory=uuid.uuid4)
 
@@ -306,24 +266,22 @@ async def _collect_now_tx(conn: Conn, principal: TenantPrincipal, brand_id: int,
             return replay
         _choose_client_and_check_limits(click)
         promotion = await _preempt_and_promote(conn, pipe, click)
-        request_cur, superseded_cur = await _record_request(conn, click, promotion)
+        created, superseded = await _record_request(conn, click, promotion)
         if idempotency is not None:
             # The answer (its TTL and what it superseded come back from the statements) is stored before COMMIT.
             await pipe.sync()
-            accepted = await _read_accepted(click, promotion, request_cur, superseded_cur)
+            accepted = await _read_accepted(click, promotion, created, superseded)
             await _store_answer(conn, principal, idempotency, accepted)
             return accepted
         # No sync here: the COMMIT is queued behind these statements when the transaction block ends, and
         # the pipeline sends them all at once (the results are read after the commit).
-    return await _read_accepted(click, promotion, request_cur, superseded_cur)
+    return await _read_accepted(click, promotion, created, superseded)
 
 
-async def _read_accepted(click: _Click, promotion: _Promotion, request_cur: AsyncCursor[dict[str, Any]],
-                         superseded_cur: AsyncCursor[dict[str, Any]] | None) -> Accepted:
-    request_row = await request_cur.fetchone()
-    assert request_row is not None
-    superseded = [r["id"] for r in await superseded_cur.fetchall()] if superseded_cur else []
-    return Accepted(_accepted(click, promotion, request_row["ttl_expires_at"], superseded), replay=False)
+async def _read_accepted(click: _Click, promotion: _Promotion, created: Queued[collect_requests.CreatedRequest],
+                         superseded: Queued[list[uuid.UUID]]) -> Accepted:
+    request = await created.result()
+    return Accepted(_accepted(click, promotion, request.ttl_expires_at, await superseded.result()), replay=False)
 
 
 async def _claim_idempotency_key(conn: Conn, pipe: AsyncPipeline, principal: TenantPrincipal,
@@ -380,34 +338,33 @@ async def _lock_and_read(conn: Conn, pipe: AsyncPipeline, click: _Click) -> Acce
     await conn.execute(q.LOCK_WAIT, {"lock_wait": click.lock_wait})
     await conn.execute(q.LOCK_TENANT, {"tenant_id": tenant_id})
     hashes = _scope_hashes(click.brand_id, body, click.today)
-    recent_params = {"brand_id": click.brand_id, "tenant_id": tenant_id, "user_id": click.principal.user_id,
-                     "window_s": click.settings.idempotency_window_seconds, "scope_hashes": list(hashes.values())}
-    reads_cur = await conn.execute(q.READS, {
-        **recent_params, "workspace_id": click.principal.workspace_id, "keyword_id": body.keyword_id,
-        "heartbeat_timeout_s": click.settings.heartbeat_timeout_seconds,
-        "question_ids": body.question_ids, "platform_ids": body.ai_platform_ids})
+    user_id, window_s = click.principal.user_id, click.settings.idempotency_window_seconds
+    queued = await clicks.read_for_click(
+        conn, tenant_id=tenant_id, workspace_id=click.principal.workspace_id, brand_id=click.brand_id,
+        keyword_id=body.keyword_id, user_id=user_id, window_s=window_s, scope_hashes=list(hashes.values()),
+        heartbeat_timeout_s=click.settings.heartbeat_timeout_seconds, question_ids=body.question_ids,
+        platform_ids=body.ai_platform_ids)
     await pipe.sync()
-    reads = await reads_cur.fetchone()
-    assert reads is not None
-    if reads["brand_id"] is None:
+    reads = await queued.result()
+    if reads.brand_id is None or reads.business_date is None:
         raise ApiError(404, "not_found", "brand not found", "brand_id")
-    if not reads["keyword_ok"]:
+    if not reads.keyword_ok:
         # Well-formed, naming nothing of this brand: not found (404), not malformed (400).
         raise ApiError(404, "not_found", f"keyword {body.keyword_id} not found in brand {click.brand_id}",
                        "keyword_id")
     click.reads = reads
-    business_date: date = reads["business_date"]
+    click.business_date = business_date = reads.business_date
     hashed = hashes.get(business_date)
-    recent = reads["recent"]
     if hashed is None:  # the database's clock is a day away from ours: read again with the right hash
         hashed = _scope_hash(click.brand_id, body, business_date)
-        recent_cur = await conn.execute(q.RECENT, {**recent_params, "scope_hashes": [hashed]})
+        queued_recent = await clicks.recent_requests(conn, tenant_id=tenant_id, brand_id=click.brand_id,
+                                                     user_id=user_id, window_s=window_s, scope_hashes=[hashed])
         await pipe.sync()
-        row = await recent_cur.fetchone()
-        assert row is not None
-        recent = row["recent"]
+        recent = await queued_recent.result()
+    else:
+        recent = reads.recent()
     click.scope_hash = hashed
-    existing = next((r for r in _recent.decode(recent) if r.scope_hash == hashed), None)
+    existing = next((r for r in recent if r.scope_hash == hashed), None)
     if existing is None:
         return None
     tracing.set_attributes(collect_request_id=existing.id, replay=True)
@@ -417,22 +374,23 @@ async def _lock_and_read(conn: Conn, pipe: AsyncPipeline, click: _Click) -> Acce
 def _choose_client_and_check_limits(click: _Click) -> None:
     """The client the work goes to, the tenant's and user's rate limits, and the scope's bounds (4xx if not)."""
     reads, settings = click.reads, click.settings
-    candidates = [_candidate(row) for row in _candidates.decode(reads["candidates"])]
+    assert reads is not None
+    candidates = [_candidate(row) for row in reads.candidates()]
     click.choice = choose_target_client(candidates, requested=click.body.target_client_id,
                                         heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
     client_id = click.client_id
-    active = _active.decode(reads["active"])
+    active = reads.active()
     # A request this one supersedes (same client) is not an extra active one.
     counted = [r for r in active if r.ttl_remaining_s > 0 and (client_id is None or r.target_client_id != client_id)]
     limited = check_rate_limits(
         active_requests=len(counted), max_active_requests=settings.max_active_requests_per_tenant,
         earliest_active_ttl_s=min((r.ttl_remaining_s for r in counted), default=None),
-        user_requests_last_hour=reads["user_requests_last_hour"],
+        user_requests_last_hour=reads.user_requests_last_hour,
         max_user_requests_per_hour=settings.max_requests_per_user_per_hour,
-        oldest_user_request_age_s=reads["oldest_user_request_age_s"])
+        oldest_user_request_age_s=reads.oldest_user_request_age_s)
     if limited is not None:
         raise ApiError(429, limited.code, limited.message, retry_after_s=limited.retry_after_s)
-    click.scope = _scope.decode(reads["scope"])
+    click.scope = reads.scope()
     _check_scope(click.scope, click.body, max_tasks=settings.collect_now_max_scope_tasks)
     click.superseded_ids = [] if client_id is None else [r.id for r in active if r.target_client_id == client_id]
 
@@ -442,14 +400,10 @@ async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -
     yield (running), on both execution paths; the scope's missing tasks created and every one promoted to the
     high lane; the tasks of the requests this one supersedes marked."""
     client_id, tenant_id = click.client_id, click.tenant_id
-    business_date: date = click.reads["business_date"]
+    business_date, reads = click.business_date, click.reads
+    assert reads is not None and reads.workspace_id is not None
     tracing.set_attributes(collect_request_id=click.request_id, client_id=client_id)
-    params: dict[str, Any] = {
-        "tenant_id": tenant_id, "workspace_id": click.reads["workspace_id"], "brand_id": click.brand_id,
-        "business_date": business_date, "client_id": client_id, "request_id": click.request_id,
-        "priority": HIGH_PRIORITY, "question_ids": [r.question_id for r in click.scope],
-        "platform_ids": [r.ai_platform_id for r in click.scope], "plan_ids": [r.plan_id for r in click.scope],
-        "shard_key": ingest_shard_key(tenant_id, click.brand_id, business_date)}
+    params: dict[str, Any] = {"tenant_id": tenant_id, "client_id": client_id, "request_id": click.request_id}
     generation_cur = None
     preemption = None  # the scheduled work withdrawn and interrupted, on both execution paths
     if client_id is not None:
@@ -457,11 +411,10 @@ async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -
         if click.body.preempt:
             preemption = await execution_paths.preempt_scheduled(conn, client_id=client_id, tenant_id=tenant_id,
                                                                  request_id=click.request_id)
-    created_cur = await conn.execute(business.CREATE_MISSING_TASKS, params)
-    scope_tasks_cur = await conn.execute(business.PROMOTE_SCOPE, params)
-    if click.superseded_ids:
-        await conn.execute(business.MARK_SUPERSEDED, {"request_id": click.request_id, "tenant_id": tenant_id,
-                                                     "old_ids": click.superseded_ids})
+    queued_promotion = await clicks.promote_for_click(
+        conn, tenant_id=tenant_id, workspace_id=reads.workspace_id, brand_id=click.brand_id,
+        business_date=business_date, client_id=client_id, request_id=click.request_id, scope=click.scope,
+        shard_key=ingest_shard_key(tenant_id, click.brand_id, business_date), superseded_ids=click.superseded_ids)
     await pipe.sync()
     generation = 0
     if generation_cur is not None:
@@ -474,14 +427,13 @@ async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -
         preempted = await preemption.get()
         cancelled += [_execution(msgspec.structs.asdict(w)) for w in preempted.cancelled]
         interrupted += [_execution(msgspec.structs.asdict(w)) for w in preempted.interrupted]
-    scope_tasks = await scope_tasks_cur.fetchall()
+    promoted = await queued_promotion.result()
     return _Promotion(generation=generation, cancelled=cancelled, interrupted=interrupted,
-                      created=len(await created_cur.fetchall()), scope_tasks=len(scope_tasks),
-                      promoted_ids=[int(r["id"]) for r in scope_tasks if r["promoted"]])
+                      created=promoted.created, scope_tasks=promoted.scope_tasks, promoted_ids=promoted.promoted_ids)
 
 
 async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
-    tuple[AsyncCursor[dict[str, Any]], AsyncCursor[dict[str, Any]] | None]
+    tuple[Queued[collect_requests.CreatedRequest], Queued[list[uuid.UUID]]]
 ):
     """Round trip 3 (with the commit): the request row, the superseded ones, the interrupted work's replacement,
     outbox events, wake-ups. Queued only: the caller reads the cursors after the commit."""
@@ -489,21 +441,19 @@ async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
     assert click.choice is not None
     request_scope = {
         "brand_id": click.brand_id, "keyword_id": body.keyword_id, "question_ids": body.question_ids,
-        "ai_platform_ids": body.ai_platform_ids, "business_date": click.reads["business_date"].isoformat(),
+        "ai_platform_ids": body.ai_platform_ids, "business_date": click.business_date.isoformat(),
         "affected_task_count": promotion.scope_tasks, "created_task_count": promotion.created,
         "monitor_task_ids": promotion.promoted_ids, "client_choice": click.choice.reason,
     }
-    request_cur = await conn.execute(collect_requests.CREATE, {
-        "id": click.request_id, "tenant_id": tenant_id, "workspace_id": click.principal.workspace_id,
-        "brand_id": click.brand_id, "keyword_id": body.keyword_id, "user_id": click.principal.user_id,
-        "client_id": client_id, "scope_hash": click.scope_hash, "scope": msgspec.json.encode(request_scope).decode(),
-        "preempt": body.preempt, "generation": promotion.generation, "requested": len(promotion.promoted_ids),
-        "aborted_queued": len(promotion.cancelled), "interrupt_requested": len(promotion.interrupted),
-        "ttl_s": click.settings.request_ttl_seconds, "traceparent": tracing.current_traceparent()})
-    superseded_cur = None
-    if click.superseded_ids:
-        superseded_cur = await conn.execute(collect_requests.SUPERSEDE, {
-            "request_id": click.request_id, "tenant_id": tenant_id, "old_ids": click.superseded_ids})
+    created = await collect_requests.create(
+        conn, request_id=click.request_id, tenant_id=tenant_id, workspace_id=click.principal.workspace_id,
+        brand_id=click.brand_id, keyword_id=body.keyword_id, user_id=click.principal.user_id, client_id=client_id,
+        scope_hash=click.scope_hash, scope=request_scope, preempt=body.preempt, generation=promotion.generation,
+        requested=len(promotion.promoted_ids), aborted_queued=len(promotion.cancelled),
+        interrupt_requested=len(promotion.interrupted), ttl_s=click.settings.request_ttl_seconds,
+        traceparent=tracing.current_traceparent())
+    superseded = await collect_requests.supersede(conn, request_id=click.request_id, tenant_id=tenant_id,
+                                                  old_ids=click.superseded_ids)
     replacement = uuid.uuid4() if promotion.interrupted and promotion.promoted_ids else None
     if replacement is not None:
         await execution_paths.name_replacement(
@@ -515,7 +465,7 @@ async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
     await conn.execute(q.NOTIFY, {"dispatch_channel": DISPATCH_WAKE_CHANNEL, "outbox_channel": NOTIFY_CHANNEL,
                                   "outbox_payload": PRIORITY_WAKE,
                                   "controls": bool(promotion.cancelled or promotion.interrupted)})
-    return request_cur, superseded_cur
+    return created, superseded
 
 
 def _accepted(click: _Click, promotion: _Promotion, ttl_expires_at: datetime,
@@ -569,12 +519,13 @@ def _scope_hash(brand_id: int, body: CollectNowRequest, business_date: date) -> 
 
 def _scope_hashes(brand_id: int, body: CollectNowRequest, today: date) -> dict[date, str]:
     """The request's scope hash for every business date a tenant can be on when it is `today` in UTC: time zones
-    span UTC-12 to UTC+14, one more day each way for clock skew near midnight. READS then returns only the user's
-    recent requests of this scope (not every request of the idempotency window, decoded and compared here)."""
+    span UTC-12 to UTC+14, one more day each way for clock skew near midnight. The click's read
+    (clicks.read_for_click) then returns only the user's recent requests of this scope (not every request of the
+    idempotency window, decoded and compared here)."""
     return {day: _scope_hash(brand_id, body, day) for day in (today + timedelta(days=n) for n in range(-2, 3))}
 
 
-def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest, *, max_tasks: int) -> None:
+def _check_scope(scope: list[ScopeRow], body: CollectNowRequest, *, max_tasks: int) -> None:
     if body.question_ids:
         missing = sorted(set(body.question_ids) - {r.question_id for r in scope})
         if missing:
@@ -595,7 +546,7 @@ def _check_scope(scope: list[_ScopeRow], body: CollectNowRequest, *, max_tasks: 
                        "ai_platform_ids", scope_task_count=len(scope), max_scope_tasks=max_tasks)
 
 
-def _candidate(row: _CandidateRow) -> ClientCandidate:
+def _candidate(row: clicks.ClientCandidateRow) -> ClientCandidate:
     return ClientCandidate(client_id=row.id, max_concurrent_monitor=row.max_concurrent_monitor,
                            in_progress=row.in_progress, attempts_last_minute=row.attempts,
                            aborts_last_minute=row.aborts, heartbeat_age_s=row.heartbeat_age_s,
@@ -607,7 +558,7 @@ def _execution(row: dict[str, Any]) -> _Execution:
                       ai_platform_id=row["ai_platform_id"], lane=row["lane"])
 
 
-def _replay_response(row: _RecentRequest) -> CollectNowResponse:
+def _replay_response(row: RecentRequest) -> CollectNowResponse:
     return CollectNowResponse(
         request_id=row.id, target_client_id=row.target_client_id, affected_task_count=row.affected_task_count,
         promoted_task_count=row.requested_task_count, aborted_queued_count=row.aborted_queued_count,
@@ -623,10 +574,10 @@ async def _wait_for_first_dispatch(pool: AsyncConnectionPool[Conn], principal: T
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         async with pool.connection() as conn:
-            row = await _fetch_one(conn, q.REQUEST_PROGRESS, {"request_id": response.request_id,
-                                                               "tenant_id": principal.tenant_id})
-        if row is not None and row["first_dispatched_at"] is not None:
-            return Accepted(msgspec.structs.replace(response, status=row["status"]), replay=False)
+            progress = await clicks.request_progress(conn, request_id=response.request_id,
+                                                     tenant_id=principal.tenant_id)
+        if progress is not None and progress.first_dispatched_at is not None:
+            return Accepted(msgspec.structs.replace(response, status=progress.status), replay=False)
         await asyncio.sleep(0.02)
     return accepted
 
@@ -635,39 +586,27 @@ async def request_status(conn: Conn, principal: TenantPrincipal, request_id: uui
                          after_task_id: int = 0) -> CollectRequestStatus:
     """§13.5: progress of one request of the caller's tenant and workspace (any other request is not found), with
     one page of its tasks: at most `limit`, those after monitor task `after_task_id`."""
-    row = await _fetch_one(conn, q.REQUEST_STATUS, {"request_id": request_id, "tenant_id": principal.tenant_id,
-                                                     "workspace_id": principal.workspace_id})
+    row = await clicks.request_view(conn, request_id=request_id, tenant_id=principal.tenant_id,
+                                    workspace_id=principal.workspace_id)
     if row is None:
         raise ApiError(404, "not_found", "collect request not found", "request_id")
-    task_ids = [int(i) for i in (row["request_scope"] or {}).get("monitor_task_ids", [])]
-    tasks = await _fetch_all(conn, q.REQUEST_TASKS, {"request_id": request_id, "tenant_id": principal.tenant_id,
-                                                      "task_ids": task_ids, "after_task_id": after_task_id,
-                                                      "limit": limit + 1})
+    tasks = await clicks.request_tasks(conn, request_id=request_id, tenant_id=principal.tenant_id,
+                                       task_ids=row.monitor_task_ids, after_task_id=after_task_id, limit=limit + 1)
     more = len(tasks) > limit
     tasks = tasks[:limit]
     started_statuses = {"running", "partial", "succeeded", "failed"}
     return CollectRequestStatus(
-        request_id=row["id"], status=row["status"], brand_id=row["brand_id"], keyword_id=row["keyword_id"],
-        target_client_id=row["target_client_id"], interrupt_generation=row["interrupt_generation"],
-        requested_task_count=row["requested_task_count"], dispatched_task_count=row["dispatched_task_count"],
-        completed_task_count=row["completed_task_count"], failed_task_count=row["failed_task_count"],
-        aborted_queued_count=row["aborted_queued_count"], interrupt_requested_count=row["interrupt_requested_count"],
+        request_id=row.id, status=row.status, brand_id=row.brand_id, keyword_id=row.keyword_id,
+        target_client_id=row.target_client_id, interrupt_generation=row.interrupt_generation,
+        requested_task_count=row.requested_task_count, dispatched_task_count=row.dispatched_task_count,
+        completed_task_count=row.completed_task_count, failed_task_count=row.failed_task_count,
+        aborted_queued_count=row.aborted_queued_count, interrupt_requested_count=row.interrupt_requested_count,
         # The hub stamps first_preempt_at when a preempted execution acknowledges the interrupt.
-        preempted=bool(row["aborted_queued_count"] > 0 or row["first_preempt_at"] is not None),
-        started=bool(row["status"] in started_statuses or row["execution_leased"]),
-        first_dispatched_at=row["first_dispatched_at"], first_result_at=row["first_result_at"],
-        ttl_expires_at=row["ttl_expires_at"], ttl_remaining_ms=int(row["ttl_remaining_ms"]),
-        superseded_by_request_id=row["superseded_by_request_id"], created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        tasks=[CollectRequestTask(**t) for t in tasks],
-        next_cursor=str(tasks[-1]["monitor_task_id"]) if more else None)
-
-
-async def _fetch_one(conn: Conn, query: str, params: dict[str, Any]) -> dict[str, Any] | None:
-    cur = await conn.execute(query, params)
-    return await cur.fetchone()
-
-
-async def _fetch_all(conn: Conn, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-    cur = await conn.execute(query, params)
-    return await cur.fetchall()
+        preempted=bool(row.aborted_queued_count > 0 or row.first_preempt_at is not None),
+        started=bool(row.status in started_statuses or row.execution_leased),
+        first_dispatched_at=row.first_dispatched_at, first_result_at=row.first_result_at,
+        ttl_expires_at=row.ttl_expires_at, ttl_remaining_ms=row.ttl_remaining_ms,
+        superseded_by_request_id=row.superseded_by_request_id, created_at=row.created_at,
+        updated_at=row.updated_at,
+        tasks=[CollectRequestTask(**msgspec.structs.asdict(t)) for t in tasks],
+        next_cursor=str(tasks[-1].monitor_task_id) if more else None)

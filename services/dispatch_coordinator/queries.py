@@ -3,9 +3,9 @@ f-strings in this module only."""
 
 from __future__ import annotations
 
-from libs.ingest.lag import INGEST_LAG_SQL
 from libs.tasks import legacy
 from libs.tasks.fragments import interrupt_timeout_ms_sql
+from libs.tasks.ingest_ops import INGEST_LAG_SQL
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 

@@ -12,7 +12,6 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
-from typing import Any
 
 import msgspec
 from psycopg import AsyncPipeline
@@ -25,9 +24,11 @@ from libs.ingest.citations import ParsedCitation, parse_citations
 from libs.ingest.runs import fold_latest_effective
 from libs.mq.topology import LIFECYCLE, PROJECTION
 from libs.outbox import OutboxEvent, enqueue_many
+from libs.tasks import ingest_ops
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
-from libs.tasks.requests import CountDelta, request_count_delta, request_status_after
+from libs.tasks.ingest_ops import BusinessTaskOfResult
+from libs.tasks.requests import CountDelta, request_count_delta
 from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import (
     EndedExecution,
@@ -116,13 +117,11 @@ class BatchOutcome:
     first_result_latencies_ms: list[float] = field(default_factory=list)
 
 
-def _validate(result: MonitorResult, task: dict[str, object] | None) -> str | None:
+def _validate(result: MonitorResult, task: BusinessTaskOfResult | None) -> str | None:
     """Why a result cannot be applied to its business task (poison), or None."""
     if task is None:
         return "unknown_business_task"
-    expected = (task["tenant_id"], task["brand_id"], task["question_id"], task["ai_platform_id"],
-                task["collector_type"], task["run_mode"], task["business_date"])
-    if run_key(result) != expected:
+    if run_key(result) != task.run_key():
         return "business_key_mismatch"
     return None
 
@@ -165,7 +164,7 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
     enders, ended_rows = await _end_executions(conn, fresh)
     written += ended_rows
 
-    business_before = {tid: str(row["status"]) for tid, row in tasks.items()}
+    business_before: dict[int, str] = {tid: task.status for tid, task in tasks.items()}
     business_after, settled_rows = await _settle_business_tasks(conn, fresh, enders, business_before, settings)
     written += settled_rows
 
@@ -175,13 +174,12 @@ async def _apply(conn: Conn, results: list[MonitorResult], outcome: BatchOutcome
     outcome.rows_written += written
 
 
-async def _lock_business_tasks(conn: Conn, results: list[MonitorResult]) -> dict[int, dict[str, Any]]:
+async def _lock_business_tasks(conn: Conn, results: list[MonitorResult]) -> dict[int, BusinessTaskOfResult]:
     """The business tasks of `results`, locked (in id order), by id."""
-    cur = await conn.execute(q.LOCK_BUSINESS_TASKS, {"ids": sorted({r.monitor_task_id for r in results})})
-    return {int(row["id"]): row for row in await cur.fetchall()}
+    return await ingest_ops.lock_business_tasks(conn, sorted({r.monitor_task_id for r in results}))
 
 
-def _valid_results(results: list[MonitorResult], tasks: dict[int, dict[str, Any]],
+def _valid_results(results: list[MonitorResult], tasks: dict[int, BusinessTaskOfResult],
                    outcome: BatchOutcome) -> list[MonitorResult]:
     """The results that match their business task; the others are recorded in `outcome.rejected` (poison)."""
     valid: list[MonitorResult] = []
@@ -290,37 +288,34 @@ async def _upsert_runs(conn: Conn, fresh: list[MonitorResult], outcome: BatchOut
 
 
 async def _abort_other_executions(conn: Conn, monitor_task_ids: list[int], own_task_ids: list[uuid.UUID]) -> int:
-    cur = await conn.execute(q.OTHER_ACTIVE_EXECUTIONS, {"monitor_task_ids": monitor_task_ids,
-                                                         "task_ids": own_task_ids})
-    rows = await cur.fetchall()
     aborted = 0
-    for row in rows:
-        ended = await end_execution(conn, task_id=row["id"], outcome="aborted", reason=SUPERSEDED_BY_RESULT)
+    for other in await ingest_ops.other_live_executions(conn, monitor_task_ids, own_task_ids):
+        ended = await end_execution(conn, task_id=other.id, outcome="aborted", reason=SUPERSEDED_BY_RESULT)
         if ended is None:
             continue
         aborted += 1
-        client_id = row["target_client_id"]
-        await send_control(conn, task_id=row["id"], client_id=client_id, control="cancelled",
-                           reason=SUPERSEDED_BY_RESULT, interrupt_generation=int(row["interrupt_generation"]),
-                           tenant_id=int(row["tenant_id"]), collect_request_id=row["collect_request_id"])
-        await emit_lifecycle(conn, "task.aborted", tenant_id=int(row["tenant_id"]), client_id=client_id,
-                             task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]),
-                             ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason=SUPERSEDED_BY_RESULT,
-                             collect_request_id=row["collect_request_id"])
+        client_id = other.target_client_id
+        await send_control(conn, task_id=other.id, client_id=client_id, control="cancelled",
+                           reason=SUPERSEDED_BY_RESULT, interrupt_generation=other.interrupt_generation,
+                           tenant_id=other.tenant_id, collect_request_id=other.collect_request_id)
+        await emit_lifecycle(conn, "task.aborted", tenant_id=other.tenant_id, client_id=client_id,
+                             task_id=other.id, monitor_task_id=other.monitor_task_id,
+                             ai_platform_id=other.ai_platform_id, lane=other.lane, reason=SUPERSEDED_BY_RESULT,
+                             collect_request_id=other.collect_request_id)
         log.info("active execution aborted: business task already completed",
-                 extra={"task_id": str(row["id"]), "monitor_task_id": row["monitor_task_id"],
-                        "tenant_id": row["tenant_id"], "client_id": str(client_id)})
+                 extra={"task_id": str(other.id), "monitor_task_id": other.monitor_task_id,
+                        "tenant_id": other.tenant_id, "client_id": str(client_id)})
     return 3 * aborted
 
 
-async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[int, dict[str, object]],
+async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[int, BusinessTaskOfResult],
                             before: dict[int, str], after: dict[int, str], outcome: BatchOutcome) -> None:
     """first_result_at and terminal counters of the collect-now requests these results belong to."""
     deltas: dict[tuple[uuid.UUID, int], CountDelta] = {}
     counted: set[int] = set()
     for r in fresh:
-        request_id = tasks[r.monitor_task_id]["collect_request_id"] or r.collect_request_id
-        if not isinstance(request_id, uuid.UUID):
+        request_id = tasks[r.monitor_task_id].collect_request_id or r.collect_request_id
+        if request_id is None:
             continue
         key = (request_id, r.tenant_id)
         delta = deltas.get(key, CountDelta())
@@ -330,17 +325,15 @@ async def _request_progress(conn: Conn, fresh: list[MonitorResult], tasks: dict[
             delta = CountDelta(completed=delta.completed + change.completed, failed=delta.failed + change.failed)
         deltas[key] = delta
     for (request_id, tenant_id), delta in sorted(deltas.items(), key=lambda item: str(item[0][0])):
-        cur = await conn.execute(collect_requests.RECORD_RESULTS, {"id": request_id, "tenant_id": tenant_id,
-                                                      "completed": delta.completed, "failed": delta.failed})
-        row = await cur.fetchone()
-        if row is None:
+        recorded = await collect_requests.record_results(conn, request_id=request_id, tenant_id=tenant_id,
+                                                         delta=delta)
+        if recorded is None:
             continue
-        if row["first_result"]:
-            outcome.first_result_latencies_ms.append(max(0.0, float(row["since_created_ms"])))
-        status = request_status_after(str(row["status"]), requested=int(row["requested_task_count"]),
-                                      completed=int(row["completed_task_count"]), failed=int(row["failed_task_count"]))
-        if status != row["status"]:
-            await conn.execute(collect_requests.FINISH, {"id": request_id, "status": status})
+        if recorded.first_result:
+            outcome.first_result_latencies_ms.append(max(0.0, recorded.since_created_ms))
+        status = recorded.final_status()
+        if status is not None:
+            await collect_requests.finish(conn, request_id=request_id, status=status)
             log.info("collect request finished", extra={"collect_request_id": str(request_id),
                                                         "tenant_id": tenant_id, "status": status})
         outcome.rows_written += 1

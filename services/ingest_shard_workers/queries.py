@@ -1,19 +1,7 @@
 """SQL of result ingest. A batch's rows go in as ONE JSON array of named records (msgspec Structs in apply.py, encoded
 by name in C) unpacked with json_to_recordset, rather than one Postgres array per column, which psycopg
 dumps element by element in Python (a quarter of a worker's CPU at full rate). Rows are locked in key
-order."""
-
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
-
-# The business tasks of a batch, locked in id order (the lock order of every ingest transaction).
-LOCK_BUSINESS_TASKS = """
-SELECT id, tenant_id, brand_id, question_id, ai_platform_id, collector_type, run_mode, business_date,
-       status, collect_request_id, execution_owner
-FROM monitoring_collect_tasks
-WHERE id = ANY(%(ids)s::bigint[])
-ORDER BY id
-FOR UPDATE
-"""
+order. The batch's reads of the task tables are the task store's (libs/tasks/ingest_ops.py)."""
 
 # Applied-result ledger: a result_id that is already there was applied before and changes nothing.
 # rows: named records (libs.db.pool.json_records), `ord` their delivery order.
@@ -103,24 +91,6 @@ ON CONFLICT (run_id, citation_fingerprint) DO UPDATE
 SET url = EXCLUDED.url, domain = EXCLUDED.domain, position = EXCLUDED.position
 WHERE (monitoring_citation_facts.url, monitoring_citation_facts.domain, monitoring_citation_facts.position)
       IS DISTINCT FROM (EXCLUDED.url, EXCLUDED.domain, EXCLUDED.position)
-"""
-
-# Another active execution of a business task a success just completed (the result came from an
-# execution that was already ended, e.g. expired and re-dispatched): it is no longer needed.
-OTHER_ACTIVE_EXECUTIONS = f"""
-SELECT id, tenant_id, target_client_id, monitor_task_id, ai_platform_id, lane, interrupt_generation,
-       collect_request_id
-FROM desktop_tasks
-WHERE kind = 'monitor' AND monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
-  AND status IN {ACTIVE_EXECUTION_SQL} AND NOT (id = ANY(%(task_ids)s::uuid[]))
-UNION ALL
--- and live legacy leases (libs/tasks/legacy.py)
-SELECT id, tenant_id, target_client_id, monitor_task_id, ai_platform_id, lane, interrupt_generation,
-       collect_request_id
-FROM legacy_leases
-WHERE monitor_task_id = ANY(%(monitor_task_ids)s::bigint[])
-  AND status IN ('queued', 'in_progress') AND NOT (id = ANY(%(task_ids)s::uuid[]))
-ORDER BY id
 """
 
 # Coalesced projection rebuild request per (tenant_id, brand_id, business_date); `inserted` tells

@@ -23,8 +23,6 @@ TABLE_SQL = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO)\s+(" + "|".join(TASK_TABLES
 SQL_LIKE = re.compile(r"\b(?:SELECT|UPDATE|INSERT|DELETE|FROM|WHERE|JOIN|AND|OR|NOT|IN|IS|NULL|CASE)\b|'[^']*'")
 
 STILL_OUTSIDE: frozenset[str] = frozenset({
-    "libs/ingest/lag.py",
-    "services/collect_now_api/queries.py",
     "services/collect_now_api/service.py",
     "services/dispatch_coordinator/admin.py",
     "services/dispatch_coordinator/coordinator.py",
@@ -34,11 +32,7 @@ STILL_OUTSIDE: frozenset[str] = frozenset({
     "services/dispatch_coordinator/queries.py",
     "services/dispatch_coordinator/rollout_ramp.py",
     "services/dispatch_coordinator/scanner.py",
-    "services/ingest_shard_workers/apply.py",
-    "services/ingest_shard_workers/queries.py",
-    "services/reconciler/jobs/business_day.py",
     "services/reconciler/jobs/migration.py",
-    "services/reconciler/jobs/request_ttl.py",
 })
 
 

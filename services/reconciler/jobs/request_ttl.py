@@ -6,60 +6,53 @@ past its TTL times out only when none of its tasks has an active execution any m
 stalled, e.g. every client went away after the first lease); one still executing is left to finish.
 The timed-out request's pending tasks that are not executing leave the high lane (normal, unbound):
 they are still collected for the day, but no longer preempt anyone for a request the user saw end.
+The reads and moves are libs/tasks/requests.py's operations.
 """
 
 from __future__ import annotations
 
 import uuid
 
-from libs.domain.lanes import NORMAL_PRIORITY
-from libs.tasks import business
 from libs.tasks import requests as collect_requests
 from libs.telemetry import metrics
-from services.reconciler.jobs.base import JobContext, JobResult, configured_job, fix_candidates, log
+from services.reconciler.jobs.base import RETRYABLE_ERRORS, JobContext, JobResult, configured_job, log
 
 NAME = "request_ttl"
 
-_CANDIDATES = f"""
-SELECT r.id FROM monitoring_collect_requests r
-WHERE r.status IN ('accepted', 'dispatching', 'running') AND r.ttl_expires_at < now()
-  AND (r.status <> 'running' OR NOT {collect_requests.ACTIVE_WORK_OF_REQUEST_SQL})
-ORDER BY r.ttl_expires_at
-LIMIT %(limit)s
-"""
-
 
 async def time_out_one(ctx: JobContext, request_id: uuid.UUID, result: JobResult) -> None:
-    conn = ctx.conn
-    async with conn.transaction():
-        cur = await conn.execute(collect_requests.TIME_OUT, {"id": request_id})
-        row = await cur.fetchone()
-        if row is None:
+    async with ctx.conn.transaction():
+        timed_out = await collect_requests.time_out(ctx.conn, request_id)
+        if timed_out is None:
             return
-        cur = await conn.execute(business.DEMOTE_TIMED_OUT, {"id": request_id, "tenant_id": row["tenant_id"],
-                                                 "normal_priority": NORMAL_PRIORITY})
-        result.add("tasks_demoted", cur.rowcount)
+        result.add("tasks_demoted", timed_out.tasks_demoted)
     result.fixed += 1
     result.add("timed_out")
     metrics.collect_request_ttl_expired_count.inc()
     log.warning("collect request timed out", extra={
-        "collect_request_id": str(request_id), "tenant_id": row["tenant_id"],
-        "client_id": str(row["target_client_id"]), "requested": row["requested_task_count"],
-        "dispatched": row["dispatched_task_count"]})
+        "collect_request_id": str(request_id), "tenant_id": timed_out.tenant_id,
+        "client_id": str(timed_out.target_client_id), "requested": timed_out.requested_task_count,
+        "dispatched": timed_out.dispatched_task_count})
 
 
 async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
-    await fix_candidates(ctx, result, time_out_one, _CANDIDATES, what="request timeout", id_field="collect_request_id")
+    # Read without locks, then each one re-checked and timed out in its own transaction; one that lost a race with
+    # another writer is left for the next run (base.fix_candidates' rule).
+    for request_id in await collect_requests.timed_out_candidates(ctx.conn, limit=ctx.config.batch_size):
+        try:
+            await time_out_one(ctx, request_id, result)
+        except RETRYABLE_ERRORS as exc:
+            result.add("skipped_conflict")
+            log.warning("request timeout lost a race; retried next run",
+                        extra={"collect_request_id": str(request_id), "error": str(exc)})
     async with ctx.conn.transaction():
-        cur = await ctx.conn.execute(collect_requests.WARN_NO_DISPATCH,
-                                     {"warn_s": ctx.settings.request_no_dispatch_warn_seconds})
-        warned = await cur.fetchall()
-    for row in warned:
+        warned = await collect_requests.warn_no_dispatch(ctx.conn, warn_s=ctx.settings.request_no_dispatch_warn_seconds)
+    for warning in warned:
         metrics.collect_request_no_dispatch_warning_count.inc()
         log.warning("collect request accepted but nothing dispatched", extra={
-            "collect_request_id": str(row["id"]), "tenant_id": row["tenant_id"],
-            "client_id": str(row["target_client_id"]), "created_at": row["created_at"].isoformat(),
+            "collect_request_id": str(warning.id), "tenant_id": warning.tenant_id,
+            "client_id": str(warning.target_client_id), "created_at": warning.created_at.isoformat(),
             "warn_after_s": ctx.settings.request_no_dispatch_warn_seconds})
     result.add("no_dispatch_warned", len(warned))
     return result
