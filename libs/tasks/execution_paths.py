@@ -28,7 +28,8 @@ from libs.db.pool import Conn
 from libs.tasks import executions as desktop_path
 from libs.tasks import legacy as legacy_path
 from libs.tasks.fragments import CLIENT_CAPACITY_SQL
-from libs.tasks.outcomes import Fenced, NotFound, Pending, Stale
+from libs.tasks.outcomes import Fenced, NotFound, Stale
+from libs.tasks.queued import Queued
 from libs.tasks.records import (
     Done,
     EndedExecution,
@@ -62,10 +63,10 @@ class Executions(Protocol):
     async def create(self, conn: Conn, rows: list[dict[str, Any]], *, ts: datetime) -> None: ...
 
     async def pick(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
-                   max_tasks: int) -> Pending[list[Offer]]: ...
+                   max_tasks: int) -> Queued[list[Offer]]: ...
 
     async def mark_leased(self, conn: Conn, task_id: uuid.UUID, *, epoch: int, token_hash: str,
-                          ttl_s: float) -> Pending[Leased | Stale]: ...
+                          ttl_s: float) -> Queued[Leased | Stale]: ...
 
     async def extend(self, conn: Conn, task_id: uuid.UUID, *, tenant_id: int, client_id: uuid.UUID, epoch: int,
                      token_hash: str, ttl_s: float, phase: str | None) -> Extended | Fenced: ...
@@ -89,7 +90,7 @@ class Executions(Protocol):
     async def status_of(self, conn: Conn, task_id: uuid.UUID) -> str | None: ...
 
     async def preempt_scheduled(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
-                                request_id: uuid.UUID) -> Pending[Preempted]: ...
+                                request_id: uuid.UUID) -> Queued[Preempted]: ...
 
     async def release_unhealthy(self, conn: Conn, client_ids: list[uuid.UUID]) -> list[ReleasedWork]: ...
 
@@ -152,7 +153,7 @@ def best_first(picked: list[Offer], free: int) -> list[Offer]:
 
 
 async def pick_for_client(conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
-                          max_tasks: int) -> Pending[list[Offer] | NotFound]:
+                          max_tasks: int) -> Queued[list[Offer] | NotFound]:
     """What a lease call takes: the client's free slots and each path's best work, read and locked in one round
     trip (pipelined); NotFound: not a client of this tenant."""
     capacity = await conn.execute(CLIENT_CAPACITY_SQL, {"client_id": client_id, "tenant_id": tenant_id,
@@ -165,13 +166,13 @@ async def pick_for_client(conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
             return NotFound()
         offers: list[Offer] = []
         for pick in picks:
-            offers += await pick.get()
+            offers += await pick.result()
         return best_first(offers, int(row["free"]))
-    return Pending(read)
+    return Queued(read)
 
 
 async def mark_leased(conn: Conn, offer: Offer, *, epoch: int, token_hash: str,
-                      ttl_s: float) -> Pending[Leased | Stale]:
+                      ttl_s: float) -> Queued[Leased | Stale]:
     """The picked work leased on its path (pipelined); Stale: no longer queued (cannot happen under the pick's
     row lock)."""
     return await executions_for(offer.execution_owner).mark_leased(conn, offer.id, epoch=epoch,
@@ -239,7 +240,7 @@ async def end_many(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExecution]
 # ---- a click's preemption (collect-now) ---------------------------------------------------------------------------
 
 async def preempt_scheduled(conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
-                            request_id: uuid.UUID) -> Pending[Preempted]:
+                            request_id: uuid.UUID) -> Queued[Preempted]:
     """The client's scheduled work on both paths: queued work cancelled (offers withdrawn), running work asked to
     yield, with the click's new generation (pipelined: read after the caller's sync)."""
     pending = [await p.preempt_scheduled(conn, client_id=client_id, tenant_id=tenant_id, request_id=request_id)
@@ -248,11 +249,11 @@ async def preempt_scheduled(conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
     async def read() -> Preempted:
         cancelled, interrupted = [], []
         for p in pending:
-            done = await p.get()
+            done = await p.result()
             cancelled += done.cancelled
             interrupted += done.interrupted
         return Preempted(cancelled=cancelled, interrupted=interrupted)
-    return Pending(read)
+    return Queued(read)
 
 
 name_replacement = desktop_path.name_replacement

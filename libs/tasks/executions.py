@@ -19,9 +19,11 @@ from datetime import datetime
 from typing import Any, Final
 
 from libs.db.pool import Conn, json_records
+from libs.domain.lanes import PREEMPTING_SQL
 from libs.tasks import fragments
 from libs.tasks.fragments import BLOCKED_PLATFORMS_OF_CLIENTS_SQL, CLIENT_GENERATION_SQL, HELD_LANES_SQL
-from libs.tasks.outcomes import Fenced, NotFound, Pending, Stale, pending_rows
+from libs.tasks.outcomes import Fenced, NotFound, Stale, queued_rows
+from libs.tasks.queued import Queued
 from libs.tasks.records import (
     Done,
     EndedExecution,
@@ -391,10 +393,11 @@ WHERE d.id = %(id)s AND {_OVERDUE}
 FOR UPDATE OF d SKIP LOCKED
 """
 
-# High work of a client stuck on an interrupt that has not started: queued executions are taken back.
-_QUEUED_HIGH_OF_CLIENT = """
+# High work (the lanes that preempt) of a client stuck on an interrupt that has not started: queued executions are
+# taken back.
+_QUEUED_HIGH_OF_CLIENT = f"""
 SELECT id, tenant_id, monitor_task_id, target_client_id, lane, ai_platform_id, collect_request_id FROM desktop_tasks
-WHERE target_client_id = %(client_id)s AND kind = 'monitor' AND status = 'queued' AND lane = 'high'
+WHERE target_client_id = %(client_id)s AND kind = 'monitor' AND status = 'queued' AND lane IN {PREEMPTING_SQL}
 FOR UPDATE SKIP LOCKED
 """
 
@@ -462,13 +465,13 @@ class DesktopTaskExecutions:
 
     # ---- the lease (the hub)
 
-    async def pick(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int, max_tasks: int) -> Pending[list[Offer]]:
+    async def pick(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int, max_tasks: int) -> Queued[list[Offer]]:
         cur = await conn.execute(_PICK_QUEUED, {"client_id": client_id, "tenant_id": tenant_id,
                                                 "max_tasks": max_tasks})
-        return pending_rows([cur], lambda rows: from_rows(rows[0], Offer))
+        return queued_rows([cur], lambda rows: from_rows(rows[0], Offer))
 
     async def mark_leased(self, conn: Conn, task_id: uuid.UUID, *, epoch: int, token_hash: str,
-                          ttl_s: float) -> Pending[Leased | Stale]:
+                          ttl_s: float) -> Queued[Leased | Stale]:
         """queued -> in_progress with its attempt; Stale: no longer queued."""
         cur = await conn.execute(_MARK_LEASED, {"task_id": task_id, "epoch": epoch, "token_hash": token_hash,
                                                 "ttl_s": ttl_s})
@@ -476,7 +479,7 @@ class DesktopTaskExecutions:
         def read(rows: list[list[dict[str, Any]]]) -> Leased | Stale:
             row = _one(rows)
             return Stale(task_id=task_id) if row is None else Leased(lease_expires_at=row["lease_expires_at"])
-        return pending_rows([cur], read)
+        return queued_rows([cur], read)
 
     async def extend(self, conn: Conn, task_id: uuid.UUID, *, tenant_id: int, client_id: uuid.UUID, epoch: int,
                      token_hash: str, ttl_s: float, phase: str | None) -> Extended | Fenced:
@@ -558,12 +561,12 @@ class DesktopTaskExecutions:
     # ---- a click's preemption, a broken login
 
     async def preempt_scheduled(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
-                                request_id: uuid.UUID) -> Pending[Preempted]:
+                                request_id: uuid.UUID) -> Queued[Preempted]:
         """The client's queued scheduled executions cancelled, its running ones asked to yield (pipelined)."""
         params = {"client_id": client_id, "tenant_id": tenant_id, "request_id": request_id}
         cancelled = await conn.execute(CANCEL_QUEUED_SCHEDULED, params)
         interrupted = await conn.execute(MARK_INTERRUPT_REQUESTED, params)
-        return pending_rows([cancelled, interrupted], lambda rows: Preempted(
+        return queued_rows([cancelled, interrupted], lambda rows: Preempted(
             cancelled=from_rows(rows[0], ScheduledWork), interrupted=from_rows(rows[1], ScheduledWork)))
 
     async def release_unhealthy(self, conn: Conn, client_ids: list[uuid.UUID]) -> list[ReleasedWork]:

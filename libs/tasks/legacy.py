@@ -34,7 +34,8 @@ from libs.tasks.fragments import (
     held_for_broken_login_sql,
     platform_mode_sql,
 )
-from libs.tasks.outcomes import Fenced, NotFound, Pending, Stale, pending_rows
+from libs.tasks.outcomes import Fenced, NotFound, Stale, queued_rows
+from libs.tasks.queued import Queued
 from libs.tasks.records import (
     Done,
     EndedExecution,
@@ -412,13 +413,13 @@ class LegacyExecutions:
 
     # ---- the lease (the hub)
 
-    async def pick(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int, max_tasks: int) -> Pending[list[Offer]]:
+    async def pick(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int, max_tasks: int) -> Queued[list[Offer]]:
         cur = await conn.execute(_PICK_OFFERS, {"client_id": client_id, "tenant_id": tenant_id,
                                                 "max_tasks": max_tasks})
-        return pending_rows([cur], lambda rows: from_rows(rows[0], Offer))
+        return queued_rows([cur], lambda rows: from_rows(rows[0], Offer))
 
     async def mark_leased(self, conn: Conn, task_id: uuid.UUID, *, epoch: int, token_hash: str,
-                          ttl_s: float) -> Pending[Leased | Stale]:
+                          ttl_s: float) -> Queued[Leased | Stale]:
         """The offer pulled (queued -> in_progress, the business row's lease set); Stale: no longer offered."""
         cur = await conn.execute(_MARK_LEASED, {"task_id": task_id, "epoch": epoch, "token_hash": token_hash,
                                                 "ttl_s": ttl_s})
@@ -426,7 +427,7 @@ class LegacyExecutions:
         def read(rows: list[list[dict[str, Any]]]) -> Leased | Stale:
             row = rows[0][0] if rows[0] else None
             return Stale(task_id=task_id) if row is None else Leased(lease_expires_at=row["lease_expires_at"])
-        return pending_rows([cur], read)
+        return queued_rows([cur], read)
 
     async def extend(self, conn: Conn, task_id: uuid.UUID, *, tenant_id: int, client_id: uuid.UUID, epoch: int,
                      token_hash: str, ttl_s: float, phase: str | None) -> Extended | Fenced:
@@ -494,12 +495,12 @@ class LegacyExecutions:
     # ---- a click's preemption, a broken login
 
     async def preempt_scheduled(self, conn: Conn, *, client_id: uuid.UUID, tenant_id: int,
-                                request_id: uuid.UUID) -> Pending[Preempted]:
+                                request_id: uuid.UUID) -> Queued[Preempted]:
         """The client's offers of scheduled work withdrawn, its pulled ones asked to yield (pipelined)."""
         params = {"client_id": client_id, "tenant_id": tenant_id, "request_id": request_id}
         withdrawn = await conn.execute(WITHDRAW_SCHEDULED_OFFERS, params)
         interrupted = await conn.execute(INTERRUPT_SCHEDULED_LEASES, params)
-        return pending_rows([withdrawn, interrupted], lambda rows: Preempted(
+        return queued_rows([withdrawn, interrupted], lambda rows: Preempted(
             cancelled=from_rows(rows[0], ScheduledWork), interrupted=from_rows(rows[1], ScheduledWork)))
 
     async def release_unhealthy(self, conn: Conn, client_ids: list[uuid.UUID]) -> list[ReleasedWork]:

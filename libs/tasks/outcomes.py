@@ -13,11 +13,13 @@ Each is a tagged msgspec Struct: `match outcome: case Stale(): ...` in the calle
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import msgspec
 from psycopg import AsyncCursor
+
+from libs.tasks.queued import Queued
 
 
 class NotFound(msgspec.Struct, frozen=True, tag=True):
@@ -44,22 +46,10 @@ Refused = NotFound | Stale | Fenced
 T = TypeVar("T")
 
 
-class Pending(Generic[T]):
-    """The answer of an operation queued in the caller's pipeline (libs.db.tx.pipelined_transaction): readable once
-    the pipeline has synced (or at once outside a pipeline)."""
-
-    __slots__ = ("_read",)
-
-    def __init__(self, read: Callable[[], Awaitable[T]]) -> None:
-        self._read = read
-
-    async def get(self) -> T:
-        return await self._read()
-
-
-def pending_rows(cursors: list[AsyncCursor[dict[str, Any]]],
-                 convert: Callable[[list[list[dict[str, Any]]]], T]) -> Pending[T]:
-    """The answer read from the rows of `cursors` (one list per cursor), converted."""
+def queued_rows(cursors: list[AsyncCursor[dict[str, Any]]],
+                convert: Callable[[list[list[dict[str, Any]]]], T]) -> Queued[T]:
+    """An answer read from the rows of statements queued on the caller's pipeline (libs/tasks/queued.py), one list
+    per cursor, converted."""
     async def read() -> T:
         return convert([await cur.fetchall() for cur in cursors])
-    return Pending(read)
+    return Queued(read)

@@ -424,7 +424,7 @@ async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -
     cancelled: list[_Execution] = []
     interrupted: list[_Execution] = []
     if preemption is not None:
-        preempted = await preemption.get()
+        preempted = await preemption.result()
         cancelled += [_execution(msgspec.structs.asdict(w)) for w in preempted.cancelled]
         interrupted += [_execution(msgspec.structs.asdict(w)) for w in preempted.interrupted]
     promoted = await queued_promotion.result()

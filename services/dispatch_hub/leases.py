@@ -47,7 +47,8 @@ from libs.http import ApiError
 from libs.tasks import execution_paths, lease_context
 from libs.tasks.controls import send_control
 from libs.tasks.lease_context import ResultContext
-from libs.tasks.outcomes import Fenced, NotFound, Pending, Stale
+from libs.tasks.outcomes import Fenced, NotFound, Stale
+from libs.tasks.queued import Queued
 from libs.tasks.records import EndedExecution, ExecutionEnd, Extended, InterruptReplay, Leased, Offer, ResultClaim
 from libs.tasks.records import LeaseState as LeaseRow
 from libs.tasks.statuses import ClientCancelReason
@@ -198,7 +199,7 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
     """Two round trips whatever the number of tasks: the client's lease lock + its capacity + the picked work of
     both paths (locked); then every lease, attempt, request mark and lifecycle event with the COMMIT."""
     tracing.set_attributes(tenant_id=principal.tenant_id, client_id=principal.client_id, max_tasks=body.max_tasks)
-    picked: list[tuple[Offer, int, str, Pending[Leased | Stale]]] = []  # work, epoch, token, its lease
+    picked: list[tuple[Offer, int, str, Queued[Leased | Stale]]] = []  # work, epoch, token, its lease
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
         async with ctx.write_health.timed(), pipelined_transaction(conn) as pipe:
@@ -206,7 +207,7 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
             pick = await execution_paths.pick_for_client(conn, client_id=principal.client_id,
                                                          tenant_id=principal.tenant_id, max_tasks=body.max_tasks)
             await pipe.sync()
-            offers = await pick.get()
+            offers = await pick.result()
             if isinstance(offers, NotFound):
                 raise ApiError(404, "not_found", "client not found")
             for offer in offers:
@@ -224,7 +225,7 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
                 picked.append((offer, epoch, token, leasing))
     tasks: list[LeasedTask] = []
     for offer, epoch, token, leasing in picked:
-        match await leasing.get():
+        match await leasing.result():
             case Leased(lease_expires_at=expires_at):
                 pass
             case Stale():  # cannot happen under the pick's row lock; not handed out if it did

@@ -76,10 +76,10 @@ async def queued_work(conn: Conn, path: Executions, seed: dict[str, Any]) -> tup
 async def leased_work(conn: Conn, path: Executions, seed: dict[str, Any]) -> tuple[uuid.UUID, int, uuid.UUID]:
     """Queued work picked and leased at epoch 1 with TOKEN."""
     task_id, tenant_id, client = await queued_work(conn, path, seed)
-    picked = await (await path.pick(conn, client_id=client, tenant_id=tenant_id, max_tasks=5)).get()
+    picked = await (await path.pick(conn, client_id=client, tenant_id=tenant_id, max_tasks=5)).result()
     assert [o.id for o in picked] == [task_id] and all(isinstance(o, Offer) for o in picked)
     assert picked[0].execution_owner == path.owner
-    leased = await (await path.mark_leased(conn, task_id, epoch=1, token_hash=hash_token(TOKEN), ttl_s=60)).get()
+    leased = await (await path.mark_leased(conn, task_id, epoch=1, token_hash=hash_token(TOKEN), ttl_s=60)).result()
     assert isinstance(leased, Leased)
     return task_id, tenant_id, client
 
@@ -89,10 +89,10 @@ async def test_a_lease_taken_twice_is_stale(pool: AsyncConnectionPool[Conn], see
                                             path: Executions) -> None:
     async with pool.connection() as conn:
         task_id, _, _ = await leased_work(conn, path, seed)
-        again = await (await path.mark_leased(conn, task_id, epoch=1, token_hash=hash_token(TOKEN), ttl_s=60)).get()
+        again = await (await path.mark_leased(conn, task_id, epoch=1, token_hash=hash_token(TOKEN), ttl_s=60)).result()
         assert again == Stale(task_id=task_id)
         never = uuid.uuid4()
-        assert await (await path.mark_leased(conn, never, epoch=1, token_hash="h", ttl_s=60)).get() == Stale(
+        assert await (await path.mark_leased(conn, never, epoch=1, token_hash="h", ttl_s=60)).result() == Stale(
             task_id=never)
 
 

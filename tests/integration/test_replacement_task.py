@@ -127,5 +127,5 @@ async def pulled_legacy_lease(conn: Conn, monitor_task_id: int, client_id: uuid.
             "priority": task["dispatch_priority"], "interrupt_generation": 0, "collect_request_id": None,
             "enqueued_at": task["enqueued_at"]}], ts=datetime.now(UTC))
         leased = await execution_paths.LEGACY.mark_leased(conn, lease_id, epoch=1, token_hash="h", ttl_s=300)
-    assert isinstance(await leased.get(), Leased)
+    assert isinstance(await leased.result(), Leased)
     return lease_id

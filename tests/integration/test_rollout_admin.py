@@ -333,7 +333,7 @@ async def test_rollout_status_counts_the_real_rows_of_both_paths(
         for offer in offers[1:]:  # pulled
             leased = await execution_paths.LEGACY.mark_leased(conn, offer["id"], epoch=1, token_hash="h" * 64,
                                                               ttl_s=120)
-            assert isinstance(await leased.get(), Leased)
+            assert isinstance(await leased.result(), Leased)
         # the hub's result post: business row received, then the lease's row
         received = await execution_paths.LEGACY.mark_result_received(conn, offers[2]["id"],
                                                                      tenant_id=leg["tenant_id"], epoch=1)

@@ -17,7 +17,8 @@ from libs.tasks import execution_paths
 from libs.tasks.execution_paths import DESKTOP_TASKS, LEGACY, PATHS, Executions, best_first, executions_for
 from libs.tasks.executions import DesktopTaskExecutions
 from libs.tasks.legacy import LegacyExecutions
-from libs.tasks.outcomes import Fenced, NotFound, Pending, Stale
+from libs.tasks.outcomes import Fenced, NotFound, Stale
+from libs.tasks.queued import Queued
 from libs.tasks.records import Extended, Offer
 
 PROTOCOL_METHODS = sorted(name for name, _ in inspect.getmembers(Executions, inspect.isfunction)
@@ -94,9 +95,9 @@ async def test_a_pending_answer_is_read_only_when_asked() -> None:
         reads.append(1)
         return 42
 
-    pending = Pending(read)
+    pending = Queued(read)
     assert reads == []
-    assert await pending.get() == 42 and reads == [1]
+    assert await pending.result() == 42 and reads == [1]
 
 
 class _RecordingConn:

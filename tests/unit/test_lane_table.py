@@ -40,7 +40,6 @@ STILL_NAMING: frozenset[str] = frozenset({
     "services/dispatch_coordinator/explain.py",
     "services/dispatch_coordinator/maintenance.py",
     "services/dispatch_coordinator/queries.py",
-    "services/reconciler/jobs/interrupt_timeouts.py",
 })
 
 
