@@ -25,6 +25,8 @@ def main() -> None:
     parser.add_argument("--hubs", type=int, help="hub_scale: hub replicas behind a simulated load balancer (default 1)")
     parser.add_argument("--tracing", action="store_true",
                         help="collect_now: the services trace every request (100%%) into a local trace sink")
+    parser.add_argument("--push", action="store_true",
+                        help="collect_now: each scenario with a pull-lease probe, then a push-lease one")
     parser.add_argument("--legacy", action="store_true",
                         help="collect_now: the clicking tenant's tasks on the legacy execution path (rollout 0)")
     args = parser.parse_args()

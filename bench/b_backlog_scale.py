@@ -76,8 +76,8 @@ from libs.db.pool import PREPARE_ON_FIRST_USE, Conn, connect, make_pool
 from libs.demo import seed_demo
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
 from libs.domain.lanes import HIGH_PRIORITY, lane_weight
+from libs.tasks import dispatch_reads
 from services.collect_now_api.service import collect_now
-from services.dispatch_coordinator import queries as q
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from services.dispatch_coordinator.maintenance import measure_signals, observe_backlog, publish_state, run_aging
 from services.dispatch_coordinator.scanner import scan_once
@@ -306,8 +306,7 @@ async def _timed(timings: dict[str, list[float]], name: str, call: Callable[[], 
 async def _budget_read(conn: Conn, settings: DispatchSettings) -> None:
     """What a pass reads of the budget window (both passes read the same data)."""
     window = max(1, settings.budget_window_seconds)
-    cur = await conn.execute(q.BUDGET_USE, {"window_start": int(time.time() // window * window), "window": window})
-    await cur.fetchall()
+    await dispatch_reads.budget_use(conn, window_start=int(time.time() // window * window), window_seconds=window)
 
 
 async def _promote(conn: Conn, world: dict[str, Any], day: int) -> None:

@@ -10,6 +10,12 @@ idle, and with 50 simulated clients connected and working through a 10,000-task 
     .venv/bin/python -m bench collect_now --legacy   (the clicking tenant on the legacy path: rollout 0, so its
                                                       clicks create legacy tasks, offered and leased on the business
                                                       row; the background fleet's backlog stays on desktop_tasks)
+    .venv/bin/python -m bench collect_now --push     (each scenario twice, back to back: the probe pulls, then it
+                                                      asks for push-lease and its task_available carries the lease;
+                                                      push-lease on in the services both times, the fleet pulls)
+
+Per click: -> task_available on the socket; -> lease in hand (pull: the lease call's answer; push: the event itself);
+-> running (the first extend, NAVIGATING, answered).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -34,7 +40,7 @@ import msgspec
 
 from bench.common import bench_environment, summary
 from libs.config import Settings
-from libs.contracts.wire import TaskAvailable
+from libs.contracts.wire import CAPABILITIES_HEADER, PUSH_LEASE, TaskAvailable
 from libs.db.pool import Conn, connect
 from libs.demo import seed_demo
 from libs.dispatch_settings import set_setting
@@ -44,6 +50,7 @@ from tests.support.procs import die_with_parent, free_port
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 
 JWT_SECRET = "bench-collect-now-gateway-secret-0123456789"
+PUSH_ENV = {"PUSH_LEASE_ENABLED": "1", "PUSH_LEASE_SECRET": "bench-push-lease-secret-0123456789abcdef"}
 
 _BACKLOG = """
 INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
@@ -101,19 +108,30 @@ class Click:
     on_socket: float  # the high task_available received
 
 
-async def _measure(settings: Settings, stack: Stack, world: dict[str, Any],
-                   clicks: int) -> tuple[list[float], list[float], list[Click]]:
+@dataclass(slots=True)
+class Latencies:
+    to_socket: list[float]
+    to_lease: list[float]
+    to_running: list[float]
+    # From the task_available on the socket: what the lease mode itself costs, apart from the dispatch before it.
+    socket_to_lease: list[float] = field(default_factory=list)
+    socket_to_running: list[float] = field(default_factory=list)
+
+
+async def _measure(settings: Settings, stack: Stack, world: dict[str, Any], clicks: int, *,
+                   push: bool = False) -> tuple[Latencies, list[Click]]:
     probe = world["probe"]
     client = probe["clients"][0]
     brand = probe["brands"][0]
     jwt = stack.jwt(probe)
     hub, api = stack.hub_url, stack.api_url
-    to_socket: list[float] = []
-    to_lease: list[float] = []
+    latencies = Latencies([], [], [])
     marks: list[Click] = []
+    auth = {"Authorization": f"Bearer {client['token']}"}
     async with aiohttp.ClientSession() as http, http.ws_connect(
-            f"{hub}/api/desktop/ws", headers={"Authorization": f"Bearer {client['token']}"}) as ws:
-        assert msgspec.json.decode((await ws.receive()).data)["type"] == "hello"
+            f"{hub}/api/desktop/ws", headers={**auth, **({CAPABILITIES_HEADER: PUSH_LEASE} if push else {})}) as ws:
+        hello = msgspec.json.decode((await ws.receive()).data)
+        assert hello["type"] == "hello" and (PUSH_LEASE in hello.get("capabilities", [])) == push, hello
         for question_id in brand["question_ids"][:clicks]:
             clicked, clicked_wall = time.perf_counter(), time.time()
             async with http.post(f"{api}/api/tenant/monitoring/brands/{brand['brand_id']}/collect-now",
@@ -126,21 +144,31 @@ async def _measure(settings: Settings, stack: Stack, world: dict[str, Any],
                 event = msgspec.json.decode((await ws.receive(timeout=10)).data)
                 if event.get("type") == "task_available" and event.get("lane") == "high":
                     break
-            to_socket.append((time.perf_counter() - clicked) * 1000)
+            on_socket = time.perf_counter()
+            latencies.to_socket.append((on_socket - clicked) * 1000)
             marks.append(Click(request_id, event["task_id"], clicked_wall, accepted_wall, time.time()))
-            async with http.post(f"{hub}/api/desktop/monitor/lease", json={"max_tasks": 1},
-                                 headers={"Authorization": f"Bearer {client['token']}"}) as resp:
-                tasks = (await resp.json())["tasks"]
-            to_lease.append((time.perf_counter() - clicked) * 1000)
+            if push:  # the lease came with the event
+                assert event.get("lease_token"), event
+                tasks = [event]
+            else:
+                async with http.post(f"{hub}/api/desktop/monitor/lease", json={"max_tasks": 1}, headers=auth) as resp:
+                    tasks = (await resp.json())["tasks"]
+            latencies.to_lease.append((time.perf_counter() - clicked) * 1000)
+            latencies.socket_to_lease.append((time.perf_counter() - on_socket) * 1000)
             for task in tasks:
+                async with http.post(f"{hub}/api/desktop/tasks/{task['task_id']}/extend", json={
+                        "lease_token": task["lease_token"], "execution_phase": "NAVIGATING"}, headers=auth) as resp:
+                    assert resp.status == 200, await resp.text()
+                latencies.to_running.append((time.perf_counter() - clicked) * 1000)
+                latencies.socket_to_running.append((time.perf_counter() - on_socket) * 1000)
                 async with http.post(f"{hub}/api/desktop/tasks/{task['task_id']}/result", json={
                         "lease_token": task["lease_token"], "status": "succeeded", "answer_text": "bench"},
-                        headers={"Authorization": f"Bearer {client['token']}"}) as resp:
+                        headers=auth) as resp:
                     assert resp.status == 202
             await asyncio.sleep(0.05)  # clicks are human-paced; keep them apart
         hub_hop = await _hub_hop(settings, ws, client["client_id"], samples=max(clicks, 50))
     print(f"  hub hop (broker publish -> socket, ms): {summary(hub_hop)}", flush=True)
-    return to_socket, to_lease, marks
+    return latencies, marks
 
 
 async def _hub_hop(settings: Settings, ws: aiohttp.ClientWebSocketResponse, client_id: str, *,
@@ -221,7 +249,10 @@ async def _breakdown(settings: Settings, name: str, marks: list[Click]) -> None:
         f"#{n} {total:.1f}: " + " / ".join(f"{span:.1f}" for span in spans) for total, n, spans in slowest), flush=True)
 
 
-async def _scenario(name: str, *, clicks: int, load: bool, tracing: bool = False, legacy: bool = False) -> None:
+async def _scenario(name: str, *, clicks: int, load: bool, tracing: bool = False, legacy: bool = False,
+                    push: bool | None = None) -> None:
+    """`push`: None, push-lease off (the services' default); False / True, push-lease on and the probe pulling /
+    asking for it."""
     async with bench_environment(shards=16) as base:
         settings = replace(base, gateway_jwt_secret=JWT_SECRET)
         print(f"  {name}: preparing data", flush=True)
@@ -229,13 +260,13 @@ async def _scenario(name: str, *, clicks: int, load: bool, tracing: bool = False
         print(f"  {name}: starting {', '.join(DISPATCH_SERVICES)}", flush=True)
         with tempfile.TemporaryDirectory() as logs:
             async with contextlib.AsyncExitStack() as tracing_sink:
-                env: dict[str, str | int] = {}
+                env: dict[str, str | int] = dict(PUSH_ENV) if push is not None else {}
                 if tracing:
                     endpoint, spans = await tracing_sink.enter_async_context(_trace_sink(Path(logs)))
-                    env = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                    env |= {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
                 async with running_stack(settings, Path(logs), DB_POOL_MAX=6, **cast(dict[str, Any], env)) as stack:
-                    await _run_scenario(name, stack, world, clicks=clicks, load=load)
+                    await _run_scenario(name, stack, world, clicks=clicks, load=load, push=bool(push))
                 if tracing:  # the services flushed their spans on the way out
                     lines = len(spans.read_text().splitlines()) if spans.exists() else 0
                     print(f"  {name}: tracing on (every request, OTLP/HTTP, default batching) into a local sink "
@@ -305,7 +336,8 @@ async def _stop_fleet(fleet: asyncio.subprocess.Process) -> dict[str, Any]:
     return stats[-1] if stats else {}
 
 
-async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, clicks: int, load: bool) -> None:
+async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, clicks: int, load: bool,
+                        push: bool = False) -> None:
     settings = stack.settings
     fleet: asyncio.subprocess.Process | None = None
     try:
@@ -314,13 +346,17 @@ async def _run_scenario(name: str, stack: Stack, world: dict[str, Any], *, click
             await asyncio.sleep(5)  # let dispatch reach its steady state with the fleet working
             await _analyze(settings)  # ... and its statistics (autovacuum's job in a long-running system)
         try:
-            to_socket, to_lease, marks = await _measure(settings, stack, world, clicks)
+            latencies, marks = await _measure(settings, stack, world, clicks, push=push)
         except TimeoutError:
             for service in ("dispatch-coordinator", "collect-now-api"):
                 print(f"----- {service} log tail\n{stack.procs[service].logs()[-3000:]}")
             raise
-        print(f"  {name}: click -> task_available on the socket (ms): {summary(to_socket)}", flush=True)
-        print(f"  {name}: click -> lease (ms):                        {summary(to_lease)}", flush=True)
+        print(f"  {name}: click -> task_available on the socket (ms): {summary(latencies.to_socket)}", flush=True)
+        print(f"  {name}: click -> lease in hand (ms):                {summary(latencies.to_lease)}", flush=True)
+        print(f"  {name}: click -> running (first extend answered, ms): {summary(latencies.to_running)}", flush=True)
+        print(f"  {name}: task_available -> lease in hand (ms):       {summary(latencies.socket_to_lease)}", flush=True)
+        print(f"  {name}: task_available -> running (ms):             {summary(latencies.socket_to_running)}",
+              flush=True)
         await _breakdown(settings, name, marks)
     finally:
         if fleet is not None:
@@ -335,5 +371,11 @@ async def run(args: argparse.Namespace) -> None:
     tracing = bool(getattr(args, "tracing", False))
     legacy = bool(getattr(args, "legacy", False))
     path = " (legacy path)" if legacy else ""
+    if getattr(args, "push", False):  # pull then push, back to back, in each scenario
+        for load, label in ((False, "idle"), (True, "50 clients + 10k backlog")):
+            for push in (False, True):
+                await _scenario(f"{label}, {'push' if push else 'pull'}-lease{path}", clicks=clicks, load=load,
+                                tracing=tracing, legacy=legacy, push=push)
+        return
     await _scenario(f"idle{path}", clicks=clicks, load=False, tracing=tracing, legacy=legacy)
     await _scenario(f"50 clients + 10k backlog{path}", clicks=clicks, load=True, tracing=tracing, legacy=legacy)

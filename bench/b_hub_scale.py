@@ -6,7 +6,8 @@ clients each: authenticate, hello + replay, heartbeat at the hub's interval). Ev
 execution, so every (re)connect carries a replay. Measured, in this order:
 
 1. connect: every client at once, until each has its hello and replay; hub RSS before and after (per connection);
-2. fan-out: one `task_available` per client published straight to the dispatch exchange, until all arrived;
+2. fan-out: one `task_available` per client published straight to the dispatch exchange as the outbox relay would
+   (one `dispatch_batch` envelope per hub per relay batch; HUB_SCALE_FANOUT=single|both), until all arrived;
 3. probe: click (POST collect-now) -> high `task_available` on one more client's socket, with the fleet connected
    and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path);
 4. reconnect storm: the hub is killed (SIGKILL) and started again; until every client has its new hello and replay.
@@ -66,12 +67,15 @@ from bench.b_collect_now import open_limits_for_probe
 from bench.common import bench_environment, percentile, summary
 from libs.auth import hash_token, new_client_token
 from libs.config import Settings
+from libs.contracts.amqp import DISPATCH_BATCH
 from libs.contracts.wire import TaskAvailable
 from libs.db.pool import connect
 from libs.demo import seed_demo
 from libs.domain.lanes import lane_spec
 from libs.mq.hub_routing import hub_routing_key
 from libs.mq.topology import DISPATCH, Topology
+from libs.outbox import dispatch_batches
+from libs.outbox.relay import ClaimedEvent
 from libs.outbox.writer import enqueue
 from tests.support.procs import ServiceProcess, die_with_parent, service_env
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
@@ -388,32 +392,63 @@ async def _routed_keys(settings: Settings, clients: list[tuple[str, str]]) -> di
             for c, _ in clients}
 
 
+def _fan_out_frames(topology: Topology, clients: list[tuple[str, str]], keys: dict[str, str], marker: uuid.UUID,
+                    relay_batch: int) -> list[Any]:
+    """The broker messages the outbox relay would publish for one `task_available` per client: the rows in relay
+    batches of `relay_batch` (the pump's `OUTBOX_BATCH_SIZE`), each batch's events towards one hub packed into
+    `dispatch_batch` envelopes by the relay's own functions (libs/outbox/dispatch_batches.py), the rest alone."""
+    now = datetime.now(UTC)
+    events = []
+    for n, (client_id, _) in enumerate(clients, start=1):
+        body = msgspec.json.encode(TaskAvailable(
+            kind="monitor", task_id=marker, target_client_id=uuid.UUID(client_id), priority=100, lane="normal",
+            updated_at=now))
+        events.append(ClaimedEvent(id=n, event_id=uuid.uuid4(), exchange=DISPATCH, routing_key=keys[client_id],
+                                   message_type="task_available", payload=body, headers={},
+                                   ordering_key=f"client:{client_id}", tenant_id=None, traceparent=None, attempts=1,
+                                   max_attempts=10, created_at=now))
+    messages: list[tuple[str, str, bytes]] = []  # (routing key, AMQP type, body)
+    for start in range(0, len(events), relay_batch):
+        packed = dispatch_batches.plan([[e] for e in events[start:start + relay_batch]],
+                                       dispatch_exchange=DISPATCH, valid=lambda _: True)
+        messages += [(e.routing_key, e.message_type, e.payload) for run in packed.single for e in run]
+        for hub, hub_events in packed.by_hub.items():
+            messages += [(env.routing_key, DISPATCH_BATCH, env.body) for env in dispatch_batches.pack(hub, hub_events)]
+    frames: list[Any] = []
+    for key, kind, body in messages:
+        frames += [spec.Basic.Publish(exchange=topology.dispatch_exchange, routing_key=key),
+                   ContentHeader(properties=spec.Basic.Properties(delivery_mode=1, message_type=kind),
+                                 body_size=len(body)),
+                   ContentBody(body)]
+    return frames
+
+
 async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple[str, str]]) -> None:
-    """One `task_available` per client, published straight to the dispatch exchange, each towards its client's hub
-    (the key the outbox relay would choose, read before the clock starts). The publishes are marshalled before the
-    clock starts and written to the broker in one go: a Python publisher's own cost (~130-500 µs a message on this
-    box, over a second for 10,000) would otherwise be most of the figure, and in production the events come from
-    publishers on other machines. After the rounds: each hub's intake against its share of the sockets."""
+    """One `task_available` per client, published straight to the dispatch exchange as the outbox relay would
+    publish them (`_fan_out_frames`: towards each client's hub, read before the clock starts; one envelope per hub
+    per relay batch; `HUB_SCALE_FANOUT=single`: one message per event, as before dispatch batches; `both`: the
+    two alternate). The publishes
+    are marshalled before the clock starts and written to the broker in one go: a Python publisher's own cost
+    (~130-500 µs a message on this box, over a second for 10,000) would otherwise be most of the figure, and in
+    production the events come from publishers on other machines. After the rounds: each hub's intake against its
+    share of the sockets."""
     settings = stack.settings
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
     keys = await _routed_keys(settings, clients)
+    mode = os.environ.get("HUB_SCALE_FANOUT", "batch")
+    # `both`: single and batched rounds alternate, so the two are compared on the same stack and the same load.
+    modes = ["single", "batch"] * FANOUT_ROUNDS if mode == "both" else [mode] * FANOUT_ROUNDS
     intake0 = await _per_hub(stack, "hub_dispatch_events_received_total")
     connection = await aio_pika.connect(settings.amqp_url)
     try:
         channel: Any = await (await connection.channel(publisher_confirms=False)).get_underlay_channel()
-        for round_no in range(1, FANOUT_ROUNDS + 1):
+        for round_no, round_mode in enumerate(modes, start=1):
             marker = uuid.uuid4()
-            now = datetime.now(UTC)
-            frames: list[Any] = []
-            for client_id, _ in clients:
-                body = msgspec.json.encode(TaskAvailable(
-                    kind="monitor", task_id=marker, target_client_id=uuid.UUID(client_id), priority=100,
-                    lane="normal", updated_at=now))
-                frames += [spec.Basic.Publish(exchange=topology.dispatch_exchange, routing_key=keys[client_id]),
-                           ContentHeader(properties=spec.Basic.Properties(delivery_mode=1), body_size=len(body)),
-                           ContentBody(body)]
+            relay_batch = 1 if round_mode == "single" else settings.outbox_batch_size
+            frames = _fan_out_frames(topology, clients, keys, marker, relay_batch)
             written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames, drain_future=written)
+            cpu0 = _cpu_s(stack)
             started = time.time()
             await channel.write_queue.put(payload)
             await written
@@ -426,10 +461,13 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
                 if len(times) >= len(clients):
                     break
                 await asyncio.sleep(0.05)  # polling the fleet's processes with a deadline
+            hub_cpu = _cpu_s(stack) - cpu0
             spans = [(t - started) * 1000 for t in times]
-            print(f"  fan-out #{round_no}: {len(times)}/{len(clients)} arrived; the {len(clients)} publishes written "
-                  f"in {(published - started) * 1000:.0f} ms; publish -> arrival (ms): "
-                  f"{summary(spans) if spans else 'none'}; {_load()}", flush=True)
+            print(f"  fan-out #{round_no} ({round_mode}): {len(times)}/{len(clients)} arrived; "
+                  f"{len(frames) // 3} broker messages for {len(clients)} events written in "
+                  f"{(published - started) * 1000:.0f} ms; publish -> arrival (ms): "
+                  f"{summary(spans) if spans else 'none'}; hub CPU {hub_cpu:.2f} s "
+                  f"({hub_cpu / max(1, len(clients)) * 1e6:.0f} µs an event); {_load()}", flush=True)
             await asyncio.sleep(1)
     finally:
         await connection.close()
@@ -441,7 +479,7 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
               f"{k / total_sockets * 100:.1f}% of the sockets; off by "
               f"{(n / total_in) / max(1e-9, k / total_sockets) * 100 - 100:+.1f}%)"
               for i, (n, k) in enumerate(zip(intake, sockets, strict=True))]
-    print(f"  intake per hub over {FANOUT_ROUNDS} rounds: " + "; ".join(shares), flush=True)
+    print(f"  intake per hub over {len(modes)} rounds: " + "; ".join(shares), flush=True)
 
 
 async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: asyncio.Event | None = None) -> list[float]:

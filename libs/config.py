@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 DEV_JWT_SECRET = "dev-only-gateway-secret-change-me"
 MIN_JWT_SECRET_BYTES = 32
+DEV_PUSH_LEASE_SECRET = "dev-only-push-lease-secret-change-me"
 # Words that mark a secret copied from an example or a default: refused outside DEV_MODE.
 PLACEHOLDER_MARKERS = ("change-me", "changeme", "change_me", "replace-me", "replace_me", "replaceme", "dev-only",
                        "example", "placeholder", "secret-here", "your-secret", "not-a-secret")
@@ -146,6 +147,15 @@ class Settings:
     collect_now_idempotency_purge_s: float = 60.0
     # dispatch-hub / desktop
     lease_ttl_seconds: int = 120
+    # Push-lease (docs/desktop-protocol.md "Push-lease"): a client that announces `push_lease` gets its executions
+    # leased at dispatch, the token on `task_available`. The token is derived (HMAC of PUSH_LEASE_SECRET over task
+    # and epoch), never stored or queued: the coordinator and every hub hold the same secret (a Kubernetes Secret).
+    # Off by default (every client pulls) until both services hold the secret; enabled without a secret, outside
+    # DEV_MODE, the service refuses to start. A pushed lease lasts PUSH_LEASE_TTL_SECONDS until the client's first
+    # extend, so one that never arrives is requeued soon.
+    push_lease_enabled: bool = False
+    push_lease_secret: str = ""
+    push_lease_ttl_seconds: int = 30
     heartbeat_timeout_seconds: int = 30
     max_body_bytes: int = 256 * 1024
     # WebSocket ping period, also the heartbeat period the hub announces to clients. from_env derives it
@@ -241,6 +251,8 @@ class Settings:
         if not 0 < settings.ingest_db_outage_hold_seconds < 1800:
             raise ConfigError("INGEST_DB_OUTAGE_HOLD_SECONDS must be above 0 and below 1800 (RabbitMQ's default "
                               "consumer_timeout)")
+        if not 5 <= settings.push_lease_ttl_seconds <= settings.lease_ttl_seconds:
+            raise ConfigError("PUSH_LEASE_TTL_SECONDS must be from 5 to LEASE_TTL_SECONDS")
         if settings.hub_max_sockets_per_client < 1:
             raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")
         if not 0 <= settings.hub_drain_reconnect_spread_ms <= 600_000:
@@ -332,6 +344,23 @@ class Settings:
                 raise ConfigError(f"HUB_TRUSTED_PROXIES: {entry!r} is not an address or CIDR such as 10.0.0.0/8 "
                                   f"({exc})") from exc
         return tuple(networks)
+
+    def push_lease_key(self) -> bytes | None:
+        """The push-lease HMAC key, or None when push-lease is off (every client pulls). Fails closed: enabled with
+        no secret, or a short or placeholder one, raises ConfigError unless DEV_MODE (which uses a fixed
+        development key when none is set)."""
+        if not self.push_lease_enabled:
+            return None
+        secret = self.push_lease_secret
+        if not secret:
+            if not self.dev_mode:
+                raise ConfigError("PUSH_LEASE_ENABLED is on but PUSH_LEASE_SECRET is not set (at least 32 random "
+                                  "bytes, the same for dispatch-coordinator and every dispatch-hub); set it, or "
+                                  "PUSH_LEASE_ENABLED=0 for pull-lease only")
+            return DEV_PUSH_LEASE_SECRET.encode()
+        if not self.dev_mode:
+            _check_secret(secret, "PUSH_LEASE_SECRET")
+        return secret.encode()
 
     def ops_token(self) -> str:
         """OPS_API_TOKEN; raises ConfigError for a configured token that is short (under 32 bytes) or a known

@@ -8,6 +8,8 @@ mkdir -p .run
 # A local demo: DEV_MODE accepts this well-known secret (and an ops API without a token); production refuses both.
 export DEV_MODE=${DEV_MODE:-1}
 export GATEWAY_JWT_SECRET=${GATEWAY_JWT_SECRET:-local-demo-gateway-secret-change-me-0001}
+# Phase 2 push-lease (docs/desktop-protocol.md "Push-lease"); DEV_MODE derives the tokens with the development key.
+export PUSH_LEASE_ENABLED=${PUSH_LEASE_ENABLED:-1}
 if [ "${OBSERVE:-}" = 1 ]; then
   # Every span to `make observe`'s trace sink (100 % sampled).
   export OTEL_TRACES_EXPORTER=otlp OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf \

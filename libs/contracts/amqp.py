@@ -80,12 +80,50 @@ class LifecycleEvent(msgspec.Struct, tag="lifecycle", tag_field="type", kw_only=
     collect_request_id: uuid.UUID | None = None
 
 
+# ---- dispatch batch: many clients' dispatch events towards one hub, in one broker message -------------------
+DISPATCH_BATCH = "dispatch_batch"
+# The envelope's layout version: a hub refuses (dead-letters) a version it does not know. Fields added with
+# defaults keep the version; a layout an older hub would misread gets the next one.
+DISPATCH_BATCH_VERSION = 1
+
+
+class DispatchBatchItem(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One dispatch event inside a `dispatch_batch`: what its own broker message would have carried."""
+
+    key: str  # its routing key as routed (`hub.<hub>.monitor.<lane>.<client>`, `hub.<hub>.publish.<client>`)
+    message_id: str  # the outbox row's event_id
+    message_type: Literal["task_available", "task_control"]
+    # The event's payload byte for byte as its outbox row holds it (the hub forwards it to the socket unchanged).
+    event: msgspec.Raw
+    traceparent: str | None = None
+    outbox_id: int | None = None
+
+
+class DispatchBatch(msgspec.Struct, tag=DISPATCH_BATCH, tag_field="type", kw_only=True):
+    """Dispatch events of many clients of one hub, published by the outbox relay as one message
+    (`desktop.task.dispatch` / `hub.<hub>.batch`, AMQP type `dispatch_batch`): a burst costs the hub one broker
+    delivery per relay batch instead of one per event (docs/architecture.md, "Dispatch batches")."""
+
+    v: int = DISPATCH_BATCH_VERSION
+    events: list[DispatchBatchItem]
+
+
+class DispatchBatchFrame(msgspec.Struct, tag=DISPATCH_BATCH, tag_field="type", kw_only=True):
+    """How a hub first reads a `dispatch_batch`: the version, and each item still undecoded, so that one malformed
+    item is refused alone (`DispatchBatchItem` decoded item by item) and never takes the others with it."""
+
+    v: int
+    events: list[msgspec.Raw]
+
+
 AnyMessage = TaskAvailable | TaskControl | MonitorResult | ProjectionRebuild | LifecycleEvent
 
 result_decoder: msgspec.json.Decoder[MonitorResult] = msgspec.json.Decoder(MonitorResult)
 projection_decoder: msgspec.json.Decoder[ProjectionRebuild] = msgspec.json.Decoder(ProjectionRebuild)
 lifecycle_decoder: msgspec.json.Decoder[LifecycleEvent] = msgspec.json.Decoder(LifecycleEvent)
 any_message_decoder: msgspec.json.Decoder[AnyMessage] = msgspec.json.Decoder(AnyMessage)
+dispatch_batch_decoder: msgspec.json.Decoder[DispatchBatchFrame] = msgspec.json.Decoder(DispatchBatchFrame)
+dispatch_batch_item_decoder: msgspec.json.Decoder[DispatchBatchItem] = msgspec.json.Decoder(DispatchBatchItem)
 
 
 def message_type(message: msgspec.Struct) -> str:
@@ -103,3 +141,6 @@ MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {
     "projection_rebuild": ProjectionRebuild,
     "lifecycle": LifecycleEvent,
 }
+# What the outbox relay may publish: the rows' types, and the envelope it makes itself from dispatch rows (never
+# an outbox row of its own: writers enqueue the events, the relay packs them).
+PUBLISHED_MESSAGE_TYPES: dict[str, type[msgspec.Struct]] = {**MESSAGE_TYPES, DISPATCH_BATCH: DispatchBatch}

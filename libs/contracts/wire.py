@@ -21,22 +21,39 @@ from libs.contracts.common import (
     ShortText,
     TaskKind,
 )
+from libs.contracts.http import BrandRef, PlatformRef, QuestionRef
 
 # The desktop protocol's version (docs/desktop-protocol.md, Versioning). Within a major every change is additive (a
 # new field with a default, a new message type or control a client may ignore); MINOR counts those changes.
 # A client names the majors it speaks as WebSocket subprotocols `monitor.desktop.v{major}`.
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3
 PROTOCOL_VERSION = f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
 SUBPROTOCOL_PREFIX = "monitor.desktop.v"
 # The majors this hub serves; a newer major is refused at the upgrade, an older one is served while listed.
 SUPPORTED_MAJORS: tuple[int, ...] = (1,)
 # What each minor added (the AsyncAPI document marks each field with `x-since`).
 FIELDS_SINCE: dict[str, dict[str, str]] = {
-    "TaskAvailable": {"traceparent": "1.1"},
+    "TaskAvailable": {"traceparent": "1.1", "lease_token": "1.3", "lease_epoch": "1.3", "lease_expires_at": "1.3",
+                      "brand": "1.3", "question": "1.3", "platform": "1.3"},
     "TaskControl": {"traceparent": "1.1"},
-    "Hello": {"protocol_version": "1.2"},
+    "Hello": {"protocol_version": "1.2", "capabilities": "1.3"},
 }
+# Optional behaviours a client asks for on its upgrade, comma-separated in this header or query parameter; the hub's
+# hello lists the ones it granted (`capabilities`). `push_lease` (docs/desktop-protocol.md "Push-lease"):
+# `task_available` may carry the lease itself (token, epoch, expiry and what the task runs), so the client starts
+# without a lease call.
+CAPABILITIES_HEADER = "X-Monitor-Capabilities"
+# ... or in this query parameter of the upgrade URL (a browser-side WebSocket, e.g. an Electron renderer, cannot set
+# headers).
+CAPABILITIES_QUERY = "capabilities"
+PUSH_LEASE = "push_lease"
+KNOWN_CAPABILITIES: frozenset[str] = frozenset({PUSH_LEASE})
+
+
+def requested_capabilities(values: list[str] | tuple[str, ...]) -> frozenset[str]:
+    """The known capabilities a client's header values name (unknown ones are ignored: a newer client)."""
+    return frozenset(part.strip() for value in values for part in value.split(",")) & KNOWN_CAPABILITIES
 
 
 def subprotocol(major: int) -> str:
@@ -60,6 +77,15 @@ class TaskAvailable(msgspec.Struct, tag="task_available", tag_field="type", kw_o
     # W3C trace context of the hub's delivery (set when tracing is on): a client sends it back as the
     # `traceparent` header of its lease/extend/cancel/result calls for this task.
     traceparent: str | None = None
+    # Push-lease (since 1.3; only to a client whose hello granted `push_lease`): the execution is already leased to
+    # it. Start at once and extend / post the result with `lease_token` as after a lease call; the lease lasts
+    # until `lease_expires_at` unless extended. Absent: lease by pull. A replay re-sends the same lease.
+    lease_token: str | None = None
+    lease_epoch: int | None = None
+    lease_expires_at: datetime | None = None
+    brand: BrandRef | None = None
+    question: QuestionRef | None = None
+    platform: PlatformRef | None = None
 
 
 ControlKind = Literal["interrupt_requested", "cancelled", "lease_revoked"]
@@ -90,6 +116,8 @@ class Hello(msgspec.Struct, tag="hello", tag_field="type", kw_only=True):
     # "MAJOR.MINOR" the hub speaks on this socket (docs/desktop-protocol.md, Versioning); a hello without it
     # came from a hub older than 1.2.
     protocol_version: str = "1.0"
+    # The capabilities (CAPABILITIES_HEADER) the hub granted this socket (since 1.3).
+    capabilities: list[str] = msgspec.field(default_factory=list)
 
 
 class HeartbeatAck(msgspec.Struct, tag="heartbeat_ack", tag_field="type", kw_only=True):

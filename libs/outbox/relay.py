@@ -30,12 +30,13 @@ from pamqp.commands import Basic
 from psycopg import AsyncCursor
 from psycopg_pool import AsyncConnectionPool
 
-from libs.contracts.amqp import MESSAGE_TYPES
+from libs.contracts.amqp import DISPATCH_BATCH, PUBLISHED_MESSAGE_TYPES
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.mq import hub_routing
 from libs.mq.connection import connect as mq_connect
 from libs.mq.topology import DISPATCH, LOGICAL_EXCHANGES, Topology, declare_exchanges
+from libs.outbox import dispatch_batches
 from libs.outbox import queries as q
 from libs.outbox.state import (
     TRANSITION_EVENT,
@@ -110,13 +111,33 @@ def validate_payload(event: ClaimedEvent) -> None:
     """Only events whose payload matches their contract leave the outbox (payload allow-list)."""
     if event.exchange not in LOGICAL_EXCHANGES:
         raise PublishError("permanent", f"unknown exchange {event.exchange!r}")
-    contract = MESSAGE_TYPES.get(event.message_type)
+    contract = PUBLISHED_MESSAGE_TYPES.get(event.message_type)
     if contract is None:
         raise PublishError("permanent", f"unknown message_type {event.message_type!r}")
     try:
         msgspec.json.decode(event.payload, type=contract)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise PublishError("permanent", f"payload does not match {event.message_type}: {exc}") from exc
+
+
+def _publishable(event: ClaimedEvent) -> bool:
+    try:
+        validate_payload(event)
+    except PublishError:
+        return False  # published alone, so that it dead-letters alone
+    return True
+
+
+def envelope_event(envelope: dispatch_batches.Envelope, carried: Sequence[ClaimedEvent]) -> ClaimedEvent:
+    """A `dispatch_batch` envelope as the one message the publisher sends for `carried` (its events, in order):
+    the publish span's parent is the first event's context; each event keeps its own in the envelope."""
+    first = carried[0]
+    return ClaimedEvent(id=first.id, event_id=envelope.message_id, exchange=DISPATCH,
+                        routing_key=envelope.routing_key, message_type=DISPATCH_BATCH, payload=envelope.body,
+                        headers={"x-dispatch-batch-events": len(carried)}, ordering_key=None,
+                        tenant_id=first.tenant_id, traceparent=first.traceparent, attempts=first.attempts,
+                        max_attempts=first.max_attempts, created_at=min(e.created_at for e in carried),
+                        priority=max(e.priority for e in carried))
 
 
 class AmqpPublisher:
@@ -259,13 +280,40 @@ class OutboxRelay:
         try:
             # Unresolved (the database went away): nothing is published, every row is released unattempted.
             runs = await self._route_to_hubs([*chains.values(), *singles])
-            if len(runs) == 1:  # the usual writer's batch: publish now, not from a task scheduled for later
-                await self._publish_chain(runs[0], outcomes)
+            # Dispatch events towards the same hub go in envelopes (libs/outbox/dispatch_batches.py), the rest alone.
+            packed = dispatch_batches.plan(runs, dispatch_exchange=DISPATCH, valid=_publishable)
+            work = [*(self._publish_chain(c, outcomes) for c in packed.single),
+                    *(self._publish_envelopes(hub, events, outcomes) for hub, events in packed.by_hub.items())]
+            if len(work) == 1:  # the usual writer's batch: publish now, not from a task scheduled for later
+                await work[0]
             else:
-                await asyncio.gather(*(self._publish_chain(c, outcomes) for c in runs))
+                await asyncio.gather(*work)
         finally:
             await asyncio.shield(self._record(batch, outcomes, keys=list(chains)))
         return sum(1 for o, _ in outcomes.values() if o == "published")
+
+    async def _publish_envelopes(self, hub: str, events: list[ClaimedEvent],
+                                 outcomes: dict[int, tuple[Outcome, Any]]) -> None:
+        """A hub's events (its chains, in order) as envelopes, one after another; stop at the first failure, which
+        is each carried event's failure (the events of the envelopes after it are not attempted)."""
+        by_id = {e.id: e for e in events}
+        envelopes = dispatch_batches.pack(hub, events)
+        for index, envelope in enumerate(envelopes):
+            carried = [by_id[i] for i in envelope.event_ids]
+            try:
+                await self._publisher.publish(envelope_event(envelope, carried))
+            except PublishError as exc:
+                failed: tuple[Outcome, Any] = ("unattempted", None) if exc.broker_unavailable else ("failed", exc)
+                for event in carried:
+                    outcomes[event.id] = failed
+                for rest in envelopes[index + 1:]:
+                    for event_id in rest.event_ids:
+                        outcomes[event_id] = ("unattempted", None)
+                return
+            confirmed_at = datetime.now(UTC)
+            metrics.outbox_dispatch_batches_published_count.inc()
+            for event in carried:
+                outcomes[event.id] = ("published", confirmed_at)
 
     async def _route_to_hubs(self, runs: list[list[ClaimedEvent]]) -> list[list[ClaimedEvent]]:
         """Dispatch events re-keyed towards the hub that holds their client, read now, after their commit

@@ -8,11 +8,20 @@ whoever runs it (docs/architecture.md "State machines", "Write matrix").
 
 Ending work (an execution or a legacy lease) and what it does to the business task (yield, retry, finish) is
 libs/tasks/transitions.py; the legacy lease columns on the row are libs/tasks/legacy.py's.
+
+Every statement has its operation: the coordinator's (`scan_due_plans`, `count_dispatched`, `apply_aging`,
+`rollback_to_legacy`) hold private statements (`_NAME`); the reconciler's (`unbind_high_of_stale_clients`,
+`demote_timed_out`, `rebind_high`, `expire`) keep their statements public, and collect-now's (CREATE_MISSING_TASKS,
+PROMOTE_SCOPE, MARK_SUPERSEDED, run in its pipelined click) are still statements, until their callers move to
+operations (issue #23).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
+from collections.abc import Sequence
+
+import msgspec
 
 from libs.db.pool import Conn
 from libs.tasks.fragments import (
@@ -88,7 +97,7 @@ WHERE tenant_id = %(tenant_id)s AND collect_request_id = ANY(%(old_ids)s::uuid[]
 # ---- dispatch ----------------------------------------------------------------------------------------------------
 
 # The coordinator dispatched these rows (by ctid, locked by its claim): one attempt more, the replacement id used.
-COUNT_DISPATCH_ATTEMPTS = """
+_COUNT_DISPATCH_ATTEMPTS = """
 UPDATE monitoring_collect_tasks t
 SET dispatch_attempts = t.dispatch_attempts + 1, last_dispatched_at = now(), next_execution_id = NULL,
     updated_at = now()
@@ -102,7 +111,7 @@ WHERE t.ctid = ANY(%(row_refs)s::tid[])
 # libs.domain.shard.ingest_shard_key's format ("{tenant}:{brand}:{YYYY-MM-DD}"; the scanner tests assert
 # the two agree). Zones Postgres does not know fall back to UTC like tenant_zone(); %(zones)s lists the
 # known ones. The plans are updated by `ctid` (rows locked by this very statement cannot move).
-SCAN_DUE_PLANS = """
+_SCAN_DUE_PLANS = """
 WITH due AS MATERIALIZED (
     SELECT p.ctid AS row_ref, p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id,
            p.collector_type, p.run_mode, p.next_run_at, greatest(1, p.interval_seconds) AS step_s,
@@ -145,20 +154,56 @@ SELECT (SELECT count(*) FROM advanced) AS plans,
 
 
 
-async def count_dispatched(conn: Conn, row_refs: list[Any]) -> None:
+async def count_dispatched(conn: Conn, row_refs: Sequence[str]) -> None:
     """The rows a pass dispatched (their ctids, locked by its claim) count one dispatch attempt more."""
-    await conn.execute(COUNT_DISPATCH_ATTEMPTS, {"row_refs": row_refs})
+    await conn.execute(_COUNT_DISPATCH_ATTEMPTS, {"row_refs": list(row_refs)})
+
+
+class CreatedGroup(msgspec.Struct, frozen=True):
+    """Tasks a scan created, per (tenant, platform, execution path)."""
+
+    tenant_id: int
+    ai_platform_id: int
+    execution_owner: str
+    n: int
+
+
+class ScanBatch(msgspec.Struct, frozen=True):
+    """One scan batch: the plans it advanced and the tasks it created."""
+
+    plans: int
+    created: list[CreatedGroup]
+
+
+async def scan_due_plans(conn: Conn, *, limit: int, zones: Sequence[str], priority: int,
+                         rollout_percentage: int) -> ScanBatch:
+    """One batch of due plans (SKIP LOCKED), each its task for its latest due slot (idempotent on the business key),
+    each advanced past now. `zones`: the time zones Postgres knows (others fall back to UTC)."""
+    cur = await conn.execute(_SCAN_DUE_PLANS, {"limit": limit, "zones": list(zones), "priority": priority,
+                                               "rollout": rollout_percentage})
+    row = await cur.fetchone()
+    assert row is not None
+    return ScanBatch(plans=int(row["plans"]), created=[  # `created`: a json document, loaded by psycopg
+        CreatedGroup(int(g["tenant_id"]), int(g["ai_platform_id"]), str(g["execution_owner"]), int(g["n"]))
+        for g in row["created"]])
 
 # ---- lanes and bindings ------------------------------------------------------------------------------------------
 
 # Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost.
-APPLY_AGING = """
+_APPLY_AGING = """
 UPDATE monitoring_collect_tasks t
 SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
 FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
      AS v(id, lane, priority, boost)
 WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN ('normal', 'normal_boosted')
 """
+
+
+async def apply_aging(conn: Conn, *, ids: Sequence[int], lanes: Sequence[str], priorities: Sequence[int],
+                      boosts: Sequence[int]) -> None:
+    """Aged pending normal tasks get their new lane, priority and boost (ids[i]: lanes[i], ...)."""
+    await conn.execute(_APPLY_AGING, {"ids": list(ids), "lanes": list(lanes), "priorities": list(priorities),
+                                      "boosts": list(boosts)})
 
 
 # The reconciler: pending high work bound to a client without a fresh heartbeat (or disabled) is unbound, lane kept.
@@ -173,6 +218,22 @@ RETURNING t.id, t.tenant_id, c.id AS client_id, t.collect_request_id
 """
 
 
+class Unbound(msgspec.Struct, frozen=True):
+    """Pending high work unbound from a client without a fresh heartbeat (or disabled)."""
+
+    id: int
+    tenant_id: int
+    client_id: uuid.UUID
+    collect_request_id: uuid.UUID | None
+
+
+async def unbind_high_of_stale_clients(conn: Conn, *, heartbeat_timeout_s: float) -> list[Unbound]:
+    """Pending high work bound to a client whose last heartbeat is older than `heartbeat_timeout_s` (or that is
+    disabled) is unbound, its lane kept."""
+    cur = await conn.execute(UNBIND_HIGH_OF_STALE_CLIENTS, {"timeout_s": heartbeat_timeout_s})
+    return [Unbound(r["id"], r["tenant_id"], r["client_id"], r["collect_request_id"]) for r in await cur.fetchall()]
+
+
 # The reconciler: a timed-out request's pending tasks that are not executing leave the high lane, unbound.
 DEMOTE_TIMED_OUT = f"""
 UPDATE monitoring_collect_tasks t
@@ -182,6 +243,14 @@ WHERE t.collect_request_id = %(id)s AND t.tenant_id = %(tenant_id)s AND t.status
   AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
                   AND d.status IN {ACTIVE_EXECUTION_SQL})
 """
+
+
+async def demote_timed_out(conn: Conn, *, request_id: uuid.UUID, tenant_id: int, normal_priority: int) -> int:
+    """A timed-out request's pending high tasks without an active execution go to the normal lane, unbound; how
+    many did."""
+    cur = await conn.execute(DEMOTE_TIMED_OUT, {"id": request_id, "tenant_id": tenant_id,
+                                                "normal_priority": normal_priority})
+    return cur.rowcount
 
 
 # The reconciler: a client that did not yield before the hard timeout loses its pending high work to another.
@@ -195,6 +264,14 @@ WHERE t.tenant_id = %(tenant_id)s AND t.target_client_id = %(client_id)s AND t.s
 """
 
 
+async def rebind_high(conn: Conn, *, tenant_id: int, client_id: uuid.UUID, new_client_id: uuid.UUID | None) -> int:
+    """The pending high work bound to `client_id` and not running goes to `new_client_id` (None: unbound); how many
+    tasks moved."""
+    cur = await conn.execute(REBIND_HIGH, {"tenant_id": tenant_id, "client_id": client_id,
+                                           "new_client_id": new_client_id})
+    return cur.rowcount
+
+
 # ---- the end of a row's day and path ------------------------------------------------------------------------------
 
 # The reconciler: a pending task whose business day is over (nothing live on it) expires.
@@ -206,10 +283,22 @@ WHERE id = %(id)s AND status = 'pending'
 """
 
 
+async def expire(conn: Conn, task_id: int) -> bool:
+    """The pending task's business day is over: expired (False: it was not pending)."""
+    cur = await conn.execute(EXPIRE, {"id": task_id})
+    return cur.rowcount == 1
+
+
 # Pending desktop_tasks-owned tasks without an active execution go to the legacy path (a row with one is left alone:
 # without --force its execution finishes on desktop_tasks). Any zombie legacy lease columns are cleared on the way.
-ROLLBACK_TO_LEGACY = f"""
+_ROLLBACK_TO_LEGACY = f"""
 UPDATE monitoring_collect_tasks t
 SET execution_owner = 'legacy', {CLEAR_LEGACY_LEASE_SQL}, updated_at = now()
 WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks' AND t.id NOT IN ({ACTIVE_TASK_IDS_SQL})
 """
+
+
+async def rollback_to_legacy(conn: Conn) -> int:
+    """Every pending desktop_tasks-owned task without an active execution goes to the legacy path; how many did."""
+    cur = await conn.execute(_ROLLBACK_TO_LEGACY)
+    return cur.rowcount

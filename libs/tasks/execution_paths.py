@@ -133,16 +133,18 @@ def executions_for(owner: str) -> Executions:
 
 # ---- dispatch (the coordinator) -----------------------------------------------------------------------------------
 
-async def dispatch(conn: Conn, rows: list[dict[str, Any]], *, ts: datetime) -> None:
+async def dispatch(conn: Conn, rows: list[dict[str, Any]], *,
+                   ts: datetime) -> dict[ExecutionOwner, list[dict[str, Any]]]:
     """The work a dispatch pass decided, each row on its task's path (`execution_owner`): an execution, or an offer
-    on the business row (in the caller's pipeline)."""
-    by_path: dict[str, list[dict[str, Any]]] = {}
+    on the business row (in the caller's pipeline). Returns the rows each path created."""
+    by_path: dict[ExecutionOwner, list[dict[str, Any]]] = {}
     for r in rows:  # a row of no known owner is the new path's (the column's default)
         by_path.setdefault(r["execution_owner"] if r["execution_owner"] in _BY_OWNER else DESKTOP_TASKS.owner,
                            []).append(r)
     for path in PATHS:
         if mine := by_path.get(path.owner):
             await path.create(conn, mine, ts=ts)
+    return by_path
 
 
 # ---- the lease call (the hub) -------------------------------------------------------------------------------------

@@ -4,8 +4,7 @@ age of the oldest result accepted but not applied yet (libs/ingest/lag.py). Endi
 tasks are libs/tasks/transitions.py's; the request counters, libs/tasks/requests.py's.
 
 The SQL is module-private `_NAME` constants (docs/architecture.md "The task store: the click's and ingest's
-operations"); INGEST_LAG_SQL is public while the coordinator's auto slow-down runs it itself (its
-dispatch_coordinator/queries.py is still on tests/unit/test_task_store_boundary.py's STILL_OUTSIDE).
+operations").
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ ORDER BY id
 # execution paths: an execution still in progress (or unknown) with its result received, and a legacy lease still in
 # progress with its result received (ingest ends the lease when it applies the result: docs/legacy-path.md). The
 # oldest of the two; least() skips a path with none.
-INGEST_LAG_SQL = """
+_INGEST_LAG_SQL = """
 SELECT coalesce(extract(epoch FROM now() - least(
            (SELECT min(result_received_at) FROM desktop_tasks
             WHERE status IN ('in_progress', 'unknown') AND result_received_at IS NOT NULL),
@@ -120,6 +119,6 @@ async def other_live_executions(conn: Conn, monitor_task_ids: Sequence[int],
 
 async def oldest_unapplied_result_age_ms(conn: Conn) -> float:
     """Age (ms) of the oldest result the hub accepted that ingest has not applied yet, on either path; 0 for none."""
-    cur = await conn.execute(INGEST_LAG_SQL)
+    cur = await conn.execute(_INGEST_LAG_SQL)
     row = await cur.fetchone()
     return max(0.0, float(row["lag_ms"])) if row else 0.0

@@ -201,6 +201,10 @@ outbox_published_count = ExactCounter("outbox_published_count", "Outbox events p
 outbox_publish_failed_count = ExactCounter(
     "outbox_publish_failed_count", "Outbox publish attempts that failed.", ["exchange"])
 outbox_dead_letter_count = ExactCounter("outbox_dead_letter_count", "Outbox events moved to dead_letter.")
+outbox_dispatch_batches_published_count = ExactCounter(
+    "outbox_dispatch_batches_published_count",
+    "dispatch_batch envelopes published (many dispatch events towards one hub in one message; the events are "
+    "counted one by one in outbox_published_count).")
 outbox_commit_to_publish_ms = _hist(
     "outbox_commit_to_publish_ms", "Outbox row creation to broker-confirmed publish (ms).")
 outbox_depth = Gauge("outbox_depth", "Outbox rows by status.", ["status"])
@@ -251,6 +255,19 @@ hub_dispatch_events_not_here_total = ExactCounter(
     "hub_dispatch_events_not_here_total",
     "Dispatch events routed to this hub for a client it no longer holds (it moved or went away after the event "
     "was routed; its replay on reconnect carries the task).")
+hub_dispatch_batches_received_total = ExactCounter(
+    "hub_dispatch_batches_received_total",
+    "dispatch_batch envelopes this hub's queue took (each carries many of its clients' dispatch events, counted one "
+    "by one in hub_dispatch_events_received_total).")
+hub_dispatch_batches_dead_lettered_total = ExactCounter(
+    "hub_dispatch_batches_dead_lettered_total",
+    "dispatch_batch envelopes copied to the hub's DLQ with a reason, by reason: malformed (unreadable or an "
+    "unknown version; none of its events delivered) or malformed_items (some items unreadable: the others were "
+    "delivered).", labelnames=("reason",))
+hub_dispatch_events_malformed_total = ExactCounter(
+    "hub_dispatch_events_malformed_total",
+    "Items of a dispatch_batch that could not be read and were not delivered (the other items of the envelope "
+    "were; the envelope went to the DLQ; the client's replay on reconnect carries the task).")
 # Edge limits (one client or tenant cannot take what others need).
 edge_rejected_total = ExactCounter(
     "edge_rejected_total", "Requests refused by a per-client, per-address or per-tenant limit, by reason.",

@@ -8,6 +8,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
 from psycopg.pq import TransactionStatus
 
 from libs.contracts.amqp import LifecycleEvent
@@ -34,10 +35,10 @@ from libs.leader import leader_states
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
-from libs.tasks import business, fragments, transitions
+from libs.tasks import admin_ops, business
 from libs.tasks.controls import control_event
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, EndReason
-from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ELIGIBLE_CLIENT_SQL, ExecutionEnd, end_executions
+from libs.tasks.statuses import EndReason
+from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ExecutionEnd, end_executions
 from services.dispatch_coordinator import queries as q
 
 ROLLBACK_REASON: EndReason = "phase2_emergency_rollback"
@@ -87,20 +88,6 @@ SET max_concurrent = EXCLUDED.max_concurrent, interrupt_soft_timeout_ms = EXCLUD
     timeouts_dynamic = EXCLUDED.timeouts_dynamic, updated_at = now()
 RETURNING ai_platform_id
 """
-_LANE_BACKLOG = f"""
-SELECT t.dispatch_lane AS lane, count(*) AS ready, coalesce(max(extract(epoch FROM (now() - t.enqueued_at))), 0)
-       * 1000 AS oldest_ms
-FROM monitoring_collect_tasks t WHERE {q.READY} GROUP BY 1
-"""
-_EXECUTIONS = f"""
-SELECT status, count(*) AS n FROM desktop_tasks
-WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL} GROUP BY 1
-"""
-_CLIENTS_ONLINE = f"""
-SELECT count(*) FILTER (WHERE {ELIGIBLE_CLIENT_SQL}) AS eligible, count(*) FILTER (WHERE c.online) AS online,
-       count(*) AS registered
-FROM desktop_clients c
-"""
 # ---- the migration levers: rollout and emergency rollback (docs/legacy-path.md) ----------------------------------
 
 # Serialises the rollout's read-modify-write (`rollout set`, `rollback`): the "before" each one reports is the value
@@ -118,50 +105,8 @@ SELECT count(*) AS tenants,
 FROM tenants
 """
 
-# What a rollback would change, in one snapshot: active executions (aborted with --force, else left to finish) and
-# the pending desktop_tasks-owned tasks (all of them with --force, whose executions are all aborted first; else only
-# those without an active execution).
-_ROLLBACK_PREVIEW = f"""
-SELECT (SELECT count(*) FROM desktop_tasks d
-        WHERE d.kind = 'monitor' AND d.status IN {ACTIVE_EXECUTION_SQL}) AS in_flight,
-       count(*) AS pending_desktop_tasks,
-       count(*) FILTER (WHERE t.id NOT IN ({fragments.ACTIVE_TASK_IDS_SQL})) AS pending_without_execution
-FROM monitoring_collect_tasks t
-WHERE t.status = 'pending' AND t.execution_owner = 'desktop_tasks'
-"""
-
-_ACTIVE_MONITOR = f"""
-SELECT id, target_client_id, tenant_id, interrupt_generation, monitor_task_id, collect_request_id
-FROM desktop_tasks
-WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL}
-ORDER BY id
-"""
-
-# `rollout status`: business tasks per path. Pending (desktop_tasks: without an active execution, whose tasks are in
-# flight) over the pending index, legacy leases over ix_collect_tasks_legacy_holder, completed since today's start
-# (UTC).
-_PENDING_BY_OWNER = f"""
-SELECT t.execution_owner AS path, count(*) AS pending_rows,
-       count(*) FILTER (WHERE t.execution_owner = 'desktop_tasks'
-                        AND t.id IN ({fragments.ACTIVE_TASK_IDS_SQL})) AS with_execution
-FROM monitoring_collect_tasks t WHERE t.status = 'pending' GROUP BY 1
-"""
-_LEASED_BY_OWNER = """
-SELECT t.execution_owner AS path, count(*) FILTER (WHERE t.status = 'leased') AS leased,
-       count(*) FILTER (WHERE t.status = 'received') AS received
-FROM monitoring_collect_tasks t WHERE t.status IN ('leased', 'received') GROUP BY 1
-"""
-_COMPLETED_TODAY_BY_OWNER = """
-SELECT t.execution_owner AS path, count(*) AS n
-FROM monitoring_collect_tasks t
-WHERE t.status = 'completed' AND t.completed_at >= date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
-GROUP BY 1
-"""
 # Read-only counts from one snapshot (when the read runs in its own transaction).
 _SNAPSHOT = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"
-_LIVE_LEASES = """
-SELECT status, count(*) AS n FROM legacy_leases WHERE status IN ('queued', 'in_progress') GROUP BY 1
-"""
 
 
 class AdminError(ValueError):
@@ -405,21 +350,18 @@ async def rollout_status(conn: Conn) -> dict[str, Any]:
             "legacy": {"tenants": tenants["legacy_tenants"]["after"], "pending": 0, "in_flight": 0, "leased": 0,
                        "received": 0, "completed_today": 0},
         }
-        for row in await (await conn.execute(_PENDING_BY_OWNER)).fetchall():
-            paths[row["path"]]["pending"] = int(row["pending_rows"]) - int(row["with_execution"])
-        for row in await (await conn.execute(_LEASED_BY_OWNER)).fetchall():
-            if row["path"] == "legacy":  # the write matrix keeps desktop_tasks rows out of leased/received
-                paths["legacy"]["leased"] = int(row["leased"])
-                paths["legacy"]["received"] = int(row["received"])
-                paths["legacy"]["in_flight"] = int(row["leased"]) + int(row["received"])
-        for row in await (await conn.execute(_COMPLETED_TODAY_BY_OWNER)).fetchall():
-            paths[row["path"]]["completed_today"] = int(row["n"])
+        counts = await admin_ops.path_tasks(conn)
+        for path, n in counts.pending_rows.items():
+            paths[path]["pending"] = n - counts.pending_with_execution.get(path, 0)
+        if "legacy" in counts.leased:  # the write matrix keeps desktop_tasks rows out of leased/received
+            paths["legacy"]["leased"] = counts.leased["legacy"]
+            paths["legacy"]["received"] = counts.received["legacy"]
+            paths["legacy"]["in_flight"] = counts.leased["legacy"] + counts.received["legacy"]
+        for path, n in counts.completed_today.items():
+            paths[path]["completed_today"] = n
         executions = {s: 0 for s in ("queued", "in_progress", "unknown")}
-        for row in await (await conn.execute(_EXECUTIONS)).fetchall():
-            executions[row["status"]] = int(row["n"])
-        leases = {"queued": 0, "in_progress": 0}
-        for row in await (await conn.execute(_LIVE_LEASES)).fetchall():
-            leases[row["status"]] = int(row["n"])
+        executions.update(await admin_ops.active_executions_by_status(conn))
+        leases = {"queued": 0, "in_progress": 0, **counts.live_leases}
     paths["desktop_tasks"]["in_flight"] = sum(executions.values())
     return {
         "rollout_percentage": pct,
@@ -448,10 +390,9 @@ async def emergency_rollback(conn: Conn, *, force_in_flight: bool, dry_run: bool
                 await conn.execute(_SNAPSHOT)
             before = (await load_settings(conn)).rollout_percentage
             movement = await _tenant_movement(conn, before, 0)
-            row = await (await conn.execute(_ROLLBACK_PREVIEW)).fetchone()
-        assert row is not None
-        in_flight = int(row["in_flight"])
-        moved = int(row["pending_desktop_tasks"] if force_in_flight else row["pending_without_execution"])
+            preview = await admin_ops.rollback_preview(conn)
+        in_flight = preview.in_flight
+        moved = preview.pending_desktop_tasks if force_in_flight else preview.pending_without_execution
         would_abort = in_flight if force_in_flight else 0
         return _rollback_result(dry_run=True, forced=force_in_flight, before=before, movement=movement,
                                 aborted=would_abort, moved=moved, left=in_flight - would_abort)
@@ -463,49 +404,39 @@ async def emergency_rollback(conn: Conn, *, force_in_flight: bool, dry_run: bool
             await set_setting(conn, "rollout_percentage", 0)
         movement = await _tenant_movement(conn, before, 0)
         aborted = await _abort_in_flight(conn) if force_in_flight else 0
-        cur = await conn.execute(business.ROLLBACK_TO_LEGACY)
-        moved = cur.rowcount
-        cur = await conn.execute(_IN_FLIGHT)
-        left_row = await cur.fetchone()
-        left = int(left_row["n"]) if left_row else 0
+        moved = await business.rollback_to_legacy(conn)
+        left = await admin_ops.active_execution_count(conn)
         if moved or aborted:  # the coordinator offers them on the legacy path without waiting for its tick
             await conn.execute("SELECT pg_notify(%(channel)s, '')", {"channel": DISPATCH_WAKE_CHANNEL})
     return _rollback_result(dry_run=False, forced=force_in_flight, before=before, movement=movement,
                             aborted=aborted, moved=moved, left=left)
 
 
-_IN_FLIGHT = f"""
-SELECT count(*) AS n FROM desktop_tasks WHERE kind = 'monitor' AND status IN {ACTIVE_EXECUTION_SQL}
-"""
-
-
 async def _abort_in_flight(conn: Conn) -> int:
     """--force: end every active monitor execution (aborted, phase2_emergency_rollback), give each business task
     its dispatch attempt back, and tell the clients (TaskControl 'cancelled') and the lifecycle stream
     (`task.aborted`) through the outbox. Returns how many were ended."""
-    cur = await conn.execute(_ACTIVE_MONITOR)
-    active = {row["id"]: dict(row) for row in await cur.fetchall()}
+    active = {row.id: row for row in await admin_ops.active_monitor_executions(conn)}
     ended = await end_executions(conn, [ExecutionEnd(task_id=task_id, outcome="aborted", reason=ROLLBACK_REASON)
                                         for task_id in active])
-    rows = [{**active[e.task_id], "ai_platform_id": e.ai_platform_id, "lane": e.lane} for e in ended
-            if e.task_id in active]
+    rows = [(active[e.task_id], e) for e in ended if e.task_id in active]
     if not rows:
         return 0
-    await conn.execute(transitions.YIELD_BUSINESS_MANY, {"ids": sorted({r["monitor_task_id"] for r in rows})})
+    await admin_ops.give_back_dispatch_attempts(conn, (row.monitor_task_id for row, _ in rows))
     now = datetime.now(UTC)
     events: list[OutboxEvent] = []
-    for row in rows:
-        client = row["target_client_id"]
-        events.append(control_event(task_id=row["id"], client_id=client, control="cancelled", reason=ROLLBACK_REASON,
-                                    interrupt_generation=row["interrupt_generation"], tenant_id=row["tenant_id"],
-                                    collect_request_id=row["collect_request_id"], now=now))
+    for row, end in rows:
+        client = row.target_client_id
+        events.append(control_event(task_id=row.id, client_id=client, control="cancelled", reason=ROLLBACK_REASON,
+                                    interrupt_generation=row.interrupt_generation, tenant_id=row.tenant_id,
+                                    collect_request_id=row.collect_request_id, now=now))
         events.append(OutboxEvent(
             exchange=LIFECYCLE, routing_key="task.aborted",
-            message=LifecycleEvent(event="task.aborted", tenant_id=row["tenant_id"], occurred_at=now,
-                                   client_id=client, task_id=row["id"], monitor_task_id=row["monitor_task_id"],
-                                   ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason=ROLLBACK_REASON,
-                                   collect_request_id=row["collect_request_id"]),
-            tenant_id=row["tenant_id"]))
+            message=LifecycleEvent(event="task.aborted", tenant_id=row.tenant_id, occurred_at=now,
+                                   client_id=client, task_id=row.id, monitor_task_id=row.monitor_task_id,
+                                   ai_platform_id=end.ai_platform_id, lane=end.lane, reason=ROLLBACK_REASON,
+                                   collect_request_id=row.collect_request_id),
+            tenant_id=row.tenant_id))
     await enqueue_many(conn, events, notify=True)
     return len(rows)
 
@@ -568,15 +499,13 @@ async def set_health_override(conn: Conn, code: str, tenant_id: int, mode: Overr
 async def status(conn: Conn) -> dict[str, Any]:
     """Lane backlogs, active executions, clients online, outbox depth and dead letters, coordinator state."""
     settings = await load_settings(conn)
-    cur = await conn.execute(_LANE_BACKLOG)
-    lanes = {r["lane"]: {"ready": int(r["ready"]), "oldest_ms": int(r["oldest_ms"])} for r in await cur.fetchall()}
+    lanes = {r.lane: {"ready": r.ready, "oldest_ms": int(r.oldest_ms)} for r in await admin_ops.lane_backlog(conn)}
     for lane in ("high", "normal_boosted", "normal", "retry"):
         lanes.setdefault(lane, {"ready": 0, "oldest_ms": 0})
         lanes[lane]["paused"] = lane in settings.paused_lanes  # type: ignore[assignment]
-    cur = await conn.execute(_EXECUTIONS)
-    executions = {r["status"]: int(r["n"]) for r in await cur.fetchall()}
-    cur = await conn.execute(_CLIENTS_ONLINE, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
-    clients = dict(await cur.fetchone() or {})
+    executions = await admin_ops.active_executions_by_status(conn)
+    clients = msgspec.structs.asdict(
+        await admin_ops.client_counts(conn, heartbeat_timeout_s=settings.heartbeat_timeout_seconds))
     depth = await outbox_admin.depth(conn)
     window = max(1, settings.budget_window_seconds)
     start = window_start(time.time(), window)

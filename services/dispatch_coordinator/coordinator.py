@@ -31,7 +31,8 @@ from libs.domain.slowdown import WriteStats
 from libs.mq.dead_letter import DeadLetterPublisher, dead_letter_or_give_back
 from libs.mq.topology import Topology, declare_lifecycle
 from libs.outbox.relay import OutboxRelay
-from libs.tasks import legacy
+from libs.tasks import consistency_reads
+from libs.tasks.push_leases import PushLeaseIssuer
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.dispatch_coordinator.dispatcher import Dispatcher, PassOutcome, is_transient
@@ -77,14 +78,18 @@ class _Deliveries:
         return batch
 
 
-async def check_execution_paths(conn: Conn) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class ExecutionPaths:
     """Work in flight per execution path, and the tasks with live work on the path they are not owned by."""
-    cur = await conn.execute(legacy.IN_FLIGHT_BY_PATH)
-    in_flight = await cur.fetchone()
-    assert in_flight is not None
-    cur = await conn.execute(legacy.PATH_MISMATCHES)
-    return {"in_flight": {"desktop_tasks": int(in_flight["desktop_tasks"]), "legacy": int(in_flight["legacy"])},
-            "mismatches": list(await cur.fetchall())}
+
+    in_flight: consistency_reads.PathsInFlight
+    mismatches: list[consistency_reads.PathProblem]
+
+
+async def check_execution_paths(conn: Conn) -> ExecutionPaths:
+    """Work in flight per execution path, and the tasks with live work on the path they are not owned by."""
+    return ExecutionPaths(await consistency_reads.in_flight_by_path(conn),
+                          await consistency_reads.path_mismatches(conn))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,8 @@ class CoordinatorConfig:
     listen: bool = True
     # How long this process's claims on its own high events last (see Dispatcher: the relay).
     relay_lease_seconds: float = 5.0
+    # Push-lease (libs/tasks/push_leases.py): executions of push clients are leased at dispatch; None: all pull.
+    push_leases: PushLeaseIssuer | None = None
 
 
 # The lifecycle events the coordinator consumes: completions and clients coming online wake dispatch; a
@@ -159,7 +166,8 @@ class Coordinator:
         # Confirmed before the original is acked (libs/mq/dead_letter.py), on a channel of its own.
         self._dead_letters = DeadLetterPublisher(amqp, config.topology) if amqp is not None else None
         self.dispatcher: Dispatching = dispatcher if dispatcher is not None else Dispatcher(
-            pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds, clock=clock)
+            pool, relay=relay, relay_lease_seconds=config.relay_lease_seconds, clock=clock,
+            push_leases=config.push_leases)
         # A collect-now asked for dispatch: the next pass starts with a high-only pass.
         self._high_wake = asyncio.Event()
         self.dispatcher.high_waiting = self._high_wake.is_set
@@ -356,12 +364,12 @@ class Coordinator:
             log.warning("execution-path start-up check failed", extra={"error": str(exc)[:300]})
             return
         log.info("execution paths at start-up", extra={
-            "in_flight_desktop_tasks": found["in_flight"]["desktop_tasks"],
-            "in_flight_legacy": found["in_flight"]["legacy"], "mismatches": len(found["mismatches"])})
-        for row in found["mismatches"][:20]:
-            log.error(f"ALERT: {row['problem']}; needs a human", extra={
-                "monitor_task_id": row["id"], "tenant_id": row["tenant_id"], "status": row["status"],
-                "execution_owner": row["execution_owner"]})
+            "in_flight_desktop_tasks": found.in_flight.desktop_tasks,
+            "in_flight_legacy": found.in_flight.legacy, "mismatches": len(found.mismatches)})
+        for row in found.mismatches[:20]:
+            log.error(f"ALERT: {row.problem}; needs a human", extra={
+                "monitor_task_id": row.id, "tenant_id": row.tenant_id, "status": row.status,
+                "execution_owner": row.execution_owner})
 
     async def _listen_loop(self, stop: asyncio.Event) -> None:
         """LISTEN dispatch_wakeup on a dedicated connection (reconnects; a high pass after every reconnect)."""

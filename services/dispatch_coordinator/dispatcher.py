@@ -17,13 +17,11 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
-import msgspec
 import psycopg
 from opentelemetry.trace import Span
-from psycopg import AsyncCursor
 from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
@@ -54,8 +52,9 @@ from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
-from libs.tasks import business, execution_paths, executions
-from libs.tasks import requests as collect_requests
+from libs.tasks import business, dispatch_reads, execution_paths
+from libs.tasks.dispatch_reads import CandidateRow, ClaimedTask, HighRead, PlatformSetting, RequestsDispatched
+from libs.tasks.push_leases import PushLeaseIssuer
 from libs.telemetry import metrics, tracing
 from services.dispatch_coordinator import queries as q
 from services.dispatch_coordinator.high_relay import HighRelay
@@ -67,15 +66,8 @@ CONFLICT_ERRORS: tuple[type[Exception], ...] = (
     pg_errors.UniqueViolation, pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
     pg_errors.LockNotAvailable,
 )
-# What a new pooled connection plans before its first click (libs.db.pool: EXPLAIN, nothing runs): the high
-# pass's statements, with parameters that match no row.
-WARM_UP_PARAMS: dict[str, object] = {
-    "window": 60, "heartbeat_timeout_s": 30, "limit": 1, "row_refs": ["(0,0)"], "ts": datetime(2000, 1, 1, tzinfo=UTC),
-    "rows": "[]", "ids": [uuid.UUID(int=0)], "counts": [0],
-}
-WARM_UP = [(statement, WARM_UP_PARAMS) for statement in (
-    q.HIGH_SNAPSHOT, q.LOCK_HIGH_CLIENTS, q.HIGH_CANDIDATES_LOCKED, business.COUNT_DISPATCH_ATTEMPTS,
-    executions.INSERT_EXECUTIONS, collect_requests.MARK_DISPATCHED)]
+# What a new pooled connection plans before its first click (libs.db.pool: EXPLAIN, nothing runs).
+WARM_UP = dispatch_reads.high_pass_warm_up()
 PER_PAIR_CAP = 50
 # A lane whose pairs' windows found fewer candidates than the pass's budget reads at most this many windows a pass.
 WINDOWS_PER_LANE = 3
@@ -162,19 +154,15 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
     window = max(1, settings.budget_window_seconds)
     start = window_start(now, window)
     ledger = Ledger()
-    async with conn.pipeline():  # one round trip for the five reads
-        budget = await conn.execute(q.BUDGET_USE, {"window_start": int(start), "window": window})
-        platforms = await conn.execute(q.PLATFORM_SETTINGS)
-        active = await conn.execute(q.PLATFORM_ACTIVE)
-        loads = await conn.execute(q.CLIENTS, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
-        overrides_cur = await conn.execute(q.PLATFORM_HEALTH_OVERRIDES)
-        _fold_budget(ledger, await budget.fetchall())
-        codes = _fold_platforms(ledger, await platforms.fetchall())
-        ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"] for r in await active.fetchall()}
-        overrides: dict[tuple[int, int], OverrideMode] = {
-            (r["tenant_id"], r["ai_platform_id"]): r["mode"] for r in await overrides_cur.fetchall()}
-        ids_by_code = {code: pid for pid, code in codes.items()}
-        clients = [_client_state(r, ids_by_code, overrides) for r in await loads.fetchall()]
+    read = await dispatch_reads.read_pass_snapshot(conn, window_start=int(start), window_seconds=window,
+                                                   heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
+    _fold_budget(ledger, read.budget)
+    codes = _fold_platforms(ledger, read.platforms)
+    ledger.platform_active = {(r.tenant_id, r.ai_platform_id): r.n for r in read.active if r.ai_platform_id is not None}
+    overrides: dict[tuple[int, int], OverrideMode] = {
+        (r.tenant_id, r.ai_platform_id): r.mode for r in read.overrides}
+    ids_by_code = {code: pid for pid, code in codes.items()}
+    clients = [_client_state(r, ids_by_code, overrides) for r in read.clients]
     pauses = paused_pairs((ClientHealth(c.id, c.tenant_id, c.blocked_platforms) for c in clients), overrides,
                           codes)
     ledger.paused_pairs = frozenset(pauses)
@@ -182,70 +170,55 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
                     platform_codes=codes, platform_pauses=pauses)
 
 
-def _client_state(r: dict[str, Any], ids_by_code: dict[str, int],
+def _client_state(r: dispatch_reads.ClientLoad, ids_by_code: dict[str, int],
                   overrides: dict[tuple[int, int], OverrideMode]) -> ClientState:
-    ignored = [pid for (tenant, pid), mode in overrides.items() if tenant == r["tenant_id"] and mode == "ignore_health"]
-    return ClientState(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
-                       max_concurrent=r["max_concurrent_monitor"], max_queue_depth=r["max_queue_depth"],
-                       in_progress=r["in_progress"], queued=r["queued"], pending_high=r["pending_high"],
-                       interrupt_overdue=r["interrupt_overdue"], interrupt_generation=r["interrupt_generation"],
-                       blocked_platforms=blocked_platforms(r["platform_health"], ids_by_code, ignored=ignored))
+    ignored = [pid for (tenant, pid), mode in overrides.items() if tenant == r.tenant_id and mode == "ignore_health"]
+    return ClientState(id=r.id, tenant_id=r.tenant_id, workspace_id=r.workspace_id,
+                       max_concurrent=r.max_concurrent_monitor, max_queue_depth=r.max_queue_depth,
+                       in_progress=r.in_progress, queued=r.queued, pending_high=r.pending_high,
+                       interrupt_overdue=r.interrupt_overdue, interrupt_generation=r.interrupt_generation,
+                       blocked_platforms=blocked_platforms(r.platform_health, ids_by_code, ignored=ignored))
 
 
-def _fold_budget(ledger: Ledger, rows: list[dict[str, Any]]) -> None:
+def _fold_budget(ledger: Ledger, rows: list[dispatch_reads.BudgetUse]) -> None:
     for r in rows:
-        ledger.cluster_used += r["n"]
-        if not r["high"]:
-            ledger.non_high_used += r["n"]
-            ledger.tenant_used[r["tenant_id"]] = ledger.tenant_used.get(r["tenant_id"], 0) + r["n"]
+        ledger.cluster_used += r.n
+        if not r.high:
+            ledger.non_high_used += r.n
+            ledger.tenant_used[r.tenant_id] = ledger.tenant_used.get(r.tenant_id, 0) + r.n
 
 
-def _fold_platforms(ledger: Ledger, rows: list[dict[str, Any]]) -> dict[int, str]:
+def _fold_platforms(ledger: Ledger, rows: list[PlatformSetting]) -> dict[int, str]:
     codes: dict[int, str] = {}
     paused: set[int] = set()
     for r in rows:
-        codes[r["ai_platform_id"]] = r["code"]
-        ledger.platform_limit[r["ai_platform_id"]] = r["max_concurrent"]
-        if r["paused"] or not r["enabled"]:
-            paused.add(r["ai_platform_id"])
+        codes[r.ai_platform_id] = r.code
+        ledger.platform_limit[r.ai_platform_id] = r.max_concurrent
+        if r.paused or not r.enabled:
+            paused.add(r.ai_platform_id)
     ledger.paused_platforms = frozenset(paused)
     return codes
 
 
-class _ClientLoad(msgspec.Struct, frozen=True):
-    id: uuid.UUID
-    tenant_id: int
-    workspace_id: int
-    max_concurrent_monitor: int
-    max_queue_depth: int
-    interrupt_generation: int
-    in_progress: int
-    queued: int
-
-
-_json_rows = msgspec.json.Decoder(list[dict[str, Any]])
-_client_loads = msgspec.json.Decoder(list[_ClientLoad])
-
-
-def _high_snapshot(row: dict[str, Any], window: int) -> Snapshot:
-    """The high pass's snapshot from HIGH_SNAPSHOT's one row (its sub-results are JSON documents)."""
+def _high_snapshot(read: HighRead, window: int) -> Snapshot:
+    """The high pass's snapshot, as a pass's."""
+    row = read.snapshot
     ledger = Ledger()
-    _fold_platforms(ledger, _json_rows.decode(row["platforms"]))
-    ledger.cluster_used, ledger.non_high_used = int(row["cluster_used"]), int(row["non_high_used"])
-    ledger.platform_active = {(r["tenant_id"], r["ai_platform_id"]): r["n"]
-                              for r in _json_rows.decode(row["active"])}
+    _fold_platforms(ledger, row.platforms)
+    ledger.cluster_used, ledger.non_high_used = row.cluster_used, row.non_high_used
+    ledger.platform_active = {(r.tenant_id, r.ai_platform_id): r.n for r in row.active
+                              if r.ai_platform_id is not None}
     clients = [ClientState(id=c.id, tenant_id=c.tenant_id, workspace_id=c.workspace_id,
                            max_concurrent=c.max_concurrent_monitor, max_queue_depth=c.max_queue_depth,
                            in_progress=c.in_progress, queued=c.queued, interrupt_generation=c.interrupt_generation)
-               for c in _client_loads.decode(row["clients"])]
-    return Snapshot(now=float(row["now"]), window_start=float(row["window_start"]), window_seconds=window,
-                    ledger=ledger, clients=clients)
+               for c in row.clients]
+    return Snapshot(now=row.now, window_start=row.window_start, window_seconds=window, ledger=ledger,
+                    clients=clients)
 
 
-def _candidate(r: dict[str, Any]) -> Candidate:
-    return Candidate(id=r["id"], tenant_id=r["tenant_id"], workspace_id=r["workspace_id"],
-                     ai_platform_id=r["ai_platform_id"], lane=r["lane"], priority=r["priority"],
-                     enqueued_at=float(r["enqueued_at"]), target_client_id=r["target_client_id"])
+def _candidate(r: CandidateRow) -> Candidate:
+    return Candidate(id=r.id, tenant_id=r.tenant_id, workspace_id=r.workspace_id, ai_platform_id=r.ai_platform_id,
+                     lane=r.lane, priority=r.priority, enqueued_at=r.enqueued_at, target_client_id=r.target_client_id)
 
 
 class Dispatcher:
@@ -258,8 +231,9 @@ class Dispatcher:
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, relay: OutboxRelay | None = None,
                  relay_lease_seconds: float = 5.0, clock: Clock = SYSTEM_CLOCK,
-                 candidate_chunk_rows: int = CANDIDATE_CHUNK_ROWS) -> None:
+                 candidate_chunk_rows: int = CANDIDATE_CHUNK_ROWS, push_leases: PushLeaseIssuer | None = None) -> None:
         self._pool = pool
+        self.push_leases = push_leases  # leases at dispatch for push clients (libs/tasks/push_leases.py)
         self._clock = clock
         self._chunk_rows = candidate_chunk_rows
         self.high_relay = HighRelay(relay, lease_seconds=relay_lease_seconds)
@@ -344,9 +318,7 @@ class Dispatcher:
         found: dict[str, list[Candidate]] = defaultdict(list)
         self.candidate_reads = CandidateReads()
         if "high" not in limits.paused_lanes:
-            cur = await conn.execute(q.HIGH_CANDIDATES, {"limit": batch})
-            for r in await cur.fetchall():
-                found["high"].append(_candidate(r))
+            found["high"].extend(_candidate(r) for r in await dispatch_reads.high_candidates(conn, limit=batch))
         if limits.slowdown or snap.ledger.non_high_used >= limits.non_high_cap:
             return found  # non-high cannot go this pass: no need to read its candidates
         lanes = [lane for lane in LANE_ORDER if lane != "high" and lane not in limits.paused_lanes]
@@ -419,12 +391,11 @@ class Dispatcher:
                 end += 1
             if start:
                 self._yield_to_high()
-            cur = await conn.execute(q.PAIR_CANDIDATES, {
-                "tenants": tenants[start:end], "platforms": platforms[start:end], "lanes": lanes[start:end],
-                "limits": ks[start:end]})
-            rows = await cur.fetchall()
+            rows = await dispatch_reads.pair_candidates(conn, tenants=tenants[start:end],
+                                                        platforms=platforms[start:end], lanes=lanes[start:end],
+                                                        limits=ks[start:end])
             for r in rows:
-                found[r["lane"]].append(_candidate(r))
+                found[r.lane].append(_candidate(r))
             self.candidate_reads.statements += 1
             self.candidate_reads.pairs += end - start
             self.candidate_reads.rows += len(rows)
@@ -492,23 +463,17 @@ class Dispatcher:
         window = max(1, settings.budget_window_seconds)
         await conn.execute(q.PASS_LOCK)
         await conn.execute(q.ASYNC_COMMIT)
-        locked_cur = await conn.execute(q.LOCK_HIGH_CLIENTS)
-        found = await conn.execute(q.HIGH_CANDIDATES_LOCKED, {"limit": batch})
-        snapshot_cur = await conn.execute(q.HIGH_SNAPSHOT, {
-            "window": window, "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
-        locked = {r["id"] for r in await locked_cur.fetchall()}
-        found_rows = await found.fetchall()
-        stamp = await snapshot_cur.fetchone()
-        assert stamp is not None
-        if not found_rows:
+        read = await dispatch_reads.read_high_pass(conn, limit=batch, window_seconds=window,
+                                                   heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
+        if read is None:
             return None
-        return _HighRead(found_rows, locked, stamp, _high_snapshot(stamp, window))
+        return _HighRead(read, _high_snapshot(read, window))
 
     async def _write_high(self, conn: Conn, read: _HighRead, limits: PassLimits, batch: int, outcome: PassOutcome,
                           timing: _WriteTiming) -> tuple[PassResult, _Written | None]:
         """Plan the high candidates and queue the writes of what the plan dispatches (inside the caller's pipelined
         transaction)."""
-        candidates = [_candidate(r) for r in read.rows]
+        candidates = [_candidate(r) for r in read.read.candidates]
         outcome.considered = len(candidates)
         tracing.set_attributes(considered=outcome.considered)
         snapshot = read.snapshot
@@ -519,13 +484,12 @@ class Dispatcher:
             return plan, None
         # Stamped with the snapshot's clock: the window whose budget was read (under the pass lock).
         timing.started = time.perf_counter()
-        if all(d.client_id in read.locked for d in plan.decisions):
+        if all(d.client_id in read.read.locked_clients for d in plan.decisions):
             # Clients and tasks were locked by the reads: nothing to re-check.
-            rows = _dispatchable_rows(plan.decisions, {
-                r["id"]: {**r, "enqueued_at": r["enqueued_ts"]} for r in read.rows}, set())
+            rows = _dispatchable_rows(plan.decisions, read.read.tasks, frozenset())
         else:  # an unbound task went to a client not locked above: the full re-check
             rows = await self._claim(conn, plan)
-        return plan, (await self._queue_writes(conn, rows, read.stamp["ts"]) if rows else None)
+        return plan, (await self._queue_writes(conn, rows, read.read.snapshot.ts) if rows else None)
 
     def _record_write(self, timing: _WriteTiming, *, conflicted: bool) -> None:
         """The pass's write latency (and whether it conflicted) for the auto slow-down's statistics; nothing when it
@@ -670,18 +634,11 @@ class Dispatcher:
     async def _claim(self, conn: Conn, plan: PassResult) -> list[dict[str, Any]]:
         """Lock the clients, claim the decided tasks and re-check each (one round trip); the rows to write."""
         decisions = plan.decisions
-        clients = sorted({d.client_id for d in decisions}, key=str)
-        normal_clients = sorted({d.client_id for d in decisions if d.task.lane != "high"}, key=str)
-        high_clients: set[uuid.UUID] = set()
-        async with conn.pipeline():  # one round trip: lock the clients, claim the tasks, the lane re-check
-            await conn.execute(q.LOCK_CLIENTS, {"ids": clients})
-            cur = await conn.execute(q.CLAIM, {"task_ids": sorted(d.task.id for d in decisions)})
-            with_high = (await conn.execute(q.CLIENTS_WITH_HIGH, {"clients": normal_clients})
-                         if normal_clients else None)
-            claimed = {r["id"]: r for r in await cur.fetchall()}
-            if with_high is not None:
-                high_clients = {r["client_id"] for r in await with_high.fetchall()}
-        return _dispatchable_rows(decisions, claimed, high_clients)
+        claimed = await dispatch_reads.claim(
+            conn, client_ids=sorted({d.client_id for d in decisions}, key=str),
+            task_ids=[d.task.id for d in decisions],
+            normal_clients=sorted({d.client_id for d in decisions if d.task.lane != "high"}, key=str))
+        return _dispatchable_rows(decisions, claimed.tasks, claimed.clients_with_high)
 
     async def _queue_writes(self, conn: Conn, rows: list[dict[str, Any]], ts: datetime) -> _Written:
         """Queue the writes of claimed rows in the caller's pipeline: executions, attempts, outbox events
@@ -711,7 +668,10 @@ class Dispatcher:
         await business.count_dispatched(conn, refs)
         # Routed by owner (docs/legacy-path.md): an execution for desktop_tasks work, an offer on the business row
         # for legacy work; the same event tells the client either way.
-        await execution_paths.dispatch(conn, rows, ts=ts)
+        created = await execution_paths.dispatch(conn, rows, ts=ts)
+        if self.push_leases is not None and created.get("desktop_tasks"):
+            # a round trip: the leases go on the events (libs/tasks/push_leases.py: the desktop_tasks path's)
+            events = await self.push_leases.lease_created(conn, created["desktop_tasks"], events)
         high = any(r["lane"] == "high" for r in rows)
         relay = self.high_relay.ready() if high else None
         event_ids = await enqueue_many(conn, events, notify=high and relay is None)
@@ -719,11 +679,8 @@ class Dispatcher:
         if relay is not None:  # claim the high events for this process (the rest, if any, wake the pumps)
             own = await claim_own(conn, [i for i, e in zip(event_ids, events, strict=True) if e.priority > 0],
                                   claimed_by=relay.claimed_by, lease_seconds=self.high_relay.lease_seconds)
-        cur = None
-        if requests:
-            cur = await conn.execute(collect_requests.MARK_DISPATCHED, {"ids": list(requests),
-                                                             "counts": list(requests.values())})
-        return _Written(rows, cur, own, list(clicks.values()))
+        marked = await dispatch_reads.mark_requests_dispatched(conn, requests) if requests else None
+        return _Written(rows, marked, own, list(clicks.values()))
 
     async def drain_relays(self, timeout: float) -> None:
         """Let in-flight relays finish (shutdown): what is not published by then is left to the pumps. A re-read of
@@ -740,9 +697,9 @@ class Dispatcher:
             span.end()
         await self.high_relay.publish_committed(written.own)
         if written.requests is not None:
-            for r in await written.requests.fetchall():
-                if r["first"]:
-                    metrics.collect_now_first_dispatch_latency_ms.observe(max(0.0, float(r["latency_ms"])))
+            for first in await written.requests.fetch():
+                if first.first:
+                    metrics.collect_now_first_dispatch_latency_ms.observe(max(0.0, first.latency_ms))
         rows = written.rows
         for r in rows:
             metrics.dispatch_decisions_count.inc(lane=r["lane"])
@@ -763,18 +720,17 @@ class _WriteTiming:
 
 @dataclass(frozen=True, slots=True)
 class _HighRead:
-    """What the high pass read: its locked candidates, the clients locked with them, the snapshot row and snapshot."""
+    """What the high pass read (its locked candidates, the clients locked with them, its snapshot) and that snapshot
+    as a pass's."""
 
-    rows: list[dict[str, Any]]
-    locked: set[uuid.UUID]
-    stamp: dict[str, Any]
+    read: HighRead
     snapshot: Snapshot
 
 
 @dataclass(frozen=True, slots=True)
 class _Written:
     rows: list[dict[str, Any]]
-    requests: AsyncCursor[dict[str, Any]] | None
+    requests: RequestsDispatched | None
     own: OwnClaim | None = None
     click_spans: list[Span] = field(default_factory=list)
 
@@ -817,45 +773,45 @@ def execution_source(lane: str, trigger_source: str, collect_request_id: uuid.UU
     return "retry_recovery" if lane == "retry" else "daily_schedule"
 
 
-def _dispatchable_rows(decisions: Sequence[Decision], claimed: dict[int, dict[str, Any]],
-                       clients_with_high: set[uuid.UUID]) -> list[dict[str, Any]]:
+def _dispatchable_rows(decisions: Sequence[Decision], claimed: dict[int, ClaimedTask],
+                       clients_with_high: frozenset[uuid.UUID]) -> list[dict[str, Any]]:
     """The execution rows to write: the decisions whose locked, re-read business task still allows them."""
     rows = [r for d in decisions if (r := _still_dispatchable(d, claimed.get(d.task.id), clients_with_high))]
     if len(rows) < len(decisions):
         log.info("some decided tasks changed before the write (e.g. promoted by collect-now); skipped",
                  extra={"decided": len(decisions), "written": len(rows)})
     for r in rows:
-        r["row_ref"] = claimed[r["monitor_task_id"]]["row_ref"]
+        r["row_ref"] = claimed[r["monitor_task_id"]].row_ref
     return rows
 
 
-def _still_dispatchable(decision: Decision, task: dict[str, Any] | None,
-                        clients_with_high: set[uuid.UUID]) -> dict[str, Any] | None:
+def _still_dispatchable(decision: Decision, task: ClaimedTask | None,
+                        clients_with_high: frozenset[uuid.UUID]) -> dict[str, Any] | None:
     """The execution row for a decision whose business task, re-read locked at write time, still allows it.
 
     Not when it is no longer ready (CLAIM did not return it), changed lane or was bound to another
     client (a collect-now promoted it), or is non-high for a client that now has pending high work.
     """
-    if task is None or task["dispatch_lane"] != decision.task.lane:
+    if task is None or task.dispatch_lane != decision.task.lane:
         return None
-    if task["target_client_id"] is not None and task["target_client_id"] != decision.client_id:
+    if task.target_client_id is not None and task.target_client_id != decision.client_id:
         return None
-    lane = task["dispatch_lane"]
+    lane = task.dispatch_lane
     if lane != "high" and decision.client_id in clients_with_high:
         return None
     return {
         # an id decided ahead (a collect-now named it as the replacement of an interrupted execution) or a new one
-        "id": task["next_execution_id"] or uuid.uuid4(), "monitor_task_id": task["id"], "tenant_id": task["tenant_id"],
-        "workspace_id": task["workspace_id"], "target_client_id": decision.client_id,
-        "priority": task["dispatch_priority"], "lane": lane, "lane_weight": lane_weight("monitor", lane),
-        "source": execution_source(lane, task["trigger_source"], task["collect_request_id"]),
-        "scheduler_group_key": f"qid:{task['question_id']}",
+        "id": task.next_execution_id or uuid.uuid4(), "monitor_task_id": task.id, "tenant_id": task.tenant_id,
+        "workspace_id": task.workspace_id, "target_client_id": decision.client_id,
+        "priority": task.dispatch_priority, "lane": lane, "lane_weight": lane_weight("monitor", lane),
+        "source": execution_source(lane, task.trigger_source, task.collect_request_id),
+        "scheduler_group_key": f"qid:{task.question_id}",
         "interrupt_generation": decision.interrupt_generation if lane == "high" else 0,
-        "enqueued_at": task["enqueued_at"], "brand_id": task["brand_id"], "question_id": task["question_id"],
-        "ai_platform_id": task["ai_platform_id"], "business_date": task["business_date"],
-        "collect_request_id": task["collect_request_id"],
-        "collect_traceparent": task.get("collect_traceparent"),
-        "execution_owner": task["execution_owner"],
+        "enqueued_at": task.enqueued_at, "brand_id": task.brand_id, "question_id": task.question_id,
+        "ai_platform_id": task.ai_platform_id, "business_date": task.business_date,
+        "collect_request_id": task.collect_request_id,
+        "collect_traceparent": task.collect_traceparent,
+        "execution_owner": task.execution_owner,
     }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import msgspec
+
 from libs.coordinator_state import read_coordinator_state, slowdown_from_state
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings
@@ -24,50 +26,9 @@ from libs.domain.dispatch import (
     evaluate,
     retry_allowed,
 )
-from services.dispatch_coordinator import queries as q
+from libs.tasks import explain_reads
+from libs.tasks.explain_reads import ExplainedTask
 from services.dispatch_coordinator.dispatcher import Snapshot, limits_from, read_snapshot
-
-_TASK = """
-SELECT t.id, t.tenant_id, t.workspace_id, t.brand_id, t.question_id, t.ai_platform_id, t.business_date, t.status,
-       t.dispatch_lane AS lane, t.dispatch_priority AS priority, t.target_client_id, t.execution_owner,
-       t.dispatch_after, t.dispatch_after > now() AS not_due, t.enqueued_at,
-       extract(epoch FROM t.enqueued_at)::float8 AS enqueued_epoch, t.dispatch_attempts, t.aging_boost,
-       t.collect_request_id, t.last_dispatched_at, extract(epoch FROM (now() - t.enqueued_at)) * 1000 AS waited_ms
-FROM monitoring_collect_tasks t WHERE t.id = %(id)s
-"""
-_EXECUTION_TASK = "SELECT monitor_task_id FROM desktop_tasks WHERE id = %(id)s AND kind = 'monitor'"
-_ACTIVE = """
-SELECT id, status, target_client_id, lane, created_at, leased_at FROM desktop_tasks
-WHERE monitor_task_id = %(id)s AND kind = 'monitor' AND status IN ('queued', 'in_progress', 'unknown')
-"""
-# The live lease of a legacy-path task (docs/legacy-path.md).
-_LEGACY_LEASE = """
-SELECT l.id, l.status, l.target_client_id, l.lane, l.created_at, l.leased_at, l.execution_phase,
-       t.lease_expires_at
-FROM monitoring_collect_tasks t JOIN legacy_leases l ON l.id = t.legacy_lease_id
-WHERE t.id = %(id)s
-"""
-_POSITION = f"""
-SELECT count(*) FILTER (WHERE t.dispatch_lane = %(lane)s AND (t.dispatch_priority > %(priority)s OR
-            (t.dispatch_priority = %(priority)s AND (t.enqueued_at, t.id) < (%(enqueued_at)s, %(id)s))))
-           AS ahead_in_lane,
-       count(*) FILTER (WHERE t.tenant_id = %(tenant_id)s AND t.dispatch_lane = %(lane)s AND
-            (t.dispatch_priority > %(priority)s OR
-             (t.dispatch_priority = %(priority)s AND (t.enqueued_at, t.id) < (%(enqueued_at)s, %(id)s))))
-           AS ahead_in_lane_same_tenant,
-       count(*) FILTER (WHERE t.dispatch_lane = ANY(%(higher)s)) AS in_higher_lanes,
-       count(DISTINCT t.tenant_id) FILTER (WHERE t.dispatch_lane = %(lane)s) AS tenants_in_lane
-FROM monitoring_collect_tasks t WHERE {q.READY}
-"""
-_TENANT_BACKLOG = f"""
-SELECT t.dispatch_lane AS lane, count(*) AS n FROM monitoring_collect_tasks t
-WHERE t.tenant_id = %(tenant_id)s AND {q.READY} GROUP BY 1
-"""
-_HIGH_BACKLOG = f"SELECT count(*) AS n FROM monitoring_collect_tasks t WHERE t.dispatch_lane = 'high' AND {q.READY}"
-_NORMAL_WORK = f"""
-SELECT EXISTS (SELECT 1 FROM monitoring_collect_tasks t
-               WHERE t.dispatch_lane IN ('normal', 'normal_boosted', 'retry') AND {q.READY}) AS any
-"""
 
 
 async def resolve_task_id(conn: Conn, raw: str) -> int | None:
@@ -80,9 +41,7 @@ async def resolve_task_id(conn: Conn, raw: str) -> int | None:
         exec_id = uuid.UUID(raw)
     except ValueError:
         return None
-    cur = await conn.execute(_EXECUTION_TASK, {"id": exec_id})
-    row = await cur.fetchone()
-    return None if row is None else int(row["monitor_task_id"])
+    return await explain_reads.task_of_execution(conn, exec_id)
 
 
 def _client_view(task: Candidate, client: ClientState) -> dict[str, Any]:
@@ -100,7 +59,7 @@ async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | Non
         return None
     settings = settings or await load_settings(conn)
     out = _task_facts(t)
-    out["tenant_ready_backlog"] = await _tenant_ready_backlog(conn, t["tenant_id"])
+    out["tenant_ready_backlog"] = await explain_reads.tenant_ready_backlog(conn, t.tenant_id)
     not_ready = await _why_not_ready(conn, t, out)
     if not_ready:
         out.update(ready=False, dispatchable_now=False, blocked_by=None, why=not_ready)
@@ -109,66 +68,58 @@ async def explain_task(conn: Conn, raw_id: str, settings: DispatchSettings | Non
     return out
 
 
-async def _load_task(conn: Conn, raw_id: str) -> dict[str, Any] | None:
+async def _load_task(conn: Conn, raw_id: str) -> ExplainedTask | None:
     """The business task `raw_id` names (its id or one of its executions' uuid), or None."""
     task_id = await resolve_task_id(conn, raw_id)
     if task_id is None:
         return None
-    cur = await conn.execute(_TASK, {"id": task_id})
-    return await cur.fetchone()
+    return await explain_reads.task(conn, task_id)
 
 
-def _task_facts(t: dict[str, Any]) -> dict[str, Any]:
+def _task_facts(t: ExplainedTask) -> dict[str, Any]:
     return {
-        "task_id": t["id"], "tenant_id": t["tenant_id"], "workspace_id": t["workspace_id"], "status": t["status"],
-        "lane": t["lane"], "priority": t["priority"], "aging_boost": t["aging_boost"],
-        "ai_platform_id": t["ai_platform_id"], "target_client_id": t["target_client_id"],
-        "execution_owner": t["execution_owner"], "dispatch_attempts": t["dispatch_attempts"],
-        "business_date": t["business_date"], "enqueued_at": t["enqueued_at"], "waited_ms": int(t["waited_ms"]),
-        "collect_request_id": t["collect_request_id"],
+        "task_id": t.id, "tenant_id": t.tenant_id, "workspace_id": t.workspace_id, "status": t.status,
+        "lane": t.lane, "priority": t.priority, "aging_boost": t.aging_boost,
+        "ai_platform_id": t.ai_platform_id, "target_client_id": t.target_client_id,
+        "execution_owner": t.execution_owner, "dispatch_attempts": t.dispatch_attempts,
+        "business_date": t.business_date, "enqueued_at": t.enqueued_at, "waited_ms": int(t.waited_ms),
+        "collect_request_id": t.collect_request_id,
     }
 
 
-async def _tenant_ready_backlog(conn: Conn, tenant_id: int) -> dict[str, int]:
-    """The tenant's ready tasks per lane."""
-    cur = await conn.execute(_TENANT_BACKLOG, {"tenant_id": tenant_id})
-    return {r["lane"]: int(r["n"]) for r in await cur.fetchall()}
-
-
-async def _why_not_ready(conn: Conn, t: dict[str, Any], out: dict[str, Any]) -> list[str]:
+async def _why_not_ready(conn: Conn, t: ExplainedTask, out: dict[str, Any]) -> list[str]:
     """Why no dispatch pass considers the task (empty: it is ready); adds its live legacy lease and its active
     execution, if any, to `out`."""
-    cur = await conn.execute(_ACTIVE, {"id": t["id"]})
-    active = await cur.fetchone()
+    active = await explain_reads.active_execution(conn, t.id)
     not_ready = []
-    if t["status"] != "pending":
-        held = "; a client holds its lease on the legacy path" if t["status"] in ("leased", "received") else ""
-        not_ready.append(f"status is {t['status']} (only pending tasks are dispatched{held})")
-    if t["status"] in ("leased", "received"):
-        lease = await (await conn.execute(_LEGACY_LEASE, {"id": t["id"]})).fetchone()
+    if t.status != "pending":
+        held = "; a client holds its lease on the legacy path" if t.status in ("leased", "received") else ""
+        not_ready.append(f"status is {t.status} (only pending tasks are dispatched{held})")
+    if t.status in ("leased", "received"):
+        lease = await explain_reads.legacy_lease(conn, t.id)
         if lease is not None:
-            out["legacy_lease"] = dict(lease)
-    if t["not_due"]:
-        not_ready.append(f"dispatch_after is in the future ({t['dispatch_after'].isoformat()})")
+            out["legacy_lease"] = msgspec.structs.asdict(lease)
+    if t.not_due:
+        not_ready.append(f"dispatch_after is in the future ({t.dispatch_after.isoformat()})")
     if active is not None:
-        not_ready.append(f"already dispatched: execution {active['id']} is {active['status']} on client "
-                         f"{active['target_client_id']}")
-        out["active_execution"] = dict(active)
+        not_ready.append(f"already dispatched: execution {active.id} is {active.status} on client "
+                         f"{active.target_client_id}")
+        out["active_execution"] = msgspec.structs.asdict(active)
     return not_ready
 
 
-async def _explain_ready(conn: Conn, t: dict[str, Any], settings: DispatchSettings, out: dict[str, Any]) -> None:
+async def _explain_ready(conn: Conn, t: ExplainedTask, settings: DispatchSettings, out: dict[str, Any]) -> None:
     """For a ready task: the verdict a pass would reach now, its place in its lane, the budgets and the clients."""
     state = await read_coordinator_state(conn)
     slowdown, slowdown_view = slowdown_from_state(state)
     limits: PassLimits = limits_from(settings, slowdown=slowdown)
     snap = await read_snapshot(conn, settings)
-    normal_has_work = await _normal_has_work(conn)
-    high_backlog = await _high_backlog(conn)
-    candidate = Candidate(id=t["id"], tenant_id=t["tenant_id"], workspace_id=t["workspace_id"],
-                          ai_platform_id=t["ai_platform_id"], lane=t["lane"], priority=t["priority"],
-                          enqueued_at=float(t["enqueued_epoch"]), target_client_id=t["target_client_id"])
-    scope = [c for c in snap.clients if c.tenant_id == t["tenant_id"] and c.workspace_id == t["workspace_id"]]
+    normal_has_work = await explain_reads.normal_has_work(conn)
+    high_backlog = await explain_reads.high_ready_count(conn)
+    candidate = Candidate(id=t.id, tenant_id=t.tenant_id, workspace_id=t.workspace_id,
+                          ai_platform_id=t.ai_platform_id, lane=t.lane, priority=t.priority,
+                          enqueued_at=t.enqueued_epoch, target_client_id=t.target_client_id)
+    scope = [c for c in snap.clients if c.tenant_id == t.tenant_id and c.workspace_id == t.workspace_id]
     by_id = {c.id: c for c in snap.clients}
     client, reason = _planner_verdict(t, candidate, snap, limits, scope, by_id, normal_has_work=normal_has_work,
                                       high_backlog=high_backlog, tenant_backlog=out["tenant_ready_backlog"])
@@ -185,26 +136,14 @@ async def _explain_ready(conn: Conn, t: dict[str, Any], settings: DispatchSettin
         budgets=_budgets(t, snap, limits, normal_has_work=normal_has_work),
         platform=_platform_view(t, snap),
         clients=_clients_view(t, candidate, scope, by_id),
-        lane_paused=t["lane"] in limits.paused_lanes,
+        lane_paused=t.lane in limits.paused_lanes,
         auto_slowdown=slowdown_view,
     )
-    if t["target_client_id"] is not None and t["target_client_id"] not in by_id:
-        out["why"].append(f"bound client {t['target_client_id']} is not online (or its heartbeat is stale)")
+    if t.target_client_id is not None and t.target_client_id not in by_id:
+        out["why"].append(f"bound client {t.target_client_id} is not online (or its heartbeat is stale)")
 
 
-async def _normal_has_work(conn: Conn) -> bool:
-    cur = await conn.execute(_NORMAL_WORK)
-    row = await cur.fetchone()
-    return bool(row and row["any"])
-
-
-async def _high_backlog(conn: Conn) -> int:
-    cur = await conn.execute(_HIGH_BACKLOG)
-    row = await cur.fetchone()
-    return int(row["n"]) if row else 0
-
-
-def _planner_verdict(t: dict[str, Any], candidate: Candidate, snap: Snapshot, limits: PassLimits,
+def _planner_verdict(t: ExplainedTask, candidate: Candidate, snap: Snapshot, limits: PassLimits,
                      scope: list[ClientState], by_id: dict[uuid.UUID, ClientState], *, normal_has_work: bool,
                      high_backlog: int, tenant_backlog: dict[str, int]) -> tuple[ClientState | None,
                                                                                  RejectReason | None]:
@@ -212,51 +151,48 @@ def _planner_verdict(t: dict[str, Any], candidate: Candidate, snap: Snapshot, li
     tree, then the retry lane's low-water rule)."""
     client, reason = evaluate(candidate, snap.ledger, limits, scope, by_id, normal_has_work=normal_has_work)
     tenant_normal = sum(n for lane, n in tenant_backlog.items() if lane != "retry" and lane != "high")
-    if reason is None and t["lane"] == "retry" and not retry_allowed(
-            t["tenant_id"], cluster_high_backlog=high_backlog, tenant_normal_backlog={t["tenant_id"]: tenant_normal},
+    if reason is None and t.lane == "retry" and not retry_allowed(
+            t.tenant_id, cluster_high_backlog=high_backlog, tenant_normal_backlog={t.tenant_id: tenant_normal},
             watermark=limits.retry_low_watermark):
         reason, client = "retry_waits_for_low_water", None
     return client, reason
 
 
-async def _lane_position(conn: Conn, t: dict[str, Any]) -> dict[str, int]:
+async def _lane_position(conn: Conn, t: ExplainedTask) -> dict[str, int]:
     """How many ready tasks are ahead of this one in its lane (all, and its tenant's), in higher lanes, and how
     many tenants share the lane."""
-    higher = list(LANE_ORDER[:LANE_ORDER.index(t["lane"])]) if t["lane"] in LANE_ORDER else []
-    cur = await conn.execute(_POSITION, {"lane": t["lane"], "priority": t["priority"],
-                                         "enqueued_at": t["enqueued_at"], "id": t["id"],
-                                         "tenant_id": t["tenant_id"], "higher": higher})
-    position = await cur.fetchone()
-    return {k: int(v) for k, v in dict(position or {}).items()}
+    higher = list(LANE_ORDER[:LANE_ORDER.index(t.lane)]) if t.lane in LANE_ORDER else []
+    position = await explain_reads.lane_position(conn, t, higher_lanes=higher)
+    return msgspec.structs.asdict(position)
 
 
-def _budgets(t: dict[str, Any], snap: Snapshot, limits: PassLimits, *, normal_has_work: bool) -> dict[str, Any]:
+def _budgets(t: ExplainedTask, snap: Snapshot, limits: PassLimits, *, normal_has_work: bool) -> dict[str, Any]:
     """The window's cluster, non-high and tenant budgets as they stand for this task."""
     return {
         "window_seconds": snap.window_seconds,
         "seconds_to_next_window": round(snap.window_start + snap.window_seconds - snap.now, 3),
         "cluster_used": snap.ledger.cluster_used, "cluster_limit": limits.cluster_per_window,
-        "cluster_room_for_lane": cluster_room(t["lane"], snap.ledger, limits, normal_has_work=normal_has_work),
+        "cluster_room_for_lane": cluster_room(t.lane, snap.ledger, limits, normal_has_work=normal_has_work),
         "non_high_used": snap.ledger.non_high_used, "non_high_cap": limits.non_high_cap,
-        "tenant_used": snap.ledger.tenant_used.get(t["tenant_id"], 0), "tenant_limit": limits.tenant_per_window,
-        "tenant_budget_applies": t["lane"] != "high",
+        "tenant_used": snap.ledger.tenant_used.get(t.tenant_id, 0), "tenant_limit": limits.tenant_per_window,
+        "tenant_budget_applies": t.lane != "high",
     }
 
 
-def _platform_view(t: dict[str, Any], snap: Snapshot) -> dict[str, Any]:
+def _platform_view(t: ExplainedTask, snap: Snapshot) -> dict[str, Any]:
     """The task's platform: its activity against its limit, and whether it is paused."""
-    platform_key = (t["tenant_id"], t["ai_platform_id"])
+    platform_key = (t.tenant_id, t.ai_platform_id)
     return {"active": snap.ledger.platform_active.get(platform_key, 0),
-            "limit": snap.ledger.platform_limit.get(t["ai_platform_id"], snap.ledger.default_platform_limit),
-            "paused": t["ai_platform_id"] in snap.ledger.paused_platforms,
-            "code": snap.platform_codes.get(t["ai_platform_id"]),
+            "limit": snap.ledger.platform_limit.get(t.ai_platform_id, snap.ledger.default_platform_limit),
+            "paused": t.ai_platform_id in snap.ledger.paused_platforms,
+            "code": snap.platform_codes.get(t.ai_platform_id),
             # the tenant's platform-health pause: "health" (every client's login broken) or "operator"
             "tenant_paused_by": snap.platform_pauses.get(platform_key)}
 
 
-def _clients_view(t: dict[str, Any], candidate: Candidate, scope: list[ClientState],
+def _clients_view(t: ExplainedTask, candidate: Candidate, scope: list[ClientState],
                   by_id: dict[uuid.UUID, ClientState]) -> list[dict[str, Any]]:
     """The bound client when it is online, else every client of the scope, least loaded first."""
     return [_client_view(candidate, c) for c in
-            ([by_id[t["target_client_id"]]] if t["target_client_id"] in by_id else [])
+            ([by_id[t.target_client_id]] if t.target_client_id in by_id else [])
             or sorted(scope, key=lambda c: (c.load, str(c.id)))]

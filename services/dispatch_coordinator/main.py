@@ -14,6 +14,7 @@ from libs.leader import LeaderLock
 from libs.mq.topology import Topology
 from libs.outbox.relay import AmqpPublisher, OutboxRelay
 from libs.runtime import SETTINGS, Lifetime, Service, add_broker_check, background
+from libs.tasks.push_leases import PushLeaseIssuer
 from services.dispatch_coordinator import admin, dispatcher
 from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
 from services.dispatch_coordinator.explain import explain_task
@@ -69,6 +70,7 @@ async def status_handler(request: web.Request) -> web.Response:
 
 
 def build(settings: Settings) -> web.Application:
+    settings.push_lease_key()  # fail closed: push-lease enabled without PUSH_LEASE_SECRET, no service
     settings.ops_token()  # fail closed: a short or placeholder OPS_API_TOKEN (outside DEV_MODE), no service
     app = SERVICE.app(settings, start)
     app.middlewares.append(ops_auth)  # inside json_errors: refusals are JSON
@@ -86,6 +88,8 @@ async def start(life: Lifetime) -> None:
                            warm_up=dispatcher.WARM_UP)
     amqp = await life.broker()
     topology = Topology(settings.mq_prefix, settings.ingest_shards)
+    push_key = settings.push_lease_key()
+    push_leases = PushLeaseIssuer(push_key, ttl_s=settings.push_lease_ttl_seconds) if push_key is not None else None
     relay = None
     if settings.coordinator_relay:
         # Publishes this process's own high TaskAvailable events right after the pass commits.
@@ -98,7 +102,8 @@ async def start(life: Lifetime) -> None:
     life.app[COORDINATOR] = Coordinator(
         pool, CoordinatorConfig(database_url=settings.database_url, topology=topology,
                                 instance_id=settings.instance_id,
-                                relay_lease_seconds=settings.coordinator_relay_lease_seconds), amqp, relay)
+                                relay_lease_seconds=settings.coordinator_relay_lease_seconds,
+                                push_leases=push_leases), amqp, relay)
     # The pool runs the leader's work: bound to the leader term while this replica leads (libs/leader.py).
     life.app[LEADER] = LeaderLock(settings.database_url, ROLE, holder=settings.instance_id, fenced=[pool])
     add_broker_check(life.app, amqp.connected.is_set)

@@ -19,7 +19,8 @@ from libs.db.write_health import FRESH_S, FRESH_TOTALS
 from libs.dispatch_settings import DispatchSettings
 from libs.domain.aging import age_task, oldest_share
 from libs.domain.slowdown import Signals, Thresholds, WriteStats, slowdown_reasons
-from libs.tasks import business
+from libs.ingest.lag import ingest_lag_ms
+from libs.tasks import backlog_reads, business
 from libs.telemetry import metrics
 from services.dispatch_coordinator import queries as q
 
@@ -40,7 +41,7 @@ class Backlog:
 # 1,000,000 ready tasks) and the gauges move once a sweep is complete: every tick while the pending tasks fit in one
 # slice, every ~80 s at 1,000,000 (docs/benchmarks.md "Cost as the backlog grows").
 CENSUS_SLICE_ROWS = 25_000
-# The census's wait buckets: ln(1 + wait_s) * WAIT_BUCKETS_PER_E (queries.CENSUS_SLICE).
+# The census's wait buckets: ln(1 + wait_s) * WAIT_BUCKETS_PER_E (libs/tasks/backlog_reads.py, its census slice).
 WAIT_BUCKETS_PER_E = 64
 
 
@@ -93,21 +94,20 @@ class BacklogCensus:
         while self.done is None or counted < slices:
             if self.after_id == 0:
                 self.reference = time.time()
-            cur = await conn.execute(q.CENSUS_SLICE, {"after": self.after_id, "rows": CENSUS_SLICE_ROWS,
-                                                      "reference": self.reference})
             size = 0
-            for r in await cur.fetchall():
-                if r["by_lane"]:
-                    if r["ready"]:
-                        self.tenant_lanes[(int(r["tenant_id"]), str(r["lane"]))] += int(r["ready"])
-                elif r["by_owner"]:
-                    self.owners[str(r["owner"])] += int(r["pending"])
-                elif r["by_bucket"]:
-                    if r["ready_normal"]:
-                        self.waits[int(r["bucket"])] += int(r["ready_normal"])
+            for r in await backlog_reads.census_slice(conn, after_id=self.after_id, rows=CENSUS_SLICE_ROWS,
+                                                      reference=self.reference):
+                if r.by_lane:
+                    if r.ready:
+                        self.tenant_lanes[(int(r.tenant_id or 0), str(r.lane))] += r.ready
+                elif r.by_owner:
+                    self.owners[str(r.owner)] += r.pending
+                elif r.by_bucket:
+                    if r.ready_normal:
+                        self.waits[int(r.bucket or 0)] += r.ready_normal
                 else:  # the slice as a whole
-                    size = int(r["pending"])
-                    self.after_id = int(r["last_id"] or self.after_id)
+                    size = r.pending
+                    self.after_id = int(r.last_id or self.after_id)
             counted += 1
             if size < CENSUS_SLICE_ROWS:  # the sweep reached the newest pending task
                 self.done = CensusTotals(dict(self.tenant_lanes), dict(self.owners), dict(self.waits),
@@ -142,11 +142,8 @@ class Paths:
 async def observe_paths(conn: Conn) -> Paths:
     """The rollout dashboard's gauges, exactly, in one statement: the rollout percentage as stored (what the scanner and
     collect-now give new tasks), active executions and live legacy leases."""
-    cur = await conn.execute(q.PATHS, {"default_rollout": DispatchSettings().rollout_percentage})
-    row = await cur.fetchone()
-    assert row is not None
-    paths = Paths(int(row["rollout_percentage"]),
-                  {"desktop_tasks": int(row["desktop_tasks"]), "legacy": int(row["legacy"])})
+    read = await backlog_reads.paths_in_flight(conn, default_rollout=DispatchSettings().rollout_percentage)
+    paths = Paths(read.rollout_percentage, {"desktop_tasks": read.desktop_tasks, "legacy": read.legacy})
     metrics.dispatch_rollout_percentage.set(paths.rollout_percentage)
     for owner, n in paths.in_flight.items():
         metrics.dispatch_in_flight_tasks.labels(execution_owner=owner).set(n)
@@ -159,10 +156,8 @@ async def observe_backlog(conn: Conn, census: BacklogCensus | None = None) -> Ba
     (`observe_paths`)."""
     backlog = Backlog()
     await observe_paths(conn)
-    cur = await conn.execute(q.HIGH_BACKLOG)
-    row = await cur.fetchone()
-    if row is not None:
-        backlog.high, backlog.high_oldest_ms = int(row["n"]), float(row["oldest_ms"] or 0)
+    high = await backlog_reads.high_backlog(conn)
+    backlog.high, backlog.high_oldest_ms = high.n, high.oldest_ms
     totals = await (census or census_for(conn)).advance(conn)
     if totals is not None:
         for (tenant_id, lane), n in totals.tenant_lanes.items():
@@ -178,8 +173,7 @@ async def observe_backlog(conn: Conn, census: BacklogCensus | None = None) -> Ba
         metrics.monitor_dispatch_normal_backlog.set(backlog.normal)
     metrics.monitor_dispatch_high_backlog.set(backlog.high)
     metrics.monitor_dispatch_high_oldest_age_ms.set(backlog.high_oldest_ms)
-    cur = await conn.execute(q.CLIENT_QUEUE_DEPTH)
-    depths = {str(r["id"]): int(r["queued"]) for r in await cur.fetchall()}
+    depths = {str(r.id): r.queued for r in await backlog_reads.client_queue_depths(conn)}
     _set_labelled(metrics.desktop_client_monitor_queue_depth, "client_id", depths, _seen_clients)
     return backlog
 
@@ -226,44 +220,37 @@ async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings)
         if totals is not None:
             ready = totals.ready_normal
         else:
-            cur = await conn.execute(q.AGING_READY_COUNT)
-            row = await cur.fetchone()
-            ready = int(row["n"]) if row else 0
+            ready = await backlog_reads.ready_normal_count(conn)
         limit = oldest_share(ready, settings.aging_fraction)
         if limit == 0:
             return 0
-        cur = await conn.execute(q.AGING_BOUNDARY, {"limit": limit})
-        boundary = await cur.fetchone()
-    last = (boundary["enqueued_at"], boundary["id"]) if boundary else (_END_OF_TIME, _MAX_ID)
+        boundary = await backlog_reads.aging_boundary(conn, share=limit)
+    last = (boundary.enqueued_at, boundary.id) if boundary else (_END_OF_TIME, _MAX_ID)
     after: tuple[datetime, int] = (_START_OF_TIME, 0)
     boosted, most = 0, aging_round_limit(settings)
     while boosted < most:
         batch = min(AGING_BATCH, most - boosted)
         async with pool.connection() as conn, conn.transaction():
-            cur = await conn.execute(q.AGING_OLDEST, {
-                "cap": settings.aging_cap, "after_at": after[0], "after_id": after[1], "last_at": last[0],
-                "last_id": last[1], "batch": batch})
-            rows = await cur.fetchall()
+            rows = await backlog_reads.aging_candidates(conn, cap=settings.aging_cap, after=after, last=last,
+                                                        batch=batch)
             ids: list[int] = []
             lanes: list[str] = []
             priorities: list[int] = []
             boosts: list[int] = []
             for r in rows:
-                aged = age_task(r["lane"], r["priority"], r["aging_boost"], float(r["wait_minutes"]),
-                                settings.aging_cap)
+                aged = age_task(r.lane, r.priority, r.aging_boost, r.wait_minutes, settings.aging_cap)
                 if aged is None:
                     continue
-                ids.append(r["id"])
+                ids.append(r.id)
                 lanes.append(aged.lane)
                 priorities.append(aged.priority)
                 boosts.append(aged.aging_boost)
             if ids:
-                await conn.execute(business.APPLY_AGING, {"ids": ids, "lanes": lanes, "priorities": priorities,
-                                                   "boosts": boosts})
+                await business.apply_aging(conn, ids=ids, lanes=lanes, priorities=priorities, boosts=boosts)
         boosted += len(ids)
         if len(rows) < batch:
             break
-        after = (rows[-1]["enqueued_at"], rows[-1]["id"])
+        after = (rows[-1].enqueued_at, rows[-1].id)
     if boosted:
         metrics.dispatch_aging_boosted_count.inc(boosted)
         log.info("aging round", extra={"ready": ready, "considered": limit, "boosted": boosted})
@@ -288,8 +275,7 @@ async def measure_signals(conn: Conn, stats: WriteStats, *, min_writes: int = 20
     projection and hub replicas publish theirs: libs/db/write_health.py) and from this coordinator's own
     dispatch transactions: the worst p95, and the conflict share of all their writes. `now`: the monotonic time
     on the clock `stats` were recorded by (default: the system's)."""
-    cur = await conn.execute(q.INGEST_LAG)
-    ingest = await cur.fetchone()
+    ingest = await ingest_lag_ms(conn)
     cur = await conn.execute(q.PROJECTION_LAG)
     projection = await cur.fetchone()
     cur = await conn.execute(FRESH_TOTALS, {"fresh_s": FRESH_S})
@@ -298,7 +284,7 @@ async def measure_signals(conn: Conn, stats: WriteStats, *, min_writes: int = 20
     own_writes, own_conflicts = stats.counts(now)
     writes = own_writes + (int(writers["writes"]) if writers else 0)
     conflicts = own_conflicts + (int(writers["conflicts"]) if writers else 0)
-    return Signals(ingest_lag_ms=float(ingest["lag_ms"]) if ingest else 0.0,
+    return Signals(ingest_lag_ms=ingest,
                    projection_lag_ms=float(projection["lag_ms"]) if projection else 0.0,
                    write_p95_ms=max(stats.p95_ms(now), float(writers["p95_ms"]) if writers else 0.0),
                    conflict_rate=conflicts / writes if writes >= min_writes else 0.0)

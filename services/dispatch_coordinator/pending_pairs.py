@@ -11,7 +11,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.clock import SYSTEM_CLOCK, Clock
 from libs.db.pool import Conn
-from services.dispatch_coordinator import queries as q
+from libs.tasks import dispatch_reads
 
 log = logging.getLogger("dispatch.pass")
 
@@ -67,8 +67,7 @@ class PendingPairs:
 
     async def refresh(self, conn: Conn) -> None:
         self._added = set()
-        cur = await conn.execute(q.PENDING_PAIRS)
-        self.pairs = {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()} | self._added
+        self.pairs = await dispatch_reads.pending_pairs(conn) | self._added
         self.read_at = self._clock.monotonic()
 
     def refresh_in_background(self) -> None:

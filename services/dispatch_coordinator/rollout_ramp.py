@@ -14,6 +14,7 @@ from typing import Any
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
 from libs.domain.rollout import GateInputs, GateThresholds, Observation, Verdict, evaluate, parse_ramp
+from libs.tasks import admin_ops
 from services.dispatch_coordinator.admin import ROLLOUT_LOCK
 
 _STEP_STARTED = """
@@ -23,16 +24,6 @@ _NOW = "SELECT now() AS now"
 _OBSERVATIONS = """
 SELECT observed_at, ingest_lag_ms, reconcile_fixes, orphans FROM rollout_observations
 WHERE observed_at >= %(since)s ORDER BY observed_at, id
-"""
-# Running (leased) executions a click asked to yield since the step started, by how they ended: yielded at a safe
-# point, or force-cancelled at the platform's hard timeout. Queued ones (lease_epoch 0) are cancelled outright and say
-# nothing about the protocol; created_at bounds the scan to ix_desktop_tasks_created (a lease lives minutes).
-_PREEMPTIONS = """
-SELECT count(*) FILTER (WHERE status = 'aborted' AND interrupt_reason = 'collect_now_preempt') AS yielded,
-       count(*) FILTER (WHERE interrupt_reason = 'interrupt_hard_timeout') AS timed_out
-FROM desktop_tasks
-WHERE kind = 'monitor' AND lease_epoch > 0 AND created_at >= %(since)s - interval '1 day'
-  AND interrupted_at >= %(since)s
 """
 
 
@@ -60,10 +51,9 @@ async def _verdict(conn: Conn, settings: DispatchSettings) -> Verdict:
     observations = tuple(Observation(observed_at=r["observed_at"], ingest_lag_ms=float(r["ingest_lag_ms"]),
                                      orphans=int(r["orphans"]), reconcile_fixes=int(r["reconcile_fixes"]))
                          for r in await cur.fetchall())
-    pre = await (await conn.execute(_PREEMPTIONS, {"since": started})).fetchone()
-    assert pre is not None
+    pre = await admin_ops.preemption_outcomes(conn, since=started)
     inputs = GateInputs(now=now, step_started_at=started, observations=observations,
-                        preempt_yielded=int(pre["yielded"]), preempt_timed_out=int(pre["timed_out"]))
+                        preempt_yielded=pre.yielded, preempt_timed_out=pre.timed_out)
     return evaluate(parse_ramp(settings.rollout_ramp), settings.rollout_percentage, inputs, thresholds(settings))
 
 

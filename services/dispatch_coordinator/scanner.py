@@ -40,17 +40,14 @@ async def scan_once(pool: AsyncConnectionPool[Conn], *, batch_size: int, rollout
     result = ScanResult()
     async with pool.connection() as conn:
         zones = await _known_zones(conn)
-        cur = await conn.execute(business.SCAN_DUE_PLANS, {"limit": batch_size, "zones": zones,
-                                                           "priority": NORMAL_PRIORITY, "rollout": rollout_percentage})
-        row = await cur.fetchone()
-    assert row is not None
-    result.plans = int(row["plans"])
-    for group in row["created"]:
-        n = int(group["n"])
-        result.created += n
-        metrics.dispatch_scanner_tasks_created_count.inc(n, execution_owner=group["execution_owner"])
-        if group["execution_owner"] == "desktop_tasks":
-            result.pairs.add((int(group["tenant_id"]), int(group["ai_platform_id"])))
+        batch = await business.scan_due_plans(conn, limit=batch_size, zones=zones, priority=NORMAL_PRIORITY,
+                                              rollout_percentage=rollout_percentage)
+    result.plans = batch.plans
+    for group in batch.created:
+        result.created += group.n
+        metrics.dispatch_scanner_tasks_created_count.inc(group.n, execution_owner=group.execution_owner)
+        if group.execution_owner == "desktop_tasks":
+            result.pairs.add((group.tenant_id, group.ai_platform_id))
     if result.plans:
         metrics.dispatch_scanner_plans_count.inc(result.plans)
     return result

@@ -29,9 +29,12 @@ from libs.contracts.http import (
     ResultResponse,
 )
 from libs.contracts.wire import (
+    CAPABILITIES_HEADER,
+    CAPABILITIES_QUERY,
     FIELDS_SINCE,
     HUB_DRAINING_CLOSE,
     PROTOCOL_VERSION,
+    PUSH_LEASE,
     SUPPORTED_MAJORS,
     ErrorEvent,
     Heartbeat,
@@ -150,7 +153,8 @@ def asyncapi_document(settings: Settings | None = None) -> dict[str, Any]:
                 "title": "The desktop client's socket",
                 "description": _CHANNEL,
                 "messages": channel_messages,
-                "bindings": {"ws": {"method": "GET", "headers": _upgrade_headers(), "bindingVersion": "0.1.0"}},
+                "bindings": {"ws": {"method": "GET", "headers": _upgrade_headers(), "query": _upgrade_query(),
+                                    "bindingVersion": "0.1.0"}},
                 "x-handshake-refusals": [{"status": status, "error": error, "meaning": meaning, "client_action": act}
                                          for status, error, meaning, act in HANDSHAKE_REFUSALS],
                 "x-close-codes": [{"code": c.code, "name": c.name, "meaning": c.meaning,
@@ -210,6 +214,13 @@ def _message(name: str, schema: dict[str, Any]) -> dict[str, Any]:
             "payload": {"$ref": f"#/components/schemas/{name}"}}
 
 
+def _upgrade_query() -> dict[str, Any]:
+    return {"type": "object", "properties": {
+        CAPABILITIES_QUERY: {"type": "string", "x-since": "1.3",
+                             "description": f"As the {CAPABILITIES_HEADER} header, for a client that cannot set "
+                                            "headers (a browser-side WebSocket); the two are merged."}}}
+
+
 def _upgrade_headers() -> dict[str, Any]:
     offered = " or ".join(f"`{subprotocol(m)}`" for m in SUPPORTED_MAJORS)
     return {"type": "object", "required": ["Authorization"], "properties": {
@@ -221,13 +232,18 @@ def _upgrade_headers() -> dict[str, Any]:
                            "client from before versioning). Only unserved majors offered: 400 "
                            "`unsupported_protocol_version`."},
         "traceparent": {"type": "string", "description": "W3C trace context (optional)"},
+        CAPABILITIES_HEADER: {"type": "string", "x-since": "1.3",
+                              "description": "Optional behaviours the client asks for, comma-separated (unknown ones "
+                                             f"are ignored): `{PUSH_LEASE}` (task_available may carry the lease "
+                                             "itself). The hello's `capabilities` lists what the hub granted."},
     }}
 
 
 _INFO = ("The desktop client's WebSocket to a dispatch-hub: the hub pushes `task_available` and `task_control` "
          "events (forwarded unchanged from RabbitMQ) after a `hello` and a replay from the database; the client "
          "heartbeats. Work itself is taken and ended over HTTP (pull-lease, extend, cancel, result; schemas in "
-         "components). Versioned `MAJOR.MINOR`: within a major every change is additive (a new field with a default, "
+         "components), or, for a client granted `push_lease` on its upgrade, arrives leased on `task_available`. "
+         "Versioned `MAJOR.MINOR`: within a major every change is additive (a new field with a default, "
          "a new message type, control or error code a client ignores when it does not know it), so a client decodes "
          "with unknown fields allowed and unknown message types skipped. Fields carry `x-since` when they arrived "
          "after 1.0. docs/desktop-protocol.md is the prose version, with sequence diagrams.")
@@ -238,7 +254,8 @@ _CHANNEL = ("One socket per client process (at most two per token per hub; a thi
             "bigger frame closes the socket with 1009. Binary frames get `error` `invalid_message`.")
 
 _REPLAY = ("On every (re)connect the hub sends `hello` first, then replays from the database what the client must "
-           "know: its queued executions as `task_available` in lane order (`lane_weight DESC, priority DESC, "
+           "know: the live leases pushed to it without a result yet (same token and epoch: never a second lease), "
+           "then its queued executions as `task_available` in lane order (`lane_weight DESC, priority DESC, "
            f"enqueued_at ASC`, at most {REPLAY_LIMIT}), then every outstanding interrupt on its running executions "
            "as `task_control`; `hello.replayed_available` / `replayed_controls` count them. Live events that arrive "
            "meanwhile are held back and sent after the replay, so one can arrive twice and none is lost. A client "
@@ -249,7 +266,9 @@ _REPLAY = ("On every (re)connect the hub sends `hello` first, then replays from 
 _SEND_SUMMARY = {
     "Hello": "First frame of every socket: who the client is, the hub's time, the heartbeat interval, the client's "
              "interrupt generation, the protocol version, and how many replayed events follow.",
-    "TaskAvailable": "A queued execution for this client (a hint: lease it by pull).",
+    "TaskAvailable": "An execution for this client: queued (a hint: lease it by pull), or, to a client granted "
+                     "`push_lease`, already leased to it (`lease_token` set: start at once, extend and post the "
+                     "result with that token; one that is never extended expires and is requeued).",
     "TaskControl": "An interrupt request (yield at the next safe point and acknowledge with cancel), or the server "
                    "ended an execution (`cancelled`, `lease_revoked`: stop it, no callback).",
     "HeartbeatAck": "Answer to a heartbeat.",

@@ -43,8 +43,9 @@ DROPPED = 1006  # no close frame: the connection was lost
 
 class Connection:
     def __init__(self, ws: web.WebSocketResponse, principal: ClientPrincipal, *,
-                 max_outbound: int = MAX_OUTBOUND) -> None:
+                 max_outbound: int = MAX_OUTBOUND, capabilities: frozenset[str] = frozenset()) -> None:
         self.ws = ws
+        self.capabilities = capabilities  # what the hub granted of what the upgrade asked (hello.capabilities)
         self.principal = principal
         self.socket_id = uuid.uuid4()  # its row in hub_sockets (the fleet-wide socket cap)
         self.live = False

@@ -28,23 +28,27 @@ from libs.contracts.amqp import LifecycleEvent, LifecycleKind
 from libs.contracts.wire import (
     HUB_DRAINING_CLOSE,
     PROTOCOL_VERSION,
+    PUSH_LEASE,
     Hello,
     TaskAvailable,
     dispatch_decoder,
     draining_close_reason,
+    requested_capabilities,
 )
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
+from libs.mq.dead_letter import DeadLetterPublisher
 from libs.mq.topology import LIFECYCLE, Topology, declare_hub_queue
 from libs.outbox.writer import OutboxEvent, enqueue_many
-from libs.tasks import execution_paths
+from libs.tasks import execution_paths, push_leases
 from libs.tasks.records import QueuedReplay
 from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
 from services.dispatch_hub.auth import ClientPrincipal
 from services.dispatch_hub.batching import Batcher
 from services.dispatch_hub.connections import Connection
+from services.dispatch_hub.envelope import DispatchEvent, consume_envelope, is_envelope
 from services.dispatch_hub.heartbeats import HeartbeatWriter
 from services.dispatch_hub.leases import current_interrupt
 from services.dispatch_hub.logic import announced_heartbeat_interval, client_id_from_routing_key
@@ -81,6 +85,7 @@ class Attaching:
 
     principal: ClientPrincipal
     socket_id: uuid.UUID
+    push_lease: bool = False  # the socket was granted push_lease (libs/tasks/push_leases.py)
 
 
 def task_available_from_row(row: QueuedReplay) -> TaskAvailable:
@@ -97,8 +102,9 @@ class Gateway:
                  hub_id: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
                  heartbeat_flush_s: float, max_sockets_per_client: int = 2, revocation_check_s: float = 2.0,
                  on_revoked: Callable[[uuid.UUID], None] | None = None,
-                 write_health: WriterHealth | None = None) -> None:
+                 write_health: WriterHealth | None = None, push_key: bytes | None = None) -> None:
         self._pool = pool
+        self.push_key = push_key  # push-lease on (PUSH_LEASE_SECRET): tokens derived here (libs/tasks/push_leases.py)
         self._amqp = amqp
         self._topology = topology
         self.hub_id = hub_id
@@ -113,6 +119,7 @@ class Gateway:
         self._client_locks: dict[uuid.UUID, asyncio.Lock] = {}
         self._channel: AbstractChannel | None = None
         self._queue: AbstractQueue | None = None
+        self._dead_letters = DeadLetterPublisher(amqp, topology)  # malformed dispatch batches (envelope.py)
         self.heartbeats = HeartbeatWriter(pool, hub=hub_id, interval_s=heartbeat_flush_s,
                                           is_connected=lambda c: c in self._sockets, write_health=write_health,
                                           refresh_s=heartbeat_interval_s, on_revived=self._replay_revived)
@@ -168,14 +175,26 @@ class Gateway:
         return (self._amqp.connected.is_set() and self._channel is not None and not self._channel.is_closed)
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._dead_letters.close()
         if self._channel is not None:
             with contextlib.suppress(Exception):
                 await self._channel.close()
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        if is_envelope(message):  # many clients' events in one message (services/dispatch_hub/envelope.py)
+            await consume_envelope(message, self._on_event, self._dead_letter)
+            return
+        self._on_event(DispatchEvent.of_message(message))
+
+    async def _dead_letter(self, message: AbstractIncomingMessage, reason: str) -> None:
+        await self._dead_letters.publish(self._topology.hub_dlq, message, reason)
+
+    def _on_event(self, message: DispatchEvent) -> None:
+        """One dispatch event to its client's sockets here (dropped when the client is not, or no longer, here)."""
         self.received += 1
         metrics.hub_dispatch_events_received_total.inc()
-        client_id = client_id_from_routing_key(message.routing_key or "")
+        client_id = client_id_from_routing_key(message.routing_key)
         if client_id is None:
             log.warning("dispatch event with an unexpected routing key", extra={"routing_key": message.routing_key})
             return
@@ -188,24 +207,31 @@ class Gateway:
         if tracing.enabled():
             self._deliver_traced(message, client_id, conns, arrived)
             return
-        text = message.body.decode()
+        text = (self.push_key and push_leases.add_token(message.body, self.push_key)) or message.body.decode()
         for conn in conns:
             conn.deliver(text, arrived)
             self.forwarded += 1
 
-    def _deliver_traced(self, message: AbstractIncomingMessage, client_id: uuid.UUID,
+    def grant(self, requested: Iterable[str]) -> frozenset[str]:
+        """The capabilities a socket's upgrade asked for (CAPABILITIES_HEADER values) that this hub grants."""
+        return requested_capabilities(tuple(requested)) if self.push_key is not None else frozenset()
+
+    def _deliver_traced(self, message: DispatchEvent, client_id: uuid.UUID,
                         conns: tuple[Connection, ...], arrived: float) -> None:
         """Deliver in a span that is a child of the publisher's (AMQP headers); the event goes out with that
         span's `traceparent`, which the client sends back on its calls for the task."""
         with tracing.span("hub.deliver", kind=tracing.SpanKind.CONSUMER,
                           parent=tracing.context_from_headers(message.headers), attributes={
                               "messaging.system": "rabbitmq", "messaging.message.id": message.message_id,
-                              "monitoring.message_type": message.type, tracing.CLIENT_ID: str(client_id),
+                              "monitoring.message_type": message.message_type, tracing.CLIENT_ID: str(client_id),
                               "monitoring.sockets": len(conns)}) as span:
             text = message.body.decode()
             with contextlib.suppress(msgspec.MsgspecError):  # not ours to judge: forwarded unchanged
                 event = dispatch_decoder.decode(message.body)
                 span.set_attribute(tracing.TASK_ID, str(event.task_id))
+                if isinstance(event, TaskAvailable) and event.lease_epoch is not None and self.push_key:
+                    event = msgspec.structs.replace(event, lease_token=push_leases.derive_token(
+                        self.push_key, event.task_id, event.lease_epoch))
                 text = msgspec.json.encode(msgspec.structs.replace(
                     event, traceparent=tracing.traceparent_of(span))).decode()
             for conn in conns:
@@ -275,13 +301,15 @@ class Gateway:
             metrics.desktop_websocket_connections.inc()
             self._close_oldest_beyond_limit(client_id)
             # Under the client's lock, so a concurrent last-socket close cannot mark it offline before this.
-            generation, replay = await _finished(self._attaching.submit(Attaching(principal, conn.socket_id)))
+            generation, replay = await _finished(self._attaching.submit(
+                Attaching(principal, conn.socket_id, PUSH_LEASE in conn.capabilities)))
         available = sum(1 for t in replay if '"task_available"' in t)
         hello = Hello(client_id=client_id, tenant_id=principal.tenant_id, hub_instance=self.hub_id,
                       server_time=datetime.now(UTC),
                       heartbeat_interval_s=announced_heartbeat_interval(self.heartbeat_interval_s),
                       interrupt_generation=generation, replayed_available=available,
-                      replayed_controls=len(replay) - available, protocol_version=PROTOCOL_VERSION)
+                      replayed_controls=len(replay) - available, protocol_version=PROTOCOL_VERSION,
+                      capabilities=sorted(conn.capabilities))
         log.info("client connected", extra={"client_id": str(client_id), "tenant_id": principal.tenant_id,
                                             "replayed": len(replay)})
         return [msgspec.json.encode(hello).decode(), *replay]
@@ -302,6 +330,7 @@ class Gateway:
                 beyond = await db.execute(q.SOCKETS_BEYOND_CAP, {
                     "client_ids": [p.client_id for p in principals], "tenant_ids": [p.tenant_id for p in principals],
                     "cap": self.max_sockets_per_client})
+                await push_leases.record_capability(db, {s.principal.client_id: s.push_lease for s in sockets})
                 await pipe.sync()
                 rows = await cur.fetchall()
                 replaced = await beyond.fetchall()
@@ -358,6 +387,8 @@ class Gateway:
                                                           limit=REPLAY_LIMIT)
         now = datetime.now(UTC)
         events: dict[ClientPrincipal, list[str]] = {}
+        for pushed in await push_leases.replay(db, list(by_id), key=self.push_key) if self.push_key else ():
+            events.setdefault(by_id[pushed.target_client_id], []).append(msgspec.json.encode(pushed.event).decode())
         for r in queued:
             events.setdefault(by_id[r.target_client_id], []).append(
                 msgspec.json.encode(task_available_from_row(r)).decode())

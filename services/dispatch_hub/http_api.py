@@ -17,6 +17,8 @@ from aiohttp import WSMsgType, web
 from libs.contracts.common import ContractError, decode_json
 from libs.contracts.http import CancelRequest, ExtendRequest, LeaseRequest, ResultRequest
 from libs.contracts.wire import (
+    CAPABILITIES_HEADER,
+    CAPABILITIES_QUERY,
     SUPPORTED_MAJORS,
     ErrorEvent,
     Heartbeat,
@@ -172,7 +174,8 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
         # when aiohttp cancels a handler whose client went away, a 499, not a 500 with a traceback to log.
         raise asyncio.CancelledError from None
     mark_upgraded()
-    conn = Connection(ws, principal)
+    conn = Connection(ws, principal, capabilities=gateway.grant(
+        [*request.headers.getall(CAPABILITIES_HEADER, ()), *request.query.getall(CAPABILITIES_QUERY, ())]))
     conn.start()
     client_id = principal.client_id
     try:

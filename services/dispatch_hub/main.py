@@ -35,6 +35,7 @@ POOL_MAX = 6
 
 
 def build(settings: Settings) -> web.Application:
+    settings.push_lease_key()  # fail closed: push-lease enabled without PUSH_LEASE_SECRET, no service
     app = SERVICE.app(settings, _start, http=make_app(max_body_bytes=settings.max_body_bytes))
     app[MAX_BODY] = settings.max_body_bytes
     app[UPGRADE_LIMITS] = _upgrade_limits(settings)
@@ -81,7 +82,7 @@ def _gateway(app: web.Application, settings: Settings, pool: AsyncConnectionPool
         max_sockets_per_client=settings.hub_max_sockets_per_client,
         revocation_check_s=settings.hub_revocation_check_s,
         on_revoked=lambda client_id: app[AUTH].forget(client_id),
-        write_health=health)
+        write_health=health, push_key=settings.push_lease_key())
 
 
 def _install(app: web.Application, settings: Settings, pool: AsyncConnectionPool[Conn], gateway: Gateway,

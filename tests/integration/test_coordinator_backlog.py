@@ -11,7 +11,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.domain.shard import ingest_shard_key
-from services.dispatch_coordinator import queries as q
+from libs.tasks import backlog_reads
 from services.dispatch_coordinator.maintenance import observe_backlog
 from tests.support.desktop import dispatch_execution
 
@@ -71,7 +71,7 @@ async def test_whole_backlog_statements_hash_the_active_executions(pool: AsyncCo
     """One lookup per task in a hashed set, not a subquery per task (110-120 ms over a 10,000-task backlog), even
     on tables the planner has no statistics for yet."""
     async with pool.connection() as conn:
-        for statement in (q.BACKLOG, q.NORMAL_WAIT_P99, q.AGING_READY_COUNT):
+        for statement in (backlog_reads._BACKLOG, backlog_reads._NORMAL_WAIT_P99, backlog_reads._AGING_READY_COUNT):
             cur = await conn.execute(f"EXPLAIN {statement}")
             plan = "\n".join(str(r["QUERY PLAN"]) for r in await cur.fetchall())
             assert "hashed SubPlan" in plan, plan

@@ -14,8 +14,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import load_settings, set_setting
+from libs.tasks import backlog_reads
 from services.dispatch_coordinator import maintenance
-from services.dispatch_coordinator import queries as q
 from services.dispatch_coordinator.maintenance import (
     BacklogCensus,
     aging_round_limit,
@@ -48,13 +48,9 @@ async def _seed(pool: AsyncConnectionPool[Conn], plans: int) -> None:
 
 
 async def _exact(conn: Conn) -> dict[str, Any]:
-    cur = await conn.execute(q.BACKLOG)
-    lanes = {(r["tenant_id"], r["lane"]): r["n"] for r in await cur.fetchall() if r["lane"] != "high"}
-    cur = await conn.execute(q.OWNER_COUNTS)
-    owners = {r["execution_owner"]: r["n"] for r in await cur.fetchall()}
-    cur = await conn.execute(q.NORMAL_WAIT_P99)
-    row = await cur.fetchone()
-    return {"lanes": lanes, "owners": owners, "p99_ms": float(row["p99_ms"]) if row else 0.0}
+    lanes = {(r.tenant_id, r.lane): r.n for r in await backlog_reads.backlog_exact(conn) if r.lane != "high"}
+    owners = await backlog_reads.pending_by_owner(conn)
+    return {"lanes": lanes, "owners": owners, "p99_ms": await backlog_reads.normal_wait_p99_ms(conn)}
 
 
 async def _pending(conn: Conn) -> int:
@@ -107,7 +103,7 @@ async def test_a_census_slice_reads_only_pending_tasks_whatever_the_statistics(p
     """The pending-only index, in id order (this table has no statistics: it was never analysed)."""
     await _seed(pool, 600)
     async with pool.connection() as conn:
-        cur = await conn.execute("EXPLAIN (VERBOSE) " + q.CENSUS_SLICE,
+        cur = await conn.execute("EXPLAIN (VERBOSE) " + backlog_reads._CENSUS_SLICE,
                                  {"after": 0, "rows": 100, "reference": time.time()})
         plan = "\n".join(r["QUERY PLAN"] for r in await cur.fetchall())
     assert "ix_collect_tasks_pending_id" in plan and "hashed SubPlan" in plan, plan

@@ -18,7 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
-from libs.tasks import executions
+from libs.tasks import dispatch_reads, executions
 from libs.tasks.transitions import end_execution
 from services.collect_now_api import queries as collect_now_queries
 from services.dispatch_coordinator import queries as q
@@ -114,7 +114,7 @@ async def assert_pass_reads_the_count(pool: AsyncConnectionPool[Conn], settings:
         cur = await conn.execute(q.BUDGET_USED, {"window_start": snap.window_start,
                                                  "window_end": snap.window_start + snap.window_seconds})
         rows = await cur.fetchall()
-        cur = await conn.execute(q.HIGH_SNAPSHOT, {"window": window,
+        cur = await conn.execute(dispatch_reads._HIGH_SNAPSHOT, {"window": window,
                                                      "heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
         high = await cur.fetchone()
         assert high is not None
@@ -217,14 +217,14 @@ async def test_a_window_change_restarts_the_ledger_and_refunds_land_in_it(pool: 
         cur = await conn.execute("SELECT count(*) AS n FROM desktop_tasks WHERE target_client_id = %s "
                                  "AND status = 'queued'", (tenant.clients[0],))
         queued = (await cur.fetchone() or {"n": 0})["n"]
-        cur = await conn.execute(q.BUDGET_USE, {"window_start": dispatcher.ledger_window[1], "window": 60})
-        before = sum(r["n"] for r in await cur.fetchall())
+        before = sum(r.n for r in await dispatch_reads.budget_use(
+            conn, window_start=int(dispatcher.ledger_window[1]), window_seconds=60))
         async with conn.transaction():
             params = {"client_id": tenant.clients[0], "tenant_id": tenant.tenant_id, "request_id": str(uuid.uuid4())}
             await conn.execute(collect_now_queries.INCREMENT_GENERATION, params)
             await conn.execute(executions.CANCEL_QUEUED_SCHEDULED, params)
-        cur = await conn.execute(q.BUDGET_USE, {"window_start": dispatcher.ledger_window[1], "window": 60})
-        assert sum(r["n"] for r in await cur.fetchall()) == before - queued and queued > 0
+        assert sum(r.n for r in await dispatch_reads.budget_use(
+            conn, window_start=int(dispatcher.ledger_window[1]), window_seconds=60)) == before - queued and queued > 0
     await assert_ledger_equals_count(pool)
     # budget_window_seconds changes mid-window: the next full pass starts the ledger for the new length.
     settings = await _settings(pool, budget_window_seconds=30)
@@ -243,7 +243,7 @@ async def test_the_high_pass_reads_the_ledger_without_counting(pool: AsyncConnec
     settings = await _settings(pool)
     await dispatcher.run_pass(settings)
     async with pool.connection() as conn:
-        cur = await conn.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + q.HIGH_SNAPSHOT,
+        cur = await conn.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + dispatch_reads._HIGH_SNAPSHOT,
                                  {"window": 60, "heartbeat_timeout_s": 30})
         plan = "\n".join(r["QUERY PLAN"] for r in await cur.fetchall())
     # The count's scan of the window's executions is planned (the ledger's absence) but never runs.

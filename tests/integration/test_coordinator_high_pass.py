@@ -11,7 +11,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
-from services.dispatch_coordinator import queries as q
+from libs.tasks import dispatch_reads
 from services.dispatch_coordinator.dispatcher import (
     CANDIDATE_CHUNK_ROWS,
     MAX_PREEMPTIONS,
@@ -272,7 +272,8 @@ class _CountedConn:
 
     async def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
         cur = await self.conn.execute(query, params, **kwargs)
-        return _CountedCursor(cur, self.counter) if query in (q.HIGH_CANDIDATES, q.PAIR_CANDIDATES) else cur
+        candidates = (dispatch_reads._HIGH_CANDIDATES, dispatch_reads._PAIR_CANDIDATES)
+        return _CountedCursor(cur, self.counter) if query in candidates else cur
 
 
 class _CountedCursor:

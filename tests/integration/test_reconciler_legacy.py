@@ -165,8 +165,8 @@ async def test_the_coordinators_start_up_check_counts_both_paths_and_finds_misma
 
         found = await check_execution_paths(conn)
 
-    assert found["in_flight"] == {"desktop_tasks": 2, "legacy": 1}
-    assert [(m["id"], m["problem"]) for m in found["mismatches"]] == [
+    assert (found.in_flight.desktop_tasks, found.in_flight.legacy) == (2, 1)
+    assert [(m.id, m.problem) for m in found.mismatches] == [
         (wrong, "active execution on a legacy-owned task")]
 
 

@@ -52,12 +52,12 @@ KEDA_SIGNALS = {
     "outbox-pump": ("outbox_oldest_pending_age_ms", "Value"),  # the oldest pending outbox row
     "collect-now-api": ("http_requests_total", "AverageValue"),  # request rate per pod
 }
-SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN"}
+SECRET_KEYS = {"DATABASE_URL", "AMQP_URL", "GATEWAY_JWT_SECRET", "OPS_API_TOKEN", "PUSH_LEASE_SECRET"}
 # Least privilege: each service's Secret holds only what it uses (deploy/k8s/README.md, "Secrets").
 SECRET_KEYS_OF = {
     "collect-now-api": {"DATABASE_URL", "GATEWAY_JWT_SECRET"},  # no broker user: it never touches RabbitMQ
-    "dispatch-hub": {"DATABASE_URL", "AMQP_URL"},  # internet-facing: no gateway secret, no ops token
-    "dispatch-coordinator": {"DATABASE_URL", "AMQP_URL", "OPS_API_TOKEN"},
+    "dispatch-hub": {"DATABASE_URL", "AMQP_URL", "PUSH_LEASE_SECRET"},  # internet-facing: no gateway secret, ops token
+    "dispatch-coordinator": {"DATABASE_URL", "AMQP_URL", "OPS_API_TOKEN", "PUSH_LEASE_SECRET"},
     "outbox-pump": {"DATABASE_URL", "AMQP_URL"},
     "ingest-shard-workers": {"DATABASE_URL", "AMQP_URL"},
     "projection-worker": {"DATABASE_URL", "AMQP_URL"},

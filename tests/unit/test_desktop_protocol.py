@@ -32,7 +32,7 @@ def test_committed_asyncapi_document_is_what_the_contracts_generate() -> None:
 
 def test_the_check_command_fails_on_a_stale_document(tmp_path: Path) -> None:
     stale = tmp_path / "desktop.json"
-    stale.write_text(asyncapi.COMMITTED.read_text().replace('"1.2.0"', '"1.1.0"'))
+    stale.write_text(asyncapi.COMMITTED.read_text().replace(f'"{wire.PROTOCOL_VERSION}.0"', '"1.1.0"'))
     assert asyncapi.main(["--check", str(stale)]) == 1
     assert asyncapi.main(["--check", str(asyncapi.COMMITTED)]) == 0
 

@@ -23,15 +23,6 @@ TABLE_SQL = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO)\s+(" + "|".join(TASK_TABLES
 SQL_LIKE = re.compile(r"\b(?:SELECT|UPDATE|INSERT|DELETE|FROM|WHERE|JOIN|AND|OR|NOT|IN|IS|NULL|CASE)\b|'[^']*'")
 
 STILL_OUTSIDE: frozenset[str] = frozenset({
-    "services/dispatch_coordinator/admin.py",
-    "services/dispatch_coordinator/coordinator.py",
-    "services/dispatch_coordinator/dispatcher.py",
-    "services/dispatch_coordinator/explain.py",
-    "services/dispatch_coordinator/maintenance.py",
-    "services/dispatch_coordinator/queries.py",
-    "services/dispatch_coordinator/rollout_ramp.py",
-    "services/dispatch_coordinator/scanner.py",
-    "services/reconciler/jobs/migration.py",
 })
 
 

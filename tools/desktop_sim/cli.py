@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "profile's, 0.3 for demo; 0: every client in lockstep)")
     parser.add_argument("--concurrency", type=int, default=1, help="monitor tasks each client runs at once")
     parser.add_argument("--heartbeat-interval", type=float, default=5.0)
+    parser.add_argument("--push-fraction", type=float, default=0.0,
+                        help="the share of clients (0..1, the first ones) that ask for push-lease; the rest pull")
     parser.add_argument("--failure-rate", type=float, default=0.05)
     parser.add_argument("--mention-rate", type=float, default=0.4)
     parser.add_argument("--ignore-interrupts", action="store_true", help="misbehave: never yield to collect-now")
@@ -100,8 +102,9 @@ async def run(args: argparse.Namespace) -> None:
             max_concurrent=args.concurrency, heartbeat_interval_s=args.heartbeat_interval,
             failure_rate=args.failure_rate, mention_rate=args.mention_rate, ignore_interrupts=args.ignore_interrupts,
             die_at_phase=args.die_at_phase, die_on_task=args.die_on_task,
+            push_lease=n < round(args.push_fraction * len(tokens)),
             platform_health={"openai": "healthy", "gemini": "healthy", "perplexity": "healthy"}),
-            session=session) for name, token in tokens]
+            session=session) for n, (name, token) in enumerate(tokens)]
         for client in clients:
             await client.start()
         print(json.dumps({"event": "fleet started", "clients": len(clients), "hub": args.hub,

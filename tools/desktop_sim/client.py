@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from libs.contracts.wire import CAPABILITIES_HEADER, PUSH_LEASE
 from libs.telemetry import tracing
 from tools.desktop_sim.answers import compose_answer
 from tools.desktop_sim.rules import (
@@ -64,6 +65,11 @@ class SimOptions:
     failure_rate: float = 0.0
     seed: int | None = None
     auto_lease: bool = True
+    # Ask for push-lease on the upgrade (docs/desktop-protocol.md "Push-lease"): a granted hub sends executions already
+    # leased on task_available, started without a lease call. False: an old pull-lease client.
+    push_lease: bool = False
+    # Misbehaviour for tests: ignore pushed leases (as a client that lost the event would), so they expire.
+    ignore_pushed_leases: bool = False
     # Misbehaviour for tests
     ignore_interrupts: bool = False
     die_at_phase: str | None = None
@@ -83,6 +89,12 @@ class SimStats:
     errors: list[dict[str, Any]] = field(default_factory=list)
     leased: list[tuple[str, str]] = field(default_factory=list)
     lease_times: dict[str, float] = field(default_factory=dict)
+    # Lease calls made, tasks started from a pushed lease (no call), and every pushed token seen per task.
+    lease_calls: int = 0
+    pushed: list[str] = field(default_factory=list)
+    pushed_tokens: dict[str, list[str]] = field(default_factory=dict)
+    # The capabilities the last hello granted.
+    granted: list[str] = field(default_factory=list)
     executed: list[tuple[str, str]] = field(default_factory=list)
     results_refused: list[tuple[str, int]] = field(default_factory=list)
     aborted: list[tuple[str, int]] = field(default_factory=list)
@@ -131,6 +143,15 @@ class ActiveTask:
 
 
 Command = tuple[Any, ...]
+
+
+def pushed_lease(event: dict[str, Any]) -> dict[str, Any]:
+    """The lease a pushed `task_available` carries, shaped as a lease call's task."""
+    return {"task_id": str(event["task_id"]), "lease_token": event["lease_token"], "lane": event["lane"],
+            "priority": event["priority"], "platform": event["platform"], "brand": event["brand"],
+            "question": event["question"], "interrupt_generation": int(event.get("interrupt_generation") or 0),
+            "lease_epoch": event.get("lease_epoch"), "lease_expires_at": event.get("lease_expires_at"),
+            "execution_owner": "desktop_tasks"}
 
 
 class SimClient:
@@ -253,7 +274,8 @@ class SimClient:
             try:
                 ws = await self._session.ws_connect(
                     self._url("/api/desktop/ws"), heartbeat=self.options.ws_ping_interval_s,
-                    headers={"Authorization": f"Bearer {self.options.token}"})
+                    headers={"Authorization": f"Bearer {self.options.token}",
+                             **({CAPABILITIES_HEADER: PUSH_LEASE} if self.options.push_lease else {})})
                 self._ws = ws
                 self.stats.connects += 1
                 heartbeat = asyncio.create_task(self._heartbeats(ws))
@@ -373,6 +395,7 @@ class SimClient:
         if etype == "hello":
             self.stats.hellos += 1
             self.client_id = str(event["client_id"])
+            self.stats.granted = list(event.get("capabilities") or [])
             self._known.clear()  # the replay that follows is the truth
             self._traceparents.clear()
             self.connected.set()
@@ -405,6 +428,15 @@ class SimClient:
             return
         if event.get("traceparent") and task_id not in self._active:
             self._traceparents[task_id] = str(event["traceparent"])
+        if event.get("lease_token"):
+            self.stats.pushed_tokens.setdefault(task_id, []).append(str(event["lease_token"]))
+            if self.options.ignore_pushed_leases:
+                return
+            if task_id not in self._active and self.options.auto_lease and not self.stats.died:
+                self._known.pop(task_id, None)
+                self.stats.pushed.append(task_id)
+                self._start(pushed_lease(event), traceparent=event.get("traceparent"))
+            return
         if task_id not in self._active:
             self._known[task_id] = LocalEntry(
                 task_id=task_id, kind="monitor", lane=str(event["lane"]), priority=int(event["priority"]),
@@ -515,8 +547,11 @@ class SimClient:
         the event that prompted it."""
         if not self.options.auto_lease or self.stats.died or self._stopping.is_set():
             return
+        if PUSH_LEASE in self.stats.granted and not self._known:
+            return  # pushed leases arrive by themselves; a lease call only for work the hub said is queued
         free = self.options.max_concurrent - len(self._active)
         while free > 0:
+            self.stats.lease_calls += 1
             status, body = await self._post("/api/desktop/monitor/lease", {"max_tasks": free},
                                             traceparent=traceparent)
             if status != 200:

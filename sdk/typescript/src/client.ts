@@ -1,4 +1,4 @@
-// One desktop client: the socket (with backoff, hello and replay), pull-lease, running tasks through their phases
+// One desktop client: the socket (with backoff, hello and replay), pull-lease or push-lease, running tasks through their phases
 // with extend, yielding at safe points on an interrupt, results, and heartbeats with platform health.
 // docs/desktop-protocol.md describes the protocol this implements.
 
@@ -16,6 +16,22 @@ import {
 } from './rules.js';
 
 export const SUBPROTOCOL_PREFIX = 'monitor.desktop.v';
+/** The upgrade header naming the capabilities a client asks for, and push-lease's (docs/desktop-protocol.md). */
+export const CAPABILITIES_HEADER = 'X-Monitor-Capabilities';
+export const PUSH_LEASE = 'push_lease';
+
+/** The lease a `task_available` carries (push-lease), as a lease call would have answered it; null: lease by pull. */
+export function pushedLease(event: TaskAvailable): LeasedTask | null {
+  const { lease_token, lease_epoch, lease_expires_at, brand, question, platform } = event;
+  if (!lease_token || !lease_epoch || !lease_expires_at || !brand || !question || !platform
+      || event.monitor_task_id == null || !event.business_date || event.lane === 'urgent') return null;
+  return {
+    task_id: event.task_id, monitor_task_id: event.monitor_task_id, lane: event.lane, priority: event.priority,
+    lease_token, lease_expires_at, lease_epoch, interrupt_generation: event.interrupt_generation ?? 0,
+    business_date: event.business_date, brand, question, platform, interrupt_requested: false,
+    execution_owner: 'desktop_tasks',
+  };
+}
 export type PlatformHealth = NonNullable<Heartbeat['platform_health']>;
 
 /** What an executor answers for a task it ran to the end. */
@@ -48,6 +64,9 @@ export interface DesktopClientOptions {
   backoff?: BackoffOptions;
   /** The majors offered as subprotocols, most preferred first (default: those this SDK was generated for). */
   protocolMajors?: readonly number[];
+  /** Ask for push-lease on the upgrade (default true): a hub that grants it sends executions already leased on
+   * `task_available` (docs/desktop-protocol.md "Push-lease"), which start without a lease call. */
+  pushLease?: boolean;
   /** A slow safety net: lease when idle this often even without a task_available (0: never). */
   idlePollMs?: number;
   random?: () => number;
@@ -101,6 +120,8 @@ export class DesktopClient extends EventEmitter {
   subprotocol = '';
   refusal: Refusal | null = null;
   connects = 0;
+  /** Tasks started from a pushed lease (no lease call). */
+  pushedLeases = 0;
 
   private readonly options: Required<Omit<DesktopClientOptions, 'platformHealth'>> &
     Pick<DesktopClientOptions, 'platformHealth'>;
@@ -120,6 +141,7 @@ export class DesktopClient extends EventEmitter {
     super();
     this.options = {
       maxConcurrent: 1, backoff: DEFAULT_BACKOFF, protocolMajors: [...SUPPORTED_MAJORS].reverse(), idlePollMs: 5000,
+      pushLease: true,
       random: Math.random, ...options,
     };
     this.http = new HubHttp({ baseUrl: options.hubUrl, token: options.token, backoff: this.options.backoff,
@@ -209,7 +231,9 @@ export class DesktopClient extends EventEmitter {
         resolve(outcome);
       };
       const ws = new WebSocket(url, offered, {
-        headers: { Authorization: `Bearer ${this.options.token}` }, handshakeTimeout: 10_000,
+        headers: { Authorization: `Bearer ${this.options.token}`,
+                   ...(this.options.pushLease ? { [CAPABILITIES_HEADER]: PUSH_LEASE } : {}) },
+        handshakeTimeout: 10_000,
       });
       this.socket = ws;
       this.connects += 1;
@@ -285,6 +309,13 @@ export class DesktopClient extends EventEmitter {
     this.emit('taskAvailable', event);
     if (event.kind !== 'monitor' || this.active.has(event.task_id)) return;
     if (!this.accepts(event.task_id, event.interrupt_generation ?? 0)) return;
+    const pushed = pushedLease(event);
+    if (pushed) {  // already ours: start at once (a replay of a lease already running was skipped above)
+      this.known.set(event.task_id, event);  // for its traceparent
+      this.pushedLeases += 1;
+      this.run(pushed);
+      return;
+    }
     this.known.set(event.task_id, event);
     this.pump();
   }
@@ -355,6 +386,8 @@ export class DesktopClient extends EventEmitter {
 
   private async leaseFreeSlots(): Promise<void> {
     let free = this.options.maxConcurrent - this.active.size;
+    // Granted push-lease: leases arrive by themselves; a lease call only for work the hub said is queued.
+    if (this.hello?.capabilities?.includes(PUSH_LEASE) && this.known.size === 0) return;
     while (free > 0 && !this.stopping.signal.aborted && this.refusal === null) {
       const { tasks } = await this.http.lease({ max_tasks: free });
       if (this.stopping.signal.aborted) return;  // stopped meanwhile: these leases expire on the hub

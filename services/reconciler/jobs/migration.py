@@ -17,10 +17,11 @@ reconciler starts).
 
 from __future__ import annotations
 
+import msgspec
+
 from libs.dispatch_settings import DispatchSettings
 from libs.ingest.lag import ingest_lag_ms
-from libs.tasks import legacy
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
+from libs.tasks import consistency_reads
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.reconciler.config import ReconcilerConfig
@@ -30,48 +31,12 @@ NAME = "migration_reconcile"
 ORPHAN_LOOKBACK_DAYS = 7
 ORPHANS_LOGGED = 100
 
-# Legacy leases whose accepted result never reached the raw facts (dead-lettered): ended, business task retried.
-_LEGACY_RESULTS_LOST = """
-SELECT l.id, l.monitor_task_id, l.tenant_id, l.target_client_id, l.ai_platform_id, l.lane, l.lease_epoch,
-       l.collect_request_id
-FROM legacy_leases l
-WHERE l.status = 'in_progress' AND l.result_received_at < now() - make_interval(secs => %(grace_s)s)
-  AND NOT EXISTS (SELECT 1 FROM ingest_applied_results a WHERE a.task_id = l.id)
-ORDER BY l.id
-LIMIT %(limit)s
-FOR UPDATE OF l SKIP LOCKED
-"""
-
-_STALLED_READY = f"""
-SELECT count(*) AS n FROM monitoring_collect_tasks t
-WHERE t.status = 'pending' AND t.dispatch_after <= now()
-  AND coalesce(t.last_dispatched_at, t.enqueued_at) < now() - make_interval(secs => %(stall_s)s)
-  AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id
-                  AND d.status IN {ACTIVE_EXECUTION_SQL})
-"""
-
-_ORPHANS = f"""
-SELECT t.id, t.tenant_id, t.status, t.execution_owner, t.dispatch_attempts, t.business_date,
-       'executed without an execution record' AS problem
-FROM monitoring_collect_tasks t
-WHERE t.execution_owner = 'desktop_tasks'
-  AND t.business_date >= current_date - %(lookback_days)s::int
-  AND (t.last_dispatched_at IS NOT NULL OR t.dispatch_attempts > 0 OR t.status IN ('completed', 'failed'))
-  AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id)
-  AND NOT EXISTS (SELECT 1 FROM legacy_leases l WHERE l.monitor_task_id = t.id)
-UNION ALL
-{legacy.PATH_MISMATCHES}
-ORDER BY 1
-"""
-
-
 async def _end_lost_legacy_results(ctx: JobContext, result: JobResult) -> None:
     conn = ctx.conn
     async with conn.transaction():
-        cur = await conn.execute(_LEGACY_RESULTS_LOST, {"grace_s": ctx.settings.unknown_grace_seconds,
-                                                        "limit": ctx.config.batch_size})
-        for row in await cur.fetchall():
-            expired = await expire_and_retry(ctx, row, reason="result_not_applied",
+        for lost in await consistency_reads.legacy_results_lost(conn, grace_s=ctx.settings.unknown_grace_seconds,
+                                                                limit=ctx.config.batch_size):
+            expired = await expire_and_retry(ctx, msgspec.structs.asdict(lost), reason="result_not_applied",
                                              error="the accepted result was never applied")
             if not expired.ended:
                 continue
@@ -79,7 +44,7 @@ async def _end_lost_legacy_results(ctx: JobContext, result: JobResult) -> None:
             result.fixed += 1
             result.add("legacy_results_lost")
             log.warning("legacy lease ended: its accepted result was never applied", extra={
-                "task_id": str(row["id"]), "monitor_task_id": row["monitor_task_id"], "tenant_id": row["tenant_id"],
+                "task_id": str(lost.id), "monitor_task_id": lost.monitor_task_id, "tenant_id": lost.tenant_id,
                 "business_status": status})
 
 
@@ -87,19 +52,16 @@ async def run(ctx: JobContext) -> JobResult:
     result = JobResult()
     conn = ctx.conn
     async with conn.transaction():
-        cur = await conn.execute(legacy.CLEAR_ZOMBIE_LEASES)
-        cleared = await cur.fetchall()
-    for row in cleared:
-        log.warning("zombie lease cleared", extra={"monitor_task_id": row["id"], "tenant_id": row["tenant_id"],
-                                                   "execution_owner": row["execution_owner"],
-                                                   "executor": str(row["leased_to_executor"])})
+        cleared = await consistency_reads.clear_zombie_leases(conn)
+    for zombie in cleared:
+        log.warning("zombie lease cleared", extra={"monitor_task_id": zombie.id, "tenant_id": zombie.tenant_id,
+                                                   "execution_owner": zombie.execution_owner,
+                                                   "executor": str(zombie.leased_to_executor)})
     result.fixed += len(cleared)
     result.add("zombie_leases_cleared", len(cleared))
     await _end_lost_legacy_results(ctx, result)
 
-    cur = await conn.execute(_STALLED_READY, {"stall_s": ctx.settings.reconcile_interval_seconds})
-    count = await cur.fetchone()
-    stalled = int(count["n"]) if count else 0
+    stalled = await consistency_reads.stalled_ready_count(conn, stall_s=ctx.settings.reconcile_interval_seconds)
     metrics.reconciler_migration_stalled_ready_tasks.set(stalled)
     result.add("stalled_ready", stalled)
     if stalled:
@@ -107,15 +69,14 @@ async def run(ctx: JobContext) -> JobResult:
         log.warning("ready tasks waiting longer than the reconcile interval; coordinator woken",
                     extra={"count": stalled})
 
-    cur = await conn.execute(_ORPHANS, {"lookback_days": ORPHAN_LOOKBACK_DAYS})
-    orphans = await cur.fetchall()
+    orphans = await consistency_reads.orphans(conn, lookback_days=ORPHAN_LOOKBACK_DAYS)
     metrics.reconciler_migration_orphan_tasks.set(len(orphans))
     result.add("orphans", len(orphans))
     for orphan in orphans[:ORPHANS_LOGGED]:
-        log.error(f"ALERT: {orphan['problem']}; needs a human", extra={
-            "monitor_task_id": orphan["id"], "tenant_id": orphan["tenant_id"], "status": orphan["status"],
-            "execution_owner": orphan["execution_owner"], "dispatch_attempts": orphan["dispatch_attempts"],
-            "business_date": orphan["business_date"].isoformat()})
+        log.error(f"ALERT: {orphan.problem}; needs a human", extra={
+            "monitor_task_id": orphan.id, "tenant_id": orphan.tenant_id, "status": orphan.status,
+            "execution_owner": orphan.execution_owner, "dispatch_attempts": orphan.dispatch_attempts,
+            "business_date": orphan.business_date.isoformat()})
     await _observe_for_rollout(ctx, result, orphans=len(orphans))
     return result
 

@@ -1,0 +1,290 @@
+"""The coordinator's reads of the backlog, and aging's: the gauges' statements (the high lane, the census slices of
+the pending tasks, the clients' queues, the execution paths), the exact whole-backlog counts the census is tested
+against, and the aging round's reads (docs/architecture.md "The task store: the coordinator's operations").
+
+Operations over private statements (module constants composed from libs/tasks/ready.py's fragments), answering
+msgspec Structs. The whole-backlog ones read READY through its hashed form (READY_BACKLOG): their EXPLAIN tests
+(tests/integration/test_coordinator_backlog*.py) hold them to it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+import msgspec
+
+from libs.db.pool import Conn
+from libs.tasks import legacy, ready
+
+# ---- the answers -------------------------------------------------------------------------------------------------
+
+
+class HighBacklog(msgspec.Struct, frozen=True):
+    """Ready high tasks and the oldest one's wait (ms) since it became high work."""
+
+    n: int
+    oldest_ms: float
+
+
+class CensusRow(msgspec.Struct, frozen=True):
+    """One grouping of a census slice: ready non-high tasks of a (tenant, lane) (`by_lane`), pending tasks of an
+    execution path (`by_owner`), ready normal tasks of a wait bucket (`by_bucket`), or the slice as a whole (none of
+    them: `pending` is its size, `last_id` its last task)."""
+
+    by_lane: bool
+    by_owner: bool
+    by_bucket: bool
+    tenant_id: int | None
+    lane: str | None
+    owner: str | None
+    bucket: int | None
+    ready: int
+    ready_normal: int
+    pending: int
+    last_id: int | None
+
+
+class LaneBacklog(msgspec.Struct, frozen=True):
+    """Ready tasks of one (tenant, lane), exactly, and the oldest one's wait (ms)."""
+
+    tenant_id: int
+    lane: str
+    n: int
+    oldest_ms: float
+
+
+class ClientQueue(msgspec.Struct, frozen=True):
+    """An online client's queued monitor work, on both paths."""
+
+    id: uuid.UUID
+    queued: int
+
+
+class PathsInFlight(msgspec.Struct, frozen=True):
+    """The rollout percentage as stored (the settings' default when never stored), and the work in flight per
+    execution path: active executions, live legacy leases."""
+
+    rollout_percentage: int
+    desktop_tasks: int
+    legacy: int
+
+
+class AgingBoundary(msgspec.Struct, frozen=True):
+    """The (enqueued_at, id) of the last task of an aging round's share."""
+
+    enqueued_at: datetime
+    id: int
+
+
+class AgingCandidate(msgspec.Struct, frozen=True):
+    """A ready normal task an aging round may boost, with its wait in minutes."""
+
+    id: int
+    lane: str
+    priority: int
+    aging_boost: int
+    enqueued_at: datetime
+    wait_minutes: float
+
+
+# ---- the statements ----------------------------------------------------------------------------------------------
+
+# ---- aging ---------------------------------------------------------------------------------------
+
+_AGING_READY_COUNT = f"""
+SELECT count(*) AS n FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG}
+"""
+
+# The boundary of an aging round: the (enqueued_at, id) of the `limit`-th oldest ready normal task. An index-only
+# walk of ix_collect_tasks_aging (migration 021 includes dispatch_after), which stops there.
+_AGING_BOUNDARY = f"""
+SELECT t.enqueued_at, t.id FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG}
+ORDER BY t.enqueued_at, t.id
+OFFSET %(limit)s - 1 LIMIT 1
+"""
+
+# The next batch of a round: ready normal tasks after `after` and up to the boundary whose boost is below the cap,
+# oldest first. The walk skips the tasks already at the cap from the index (it includes aging_boost) and reads the
+# heap row of only the tasks it returns. It read every task of the round's share before: 5.1 s at 1,000,000 ready
+# tasks (docs/benchmarks.md "Cost as the backlog grows").
+_AGING_OLDEST = f"""
+SELECT t.id, t.dispatch_lane AS lane, t.dispatch_priority AS priority, t.aging_boost, t.enqueued_at,
+       extract(epoch FROM (now() - t.enqueued_at)) / 60.0 AS wait_minutes
+FROM (SELECT t.id FROM monitoring_collect_tasks t
+      WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG} AND t.aging_boost < %(cap)s
+        AND (t.enqueued_at, t.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint)
+        AND (t.enqueued_at, t.id) <= (%(last_at)s::timestamptz, %(last_id)s::bigint)
+      ORDER BY t.enqueued_at, t.id
+      LIMIT %(batch)s) o
+CROSS JOIN LATERAL (SELECT * FROM monitoring_collect_tasks t WHERE t.id = o.id OFFSET 0) t
+ORDER BY t.enqueued_at, t.id
+"""
+
+# ---- observation ---------------------------------------------------------------------------------
+
+# Every maintenance tick: the high lane (bounded by what collect-now may promote), exactly. A high task waits from
+# when it became high work (collect-now sets dispatch_after to the click), not from when the scanner first created
+# it hours earlier: the high-lane alert must measure the click's wait.
+_HIGH_BACKLOG = f"""
+SELECT count(*) AS n,
+       coalesce(extract(epoch FROM (now() - min(greatest(t.enqueued_at, t.dispatch_after)))) * 1000, 0) AS oldest_ms
+FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane = 'high' AND {ready.READY_BACKLOG}
+"""
+
+# The rest of the backlog gauges come from a census of the pending tasks taken a slice at a time
+# (maintenance.BacklogCensus): the next %(rows)s pending tasks after %(after)s in id order (ix_collect_tasks_pending_id,
+# migration 022, holds only pending tasks) per tick, instead of the three statements below over the whole backlog
+# every tick (4.9 s at 1,000,000 ready tasks). Per slice, in one aggregation (grouping sets): ready non-high tasks per
+# tenant and lane, pending tasks per execution path, the ready normal tasks' waits in logarithmic buckets (64 a factor
+# e: 1.6% wide) measured at %(reference)s (epoch seconds) so that the slices of a sweep add up, and the slice's size
+# and last id (the empty grouping set).
+_CENSUS_SLICE = f"""
+SELECT grouping(s.tenant_id, s.lane) = 0 AS by_lane, grouping(s.owner) = 0 AS by_owner,
+       grouping(s.bucket) = 0 AS by_bucket, s.tenant_id, s.lane, s.owner, s.bucket,
+       count(*) FILTER (WHERE s.ready AND s.lane <> 'high') AS ready,
+       count(*) FILTER (WHERE s.ready AND s.lane IN ('normal', 'normal_boosted')) AS ready_normal,
+       count(*) AS pending, max(s.id) AS last_id
+FROM (SELECT r.*, CASE WHEN r.ready AND r.lane IN ('normal', 'normal_boosted') THEN
+                      floor(ln(1 + greatest(0, %(reference)s::float8 - extract(epoch FROM r.enqueued_at)::float8)) * 64)
+                  END::int AS bucket
+      FROM (SELECT t.id, t.tenant_id, t.dispatch_lane AS lane, t.execution_owner AS owner, t.enqueued_at,
+                   coalesce({ready.READY_BACKLOG}, false) AS ready
+            FROM monitoring_collect_tasks t
+            WHERE t.status = 'pending' AND t.id > %(after)s
+            ORDER BY t.id
+            LIMIT %(rows)s) r) s
+GROUP BY GROUPING SETS ((s.tenant_id, s.lane), (s.owner), (s.bucket), ())
+"""
+
+# The same counts exactly, each in one statement over the whole backlog: what the census is tested against.
+_BACKLOG = f"""
+SELECT t.tenant_id, t.dispatch_lane AS lane, count(*) AS n,
+       extract(epoch FROM (now() - min(CASE WHEN t.dispatch_lane = 'high'
+                                            THEN greatest(t.enqueued_at, t.dispatch_after)
+                                            ELSE t.enqueued_at END))) * 1000 AS oldest_ms
+FROM monitoring_collect_tasks t
+WHERE {ready.READY_BACKLOG}
+GROUP BY 1, 2
+"""
+
+_NORMAL_WAIT_P99 = f"""
+SELECT coalesce(percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM (now() - t.enqueued_at)) * 1000),
+                0) AS p99_ms
+FROM monitoring_collect_tasks t
+WHERE t.dispatch_lane IN ('normal', 'normal_boosted') AND {ready.READY_BACKLOG}
+"""
+
+_OWNER_COUNTS = """
+SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending' GROUP BY 1
+"""
+
+# The queued executions counted once per client, looked up per online client in one JSON object: linear whatever the
+# statistics say. The join it replaces was planned as a nested loop over every queued execution per client once
+# `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500 queued executions).
+_CLIENT_QUEUE_DEPTH = f"""
+WITH q AS MATERIALIZED (
+    -- Materialized: computed once. As a plain subquery, statistics taken while no client was online made the planner
+    -- rescan the aggregate for every online client (1.5 s a tick at 1,000,000 ready tasks; docs/benchmarks.md
+    -- "Backlog scale").
+    SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{{}}'::jsonb) AS depths
+    FROM (SELECT w.target_client_id, count(*) AS n FROM {ready.ACTIVE_WORK} w
+          WHERE w.status = 'queued' GROUP BY 1) d
+)
+SELECT c.id, coalesce((q.depths ->> c.id::text)::int, 0) AS queued
+FROM desktop_clients c CROSS JOIN q
+WHERE c.online
+"""
+
+# The rollout as stored (libs.tasks.fragments.ROLLOUT_OWNER_SQL's reading, with the settings' default) and the work
+# in flight per execution path (libs.tasks.legacy.IN_FLIGHT_BY_PATH: counts over the two partial indexes of live
+# work), in one round trip for the maintenance tick's gauges.
+_PATHS = f"""
+SELECT coalesce((SELECT (v.value #>> '{{}}')::int FROM dispatch_settings v WHERE v.key = 'rollout_percentage'),
+                %(default_rollout)s) AS rollout_percentage,
+       f.desktop_tasks, f.legacy
+FROM ({legacy.IN_FLIGHT_BY_PATH}) f
+"""
+
+# ---- the operations ----------------------------------------------------------------------------------------------
+
+
+async def high_backlog(conn: Conn) -> HighBacklog:
+    """The high lane's ready tasks, exactly (bounded by what collect-now may promote)."""
+    cur = await conn.execute(_HIGH_BACKLOG)
+    row = await cur.fetchone()
+    assert row is not None  # an aggregate: always one row
+    return HighBacklog(int(row["n"]), float(row["oldest_ms"] or 0))
+
+
+async def census_slice(conn: Conn, *, after_id: int, rows: int, reference: float) -> list[CensusRow]:
+    """The next `rows` pending tasks after `after_id` in id order, counted (see CensusRow); waits measured at
+    `reference` (epoch seconds), so that the slices of a sweep add up."""
+    cur = await conn.execute(_CENSUS_SLICE, {"after": after_id, "rows": rows, "reference": reference})
+    return [CensusRow(by_lane=r["by_lane"], by_owner=r["by_owner"], by_bucket=r["by_bucket"],
+                      tenant_id=r["tenant_id"], lane=r["lane"], owner=r["owner"], bucket=r["bucket"],
+                      ready=int(r["ready"]), ready_normal=int(r["ready_normal"]), pending=int(r["pending"]),
+                      last_id=r["last_id"])
+            for r in await cur.fetchall()]
+
+
+async def backlog_exact(conn: Conn) -> list[LaneBacklog]:
+    """Ready tasks per (tenant, lane) over the whole backlog in one statement (what the census is tested against)."""
+    cur = await conn.execute(_BACKLOG)
+    return [LaneBacklog(r["tenant_id"], r["lane"], int(r["n"]), float(r["oldest_ms"] or 0))
+            for r in await cur.fetchall()]
+
+
+async def normal_wait_p99_ms(conn: Conn) -> float:
+    """The 99th percentile of the ready normal tasks' waits (ms), over the whole backlog."""
+    cur = await conn.execute(_NORMAL_WAIT_P99)
+    row = await cur.fetchone()
+    return float(row["p99_ms"]) if row else 0.0
+
+
+async def pending_by_owner(conn: Conn) -> dict[str, int]:
+    """Pending tasks per execution path, over the whole backlog."""
+    cur = await conn.execute(_OWNER_COUNTS)
+    return {r["execution_owner"]: int(r["n"]) for r in await cur.fetchall()}
+
+
+async def client_queue_depths(conn: Conn) -> list[ClientQueue]:
+    """Every online client's queued monitor work."""
+    cur = await conn.execute(_CLIENT_QUEUE_DEPTH)
+    return [ClientQueue(r["id"], int(r["queued"])) for r in await cur.fetchall()]
+
+
+async def paths_in_flight(conn: Conn, *, default_rollout: int) -> PathsInFlight:
+    """The rollout as stored (`default_rollout` when never stored) and the work in flight per path, one round trip."""
+    cur = await conn.execute(_PATHS, {"default_rollout": default_rollout})
+    row = await cur.fetchone()
+    assert row is not None
+    return PathsInFlight(int(row["rollout_percentage"]), int(row["desktop_tasks"]), int(row["legacy"]))
+
+
+async def ready_normal_count(conn: Conn) -> int:
+    """Ready normal (and normal_boosted) tasks, over the whole backlog."""
+    cur = await conn.execute(_AGING_READY_COUNT)
+    row = await cur.fetchone()
+    return int(row["n"]) if row else 0
+
+
+async def aging_boundary(conn: Conn, *, share: int) -> AgingBoundary | None:
+    """The `share`-th oldest ready normal task (None: fewer are ready)."""
+    cur = await conn.execute(_AGING_BOUNDARY, {"limit": share})
+    row = await cur.fetchone()
+    return AgingBoundary(row["enqueued_at"], row["id"]) if row else None
+
+
+async def aging_candidates(conn: Conn, *, cap: int, after: tuple[datetime, int], last: tuple[datetime, int],
+                           batch: int) -> list[AgingCandidate]:
+    """Up to `batch` ready normal tasks after `after` and up to `last` ((enqueued_at, id) both) whose boost is below
+    `cap`, oldest first."""
+    cur = await conn.execute(_AGING_OLDEST, {"cap": cap, "after_at": after[0], "after_id": after[1],
+                                             "last_at": last[0], "last_id": last[1], "batch": batch})
+    return [AgingCandidate(r["id"], r["lane"], r["priority"], r["aging_boost"], r["enqueued_at"],
+                           float(r["wait_minutes"]))
+            for r in await cur.fetchall()]
