@@ -1,8 +1,9 @@
 """The store's operations around the lease protocol (libs/tasks/execution_paths.py) that the hub and the reconciler's
 lease jobs need and that are the same on both execution paths: the business task a result is published for, a click
-request's marks, the high work of a client that cannot run it, an unknown execution's evidence, stale clients.
-Module-private SQL constants; those of the business and request tables are their owners' (libs/tasks/business.py,
-libs/tasks/requests.py), run here as operations."""
+request's marks, another client for a stuck client's high work, an unknown execution's evidence, stale clients.
+Module-private SQL constants; those of the request table are its owner's (libs/tasks/requests.py), run here as
+operations; the high work's rebinding and unbinding are libs/tasks/business.py's (`rebind_high`,
+`unbind_high_of_stale_clients`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from datetime import date, datetime
 import msgspec
 
 from libs.db.pool import Conn
-from libs.tasks import business
 from libs.tasks import requests as collect_requests
 from libs.tasks.fragments import STALE_CLIENT_SQL
 from libs.tasks.outcomes import NotFound
@@ -81,13 +81,6 @@ class OfflineClient(msgspec.Struct, frozen=True):
     connected_hub: str | None
 
 
-class UnboundHigh(msgspec.Struct, frozen=True):
-    id: int
-    tenant_id: int
-    client_id: uuid.UUID
-    collect_request_id: uuid.UUID | None
-
-
 async def result_context(conn: Conn, monitor_task_id: int | None, *, tenant_id: int) -> ResultContext | NotFound:
     """NotFound: no such business task (any more), or the execution has none (a `publish` one)."""
     if monitor_task_id is None:
@@ -115,18 +108,6 @@ async def other_eligible_client(conn: Conn, *, tenant_id: int, workspace_id: int
                                              "client_id": client_id, "heartbeat_timeout_s": heartbeat_timeout_s})
     row = await cur.fetchone()
     return row["id"] if row else None
-
-
-async def rebind_high(conn: Conn, *, tenant_id: int, client_id: uuid.UUID, new_client_id: uuid.UUID | None) -> int:
-    """The client's pending high work not executing moves to `new_client_id` (None: unbound); how many moved."""
-    cur = await conn.execute(business.REBIND_HIGH, {"tenant_id": tenant_id, "client_id": client_id,
-                                                    "new_client_id": new_client_id})
-    return cur.rowcount
-
-
-async def unbind_high_of_stale_clients(conn: Conn, *, timeout_s: float) -> list[UnboundHigh]:
-    cur = await conn.execute(business.UNBIND_HIGH_OF_STALE_CLIENTS, {"timeout_s": timeout_s})
-    return from_rows(await cur.fetchall(), UnboundHigh)
 
 
 async def mark_stale_clients_offline(conn: Conn, *, timeout_s: float, limit: int) -> list[OfflineClient]:

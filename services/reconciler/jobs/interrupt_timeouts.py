@@ -21,7 +21,7 @@ from __future__ import annotations
 import uuid
 from typing import assert_never
 
-from libs.tasks import execution_paths, lease_context
+from libs.tasks import business, execution_paths, lease_context
 from libs.tasks.outcomes import NotFound, Stale
 from libs.tasks.records import EndedExecution, ExecutionEnd, OverdueInterrupt
 from libs.tasks.transitions import emit_lifecycle, yield_business_task
@@ -83,8 +83,8 @@ async def force_cancel_one(ctx: JobContext, task_id: uuid.UUID, result: JobResul
                                  task_id=q.id, monitor_task_id=q.monitor_task_id,
                                  ai_platform_id=q.ai_platform_id, lane=q.lane, reason="interrupt_hard_timeout",
                                  collect_request_id=q.collect_request_id)
-        moved = await lease_context.rebind_high(conn, tenant_id=row.tenant_id, client_id=client_id,
-                                                new_client_id=new_client)
+        moved = await business.rebind_high(conn, tenant_id=row.tenant_id, client_id=client_id,
+                                           new_client_id=new_client)
     metrics.monitor_preempt_timeout_count.inc(client_id=str(client_id))
     metrics.collect_now_preempt_induced_retry_count.inc()
     result.fixed += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 import uuid
 from typing import assert_never
 
-from libs.tasks import execution_paths, lease_context
+from libs.tasks import business, execution_paths, lease_context
 from libs.tasks.outcomes import NotFound, Stale
 from libs.tasks.records import EndedExecution, ExecutionEnd, QueuedWork
 from libs.tasks.transitions import emit_lifecycle, yield_business_task
@@ -73,7 +73,7 @@ async def run(ctx: JobContext) -> JobResult:
             "last_heartbeat_at": client.last_heartbeat_at.isoformat() if client.last_heartbeat_at else None})
     result.add("clients_offline", len(offline))
     async with conn.transaction():
-        unbound = await lease_context.unbind_high_of_stale_clients(conn, timeout_s=timeout_s)
+        unbound = await business.unbind_high_of_stale_clients(conn, heartbeat_timeout_s=timeout_s)
     for task in unbound:
         log.info("high task unbound from an offline client", extra={
             "monitor_task_id": task.id, "tenant_id": task.tenant_id, "client_id": str(task.client_id),
