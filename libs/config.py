@@ -251,7 +251,8 @@ class Settings:
         if not 0 < settings.ingest_db_outage_hold_seconds < 1800:
             raise ConfigError("INGEST_DB_OUTAGE_HOLD_SECONDS must be above 0 and below 1800 (RabbitMQ's default "
                               "consumer_timeout)")
-        if not 5 <= settings.push_lease_ttl_seconds <= settings.lease_ttl_seconds:
+        if settings.push_lease_enabled and not 5 <= settings.push_lease_ttl_seconds <= settings.lease_ttl_seconds:
+            # Checked only where it is used: a pull-only deployment may run leases shorter than the push default.
             raise ConfigError("PUSH_LEASE_TTL_SECONDS must be from 5 to LEASE_TTL_SECONDS")
         if settings.hub_max_sockets_per_client < 1:
             raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")

@@ -85,3 +85,23 @@ def interrupt_timeout_ms_sql(kind: str, execution: str, platform_settings: str, 
     return (f"coalesce((SELECT pm.{column} FROM platform_mode_settings pm WHERE pm.ai_platform_id = "
             f"{execution}.ai_platform_id AND pm.mode = {platform_mode_sql(f'{execution}.monitor_task_id')}), "
             f"{platform_settings}.{column}, {default_ms})")
+
+
+# ---- the lease call's capacity (both execution paths) -----------------------------------------------------------
+
+# The client's free monitor slots for this lease: its concurrency minus what it runs on either path, at most
+# %(max_tasks)s. No row: not a client of this tenant. A posted result waits for ingest, not for the client: the
+# client is free again.
+# The slots a client `c` has taken on the legacy path: pulled leases without a posted result.
+LEGACY_SLOTS_TAKEN_SQL = """(
+    SELECT count(*) FROM legacy_leases l
+    WHERE l.target_client_id = c.id AND l.status = 'in_progress' AND l.result_received_at IS NULL)"""
+
+CLIENT_CAPACITY_SQL = f"""
+SELECT greatest(0, least(%(max_tasks)s, c.max_concurrent_monitor - (
+           SELECT count(*) FROM desktop_tasks d
+           WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
+             AND d.result_received_at IS NULL) - {LEGACY_SLOTS_TAKEN_SQL})) AS free
+FROM desktop_clients c
+WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
+"""

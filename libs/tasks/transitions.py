@@ -7,85 +7,45 @@ Semantics every service relies on:
   completed / failed / skipped / expired. On the legacy path it is `leased` / `received` while a lease lives, and
   ending the lease puts it back to `pending` first (libs/tasks/legacy.py), so the same transitions follow.
 - An execution is active while queued / in_progress / unknown (`uq_desktop_tasks_monitor_active`).
+
+Ending an execution or lease is the `Executions` protocol's (libs/tasks/execution_paths.py `end`, `end_many`, with
+typed outcomes); `end_execution` / `end_executions` here are its forms for callers not moved yet.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal
+
+import msgspec
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind
 from libs.db.pool import Conn
 from libs.domain.lanes import RETRY_PRIORITY
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
-from libs.tasks import legacy
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, CLEAR_LEGACY_LEASE_SQL, ClientCancelReason, EndReason
+from libs.tasks import execution_paths
+from libs.tasks.outcomes import Stale
+from libs.tasks.records import EndedExecution, ExecutionEnd, ExecutionOutcome
+from libs.tasks.statuses import CLEAR_LEGACY_LEASE_SQL, ClientCancelReason, EndReason
+
+__all__ = ["EndedExecution", "ExecutionEnd", "ExecutionOutcome", "end_execution", "end_executions"]
 
 # Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
 DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
 
-ExecutionOutcome = Literal["succeeded", "failed", "aborted", "expired"]
-
-
-@dataclass(frozen=True, slots=True)
-class EndedExecution:
-    task_id: uuid.UUID
-    monitor_task_id: int
-    tenant_id: int
-    client_id: uuid.UUID
-    ai_platform_id: int | None
-    lane: str
-    lease_epoch: int
-    previous_status: str
-
-
-_END_EXECUTION = f"""
-UPDATE desktop_tasks d
-SET status = %(status)s,
-    finished_at = now(),
-    updated_at = now(),
-    error = coalesce(%(error)s, d.error),
-    interrupt_reason = coalesce(%(reason)s, d.interrupt_reason),
-    lease_token_hash = NULL
-FROM (SELECT id, status AS previous_status FROM desktop_tasks
-      WHERE id = %(task_id)s AND status IN {ACTIVE_EXECUTION_SQL}
-        AND (%(lease_epoch)s::int IS NULL OR lease_epoch = %(lease_epoch)s::int)
-      FOR UPDATE) prev
-WHERE d.id = prev.id
-RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.ai_platform_id, d.lane, d.lease_epoch,
-          prev.previous_status
-"""
-
-_END_ATTEMPT = """
-UPDATE desktop_task_attempts
-SET status = %(status)s, finished_at = now(), error = %(error)s, abort_reason = %(reason)s,
-    execution_phase = coalesce(%(phase)s, execution_phase)
-WHERE task_id = %(task_id)s AND lease_epoch = %(lease_epoch)s AND status = 'in_progress'
-"""
 
 
 async def end_execution(
     conn: Conn, *, task_id: uuid.UUID, outcome: ExecutionOutcome, lease_epoch: int | None = None,
     reason: EndReason | ClientCancelReason | None = None, error: str | None = None, phase: str | None = None,
 ) -> EndedExecution | None:
-    """Move an active execution to its terminal state and close its attempt; None if it was not active
-    (or the lease epoch does not match: a fenced-off holder can never end the new holder's work)."""
-    status = "aborted" if outcome == "expired" else outcome
-    cur = await conn.execute(_END_EXECUTION, {"status": status, "task_id": task_id, "lease_epoch": lease_epoch,
-                                              "reason": reason, "error": error})
-    row = await cur.fetchone()
-    if row is None:  # not an execution: a lease of the legacy path, or nothing active
-        legacy_ended = await _end_legacy(conn, [ExecutionEnd(task_id=task_id, outcome=outcome, lease_epoch=lease_epoch,
-                                                             reason=reason, error=error)])
-        return legacy_ended[0] if legacy_ended else None
-    await conn.execute(_END_ATTEMPT, {"status": outcome, "task_id": task_id, "lease_epoch": row["lease_epoch"],
-                                      "error": error, "reason": reason, "phase": phase})
-    return EndedExecution(task_id=row["id"], monitor_task_id=row["monitor_task_id"], tenant_id=row["tenant_id"],
-                          client_id=row["target_client_id"], ai_platform_id=row["ai_platform_id"],
-                          lane=row["lane"], lease_epoch=row["lease_epoch"], previous_status=row["previous_status"])
+    """`execution_paths.end` for callers not moved to its typed answer yet: None where it answers Stale or
+    NotFound. New code calls `execution_paths.end` and handles each outcome."""
+    ended = await execution_paths.end(conn, ExecutionEnd(task_id=task_id, outcome=outcome, lease_epoch=lease_epoch,
+                                                         reason=reason, error=error, phase=phase))
+    return ended if isinstance(ended, EndedExecution) else None
 
 
 _YIELD_BUSINESS = """
@@ -125,19 +85,29 @@ RETURNING id
 """
 
 
-async def yield_business_task(conn: Conn, monitor_task_id: int) -> None:
+class Yielded(msgspec.Struct, frozen=True, tag=True):
+    """The business task is pending again with its dispatch attempt given back."""
+
+    monitor_task_id: int
+
+
+async def yield_business_task(conn: Conn, monitor_task_id: int) -> Yielded | Stale:
     """A preempted (or cancelled-while-queued) execution: back to pending, lane and enqueued_at kept,
-    the dispatch attempt given back."""
-    await conn.execute(_YIELD_BUSINESS, {"id": monitor_task_id})
+    the dispatch attempt given back. Stale: the business task is not pending (finished meanwhile)."""
+    cur = await conn.execute(_YIELD_BUSINESS, {"id": monitor_task_id})
+    return Yielded(monitor_task_id=monitor_task_id) if cur.rowcount else Stale(status=None)
 
 
-async def retry_business_task(conn: Conn, monitor_task_id: int, *, max_attempts: int, error: str | None) -> str | None:
+async def retry_business_task(conn: Conn, monitor_task_id: int, *, max_attempts: int,
+                              error: str | None) -> Literal["pending", "failed"] | Stale:
     """A failed or expired execution: pending in the retry lane (high work stays high), or failed once
-    `dispatch_attempts` reached `max_attempts`. Returns the new status (None if not pending)."""
+    `dispatch_attempts` reached `max_attempts`. Returns the new status; Stale: the task was not pending."""
     cur = await conn.execute(_RETRY_BUSINESS, {"id": monitor_task_id, "max_attempts": max_attempts,
                                                "retry_priority": RETRY_PRIORITY, "error": error})
     row = await cur.fetchone()
-    return None if row is None else str(row["status"])
+    if row is None:
+        return Stale()
+    return "failed" if row["status"] == "failed" else "pending"
 
 
 async def finish_business_task(conn: Conn, monitor_task_id: int, *, status: Literal["completed", "failed"],
@@ -146,67 +116,6 @@ async def finish_business_task(conn: Conn, monitor_task_id: int, *, status: Lite
     cur = await conn.execute(_FINISH_BUSINESS, {"id": monitor_task_id, "status": status, "error": error})
     return await cur.fetchone() is not None
 
-
-@dataclass(frozen=True, slots=True)
-class ExecutionEnd:
-    """One execution to end in a batch (`end_executions`)."""
-
-    task_id: uuid.UUID
-    outcome: ExecutionOutcome
-    lease_epoch: int | None = None
-    reason: EndReason | ClientCancelReason | None = None
-    error: str | None = None
-
-
-# Both statements probe each execution (attempt) by its key in a LATERAL .. OFFSET 0 subquery: a plan that
-# does not depend on statistics. With a join the planner trusted a stale "few active executions" estimate
-# and scanned every active execution (every attempt) per batch: ~6 ms each for 100 of 20,000 in progress.
-# The ids come sorted, so the rows are locked in id order.
-_END_EXECUTIONS = f"""
-WITH wanted AS MATERIALIZED (
-    SELECT * FROM unnest(%(task_ids)s::uuid[], %(statuses)s::text[], %(epochs)s::int[], %(reasons)s::text[],
-                         %(errors)s::text[]) WITH ORDINALITY AS w(task_id, status, lease_epoch, reason, error, ord)
-), prev AS MATERIALIZED (
-    SELECT d.id, d.previous_status, w.status, w.reason, w.error
-    FROM wanted w
-    CROSS JOIN LATERAL (
-        SELECT d.id, d.status AS previous_status
-        FROM desktop_tasks d
-        WHERE d.id = w.task_id AND d.status IN {ACTIVE_EXECUTION_SQL}
-          AND (w.lease_epoch IS NULL OR d.lease_epoch = w.lease_epoch)
-        OFFSET 0
-        FOR UPDATE OF d
-    ) d
-    ORDER BY w.ord
-)
-UPDATE desktop_tasks d
-SET status = prev.status,
-    finished_at = now(),
-    updated_at = now(),
-    error = coalesce(prev.error, d.error),
-    interrupt_reason = coalesce(prev.reason, d.interrupt_reason),
-    lease_token_hash = NULL
-FROM prev
-WHERE d.id = prev.id
-RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.ai_platform_id, d.lane, d.lease_epoch,
-          prev.previous_status
-"""
-
-_END_ATTEMPTS = """
-UPDATE desktop_task_attempts a
-SET status = x.outcome, finished_at = now(), error = x.error, abort_reason = x.reason
-FROM (
-    SELECT p.id, w.outcome, w.error, w.reason
-    FROM unnest(%(task_ids)s::uuid[], %(epochs)s::int[], %(outcomes)s::text[], %(errors)s::text[],
-                %(reasons)s::text[]) AS w(task_id, lease_epoch, outcome, error, reason)
-    CROSS JOIN LATERAL (
-        SELECT a.id FROM desktop_task_attempts a
-        WHERE a.task_id = w.task_id AND a.lease_epoch = w.lease_epoch AND a.status = 'in_progress'
-        OFFSET 0
-    ) p
-) x
-WHERE a.id = x.id
-"""
 
 _FINISH_BUSINESS_MANY = f"""
 UPDATE monitoring_collect_tasks
@@ -218,57 +127,9 @@ RETURNING id
 
 
 async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExecution]:
-    """`end_execution` for many executions in two statements (same rules, rows locked in id order).
-
-    A task id given twice is ended by its first entry. Returns the executions that were active.
-    """
-    unique: dict[uuid.UUID, ExecutionEnd] = {}
-    for end in ends:
-        unique.setdefault(end.task_id, end)
-    if not unique:
-        return []
-    items = sorted(unique.values(), key=lambda e: e.task_id)  # lock order
-    cur = await conn.execute(_END_EXECUTIONS, {
-        "task_ids": [e.task_id for e in items],
-        "statuses": ["aborted" if e.outcome == "expired" else e.outcome for e in items],
-        "epochs": [e.lease_epoch for e in items],
-        "reasons": [e.reason for e in items],
-        "errors": [e.error for e in items],
-    })
-    ended = [EndedExecution(task_id=row["id"], monitor_task_id=row["monitor_task_id"], tenant_id=row["tenant_id"],
-                            client_id=row["target_client_id"], ai_platform_id=row["ai_platform_id"],
-                            lane=row["lane"], lease_epoch=row["lease_epoch"], previous_status=row["previous_status"])
-             for row in await cur.fetchall()]
-    if len(ended) < len(items):  # the others may be leases of the legacy path
-        found = {e.task_id for e in ended}
-        legacy_ended = await _end_legacy(conn, [e for e in items if e.task_id not in found])
-    else:
-        legacy_ended = []
-    if ended:
-        by_id = {e.task_id: unique[e.task_id] for e in ended}
-        await conn.execute(_END_ATTEMPTS, {
-            "task_ids": [e.task_id for e in ended],
-            "epochs": [e.lease_epoch for e in ended],
-            "outcomes": [by_id[e.task_id].outcome for e in ended],
-            "errors": [by_id[e.task_id].error for e in ended],
-            "reasons": [by_id[e.task_id].reason for e in ended],
-        })
-    return ended + legacy_ended
-
-
-async def _end_legacy(conn: Conn, items: list[ExecutionEnd]) -> list[EndedExecution]:
-    """End the live legacy leases among `items` (sorted by id): history row ended, business row back to pending with
-    the lease cleared (libs/tasks/legacy.py)."""
-    if not items:
-        return []
-    cur = await conn.execute(legacy.END_LEASES, {
-        "task_ids": [e.task_id for e in items], "statuses": [e.outcome for e in items],
-        "epochs": [e.lease_epoch for e in items], "reasons": [e.reason for e in items],
-        "errors": [e.error for e in items]})
-    return [EndedExecution(task_id=row["id"], monitor_task_id=row["monitor_task_id"], tenant_id=row["tenant_id"],
-                           client_id=row["target_client_id"], ai_platform_id=row["ai_platform_id"], lane=row["lane"],
-                           lease_epoch=row["lease_epoch"], previous_status=row["previous_status"])
-            for row in await cur.fetchall()]
+    """`execution_paths.end_many`: the live ones among `ends` ended (rows locked in id order; a task id given twice
+    is ended by its first entry); returns those that were live."""
+    return await execution_paths.end_many(conn, ends)
 
 
 _RETRY_BUSINESS_MANY = """

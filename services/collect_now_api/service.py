@@ -32,7 +32,7 @@ from libs.domain.shard import ingest_shard_key
 from libs.http import ApiError
 from libs.outbox import NOTIFY_CHANNEL, enqueue_many
 from libs.outbox.writer import PRIORITY_WAKE
-from libs.tasks import clicks, executions, legacy
+from libs.tasks import clicks, execution_paths
 from libs.tasks import requests as collect_requests
 from libs.tasks.clicks import ClickReads, RecentRequest, ScopeRow
 from libs.tasks.controls import control_event
@@ -406,14 +406,12 @@ async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -
     tracing.set_attributes(collect_request_id=click.request_id, client_id=client_id)
     params: dict[str, Any] = {"tenant_id": tenant_id, "client_id": client_id, "request_id": click.request_id}
     generation_cur = None
-    preempt_curs = []  # (withdrawn, interrupted) statements of each path
+    preemption = None  # the scheduled work withdrawn and interrupted, on both execution paths
     if client_id is not None:
         generation_cur = await conn.execute(q.INCREMENT_GENERATION, params)
         if click.body.preempt:
-            for cancel_sql, interrupt_sql in ((executions.CANCEL_QUEUED_SCHEDULED, executions.MARK_INTERRUPT_REQUESTED),
-                                              (legacy.WITHDRAW_SCHEDULED_OFFERS, legacy.INTERRUPT_SCHEDULED_LEASES)):
-                preempt_curs.append((await conn.execute(cancel_sql, params),
-                                     await conn.execute(interrupt_sql, params)))
+            preemption = await execution_paths.preempt_scheduled(conn, client_id=client_id, tenant_id=tenant_id,
+                                                                 request_id=click.request_id)
     queued_promotion = await clicks.promote_for_click(
         conn, tenant_id=tenant_id, workspace_id=reads.workspace_id, brand_id=click.brand_id,
         business_date=business_date, client_id=client_id, request_id=click.request_id, scope=click.scope,
@@ -426,9 +424,10 @@ async def _preempt_and_promote(conn: Conn, pipe: AsyncPipeline, click: _Click) -
         generation = int(row["interrupt_generation"])
     cancelled: list[_Execution] = []
     interrupted: list[_Execution] = []
-    for cancelled_cur, interrupted_cur in preempt_curs:
-        cancelled += [_execution(r) for r in await cancelled_cur.fetchall()]
-        interrupted += [_execution(r) for r in await interrupted_cur.fetchall()]
+    if preemption is not None:
+        preempted = await preemption.result()
+        cancelled += [_execution(msgspec.structs.asdict(w)) for w in preempted.cancelled]
+        interrupted += [_execution(msgspec.structs.asdict(w)) for w in preempted.interrupted]
     promoted = await queued_promotion.result()
     return _Promotion(generation=generation, cancelled=cancelled, interrupted=interrupted,
                       created=promoted.created, scope_tasks=promoted.scope_tasks, promoted_ids=promoted.promoted_ids)
@@ -458,9 +457,9 @@ async def _record_request(conn: Conn, click: _Click, promotion: _Promotion) -> (
                                                   old_ids=click.superseded_ids)
     replacement = uuid.uuid4() if promotion.interrupted and promotion.promoted_ids else None
     if replacement is not None:
-        await conn.execute(executions.NAME_REPLACEMENT, {
-            "replacement_id": replacement, "replacement_task": min(promotion.promoted_ids), "tenant_id": tenant_id,
-            "interrupted_ids": [e.task_id for e in promotion.interrupted]})
+        await execution_paths.name_replacement(
+            conn, replacement_id=replacement, replacement_task=min(promotion.promoted_ids), tenant_id=tenant_id,
+            interrupted_ids=[e.task_id for e in promotion.interrupted])
     await _write_events(conn, tenant_id=tenant_id, client_id=client_id, request_id=click.request_id,
                         generation=promotion.generation, cancelled=promotion.cancelled,
                         interrupted=promotion.interrupted, replacement=replacement)

@@ -52,7 +52,7 @@ from libs.domain.slowdown import WriteStats
 from libs.mq.topology import DISPATCH
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox.relay import OutboxRelay, OwnClaim, claim_own
-from libs.tasks import business, dispatch_reads, executions, legacy
+from libs.tasks import business, dispatch_reads, execution_paths
 from libs.tasks.dispatch_reads import CandidateRow, ClaimedTask, HighRead, PlatformSetting, RequestsDispatched
 from libs.tasks.push_leases import PushLeaseIssuer
 from libs.telemetry import metrics, tracing
@@ -670,13 +670,10 @@ class Dispatcher:
         await business.count_dispatched(conn, refs)
         # Routed by owner (docs/legacy-path.md): an execution for desktop_tasks work, an offer on the business row
         # for legacy work; the same event tells the client either way.
-        desktop = [r for r in rows if r["execution_owner"] != "legacy"]
-        if desktop:
-            await executions.create(conn, desktop, ts=ts)
-            if self.push_leases is not None:  # a round trip: the leases go on the events (libs/tasks/push_leases.py)
-                events = await self.push_leases.lease_created(conn, desktop, events)
-        if len(desktop) < len(rows):
-            await legacy.offer(conn, [r for r in rows if r["execution_owner"] == "legacy"], ts=ts)
+        created = await execution_paths.dispatch(conn, rows, ts=ts)
+        if self.push_leases is not None and created.get("desktop_tasks"):
+            # a round trip: the leases go on the events (libs/tasks/push_leases.py: the desktop_tasks path's)
+            events = await self.push_leases.lease_created(conn, created["desktop_tasks"], events)
         high = any(monitor_lane(r["lane"]).outbox_priority > 0 for r in rows)
         relay = self.high_relay.ready() if high else None
         event_ids = await enqueue_many(conn, events, notify=high and relay is None)

@@ -41,7 +41,8 @@ from libs.db.write_health import WriterHealth
 from libs.mq.dead_letter import DeadLetterPublisher
 from libs.mq.topology import LIFECYCLE, Topology, declare_hub_queue
 from libs.outbox.writer import OutboxEvent, enqueue_many
-from libs.tasks import push_leases
+from libs.tasks import execution_paths, push_leases
+from libs.tasks.records import QueuedReplay
 from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
 from services.dispatch_hub.auth import ClientPrincipal
@@ -87,13 +88,13 @@ class Attaching:
     push_lease: bool = False  # the socket was granted push_lease (libs/tasks/push_leases.py)
 
 
-def task_available_from_row(row: dict[str, Any]) -> TaskAvailable:
-    return TaskAvailable(kind=row["kind"], task_id=row["id"], target_client_id=row["target_client_id"],
-                         priority=int(row["priority"]), lane=row["lane"],
-                         scheduler_group_key=row["scheduler_group_key"],
-                         business_date=row["business_date"], interrupt_generation=int(row["interrupt_generation"]),
-                         updated_at=row["updated_at"], monitor_task_id=row["monitor_task_id"],
-                         collect_request_id=row["collect_request_id"])
+def task_available_from_row(row: QueuedReplay) -> TaskAvailable:
+    return TaskAvailable(kind=row.kind, task_id=row.id, target_client_id=row.target_client_id,  # type: ignore[arg-type]
+                         priority=row.priority, lane=row.lane,  # type: ignore[arg-type]
+                         scheduler_group_key=row.scheduler_group_key,
+                         business_date=row.business_date, interrupt_generation=row.interrupt_generation,
+                         updated_at=row.updated_at, monitor_task_id=row.monitor_task_id,
+                         collect_request_id=row.collect_request_id)
 
 
 class Gateway:
@@ -382,22 +383,18 @@ class Gateway:
     async def _read_replays(self, db: Conn, principals: list[ClientPrincipal]) -> dict[ClientPrincipal, list[str]]:
         """Each client's replay: everything queued for it in lane order, then its outstanding interrupts."""
         by_id = {p.client_id: p for p in principals}
-        params = {"client_ids": list(by_id), "tenant_ids": [p.tenant_id for p in by_id.values()],
-                  "limit": REPLAY_LIMIT}
-        cur = await db.execute(q.REPLAY_QUEUED, params)
-        queued = await cur.fetchall()
-        cur = await db.execute(q.REPLAY_INTERRUPTS, params)
-        interrupts = await cur.fetchall()
+        queued, interrupts = await execution_paths.replay(db, [(c, p.tenant_id) for c, p in by_id.items()],
+                                                          limit=REPLAY_LIMIT)
         now = datetime.now(UTC)
         events: dict[ClientPrincipal, list[str]] = {}
         for pushed in await push_leases.replay(db, list(by_id), key=self.push_key) if self.push_key else ():
             events.setdefault(by_id[pushed.target_client_id], []).append(msgspec.json.encode(pushed.event).decode())
         for r in queued:
-            events.setdefault(by_id[r["target_client_id"]], []).append(
+            events.setdefault(by_id[r.target_client_id], []).append(
                 msgspec.json.encode(task_available_from_row(r)).decode())
-        for r in interrupts:
-            events.setdefault(by_id[r["target_client_id"]], []).append(
-                msgspec.json.encode(current_interrupt(r, now=now)).decode())
+        for i in interrupts:
+            events.setdefault(by_id[i.target_client_id], []).append(
+                msgspec.json.encode(current_interrupt(i, now=now)).decode())
         return events
 
     async def detach(self, conn: Connection) -> None:

@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any
 
 import msgspec
 import psycopg
@@ -36,8 +35,9 @@ from libs.db.write_health import WriterHealth
 from libs.domain.platform_health import BLOCKING_STATES
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
-from libs.tasks import executions, legacy
+from libs.tasks import execution_paths
 from libs.tasks.controls import control_event
+from libs.tasks.records import ReleasedWork
 from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import emit_lifecycle
 from services.dispatch_hub import queries as q
@@ -128,7 +128,7 @@ class HeartbeatWriter:
         # Only a report that names a blocking state can release anything (the report replaces the stored one): the
         # flush of a healthy fleet runs no release statement.
         broken = {client_id for client_id in ids if not BLOCKING_STATES.isdisjoint(health[client_id].values())}
-        released: list[dict[str, Any]] = []
+        released: list[ReleasedWork] = []
         try:
             async with self._pool.connection() as conn, conn.transaction():
                 await conn.execute(q.PLATFORM_HEALTH_BATCH, {"rows": msgspec.json.encode(rows).decode()})
@@ -180,43 +180,38 @@ class HeartbeatWriter:
 RELEASE_REASON: EndReason = "platform_unhealthy"
 
 
-async def release_unhealthy(conn: Conn, client_ids: list[uuid.UUID]) -> list[dict[str, Any]]:
+async def release_unhealthy(conn: Conn, client_ids: list[uuid.UUID]) -> list[ReleasedWork]:
     """The clients' queued work of the held lanes on platforms they now report a broken login on, on both execution
-    paths, released in the caller's transaction (executions.RELEASE_QUEUED_OF_PLATFORM,
-    legacy.RELEASE_OFFERS_OF_PLATFORM), each with its `task.released` and the client's `task_control(cancelled)`.
-    Returns the released rows."""
-    released: list[dict[str, Any]] = []
+    paths, released in the caller's transaction (execution_paths.release_unhealthy), each with its `task.released`
+    and the client's `task_control(cancelled)`. Returns the released work."""
     if not client_ids:
-        return released
-    params = {"client_ids": client_ids}
-    for statement in (executions.RELEASE_QUEUED_OF_PLATFORM, legacy.RELEASE_OFFERS_OF_PLATFORM):
-        cur = await conn.execute(statement, params)
-        released += await cur.fetchall()
+        return []
+    released = await execution_paths.release_unhealthy(conn, client_ids)
     if not released:
         return released
     now = datetime.now(UTC)
     events: list[OutboxEvent] = []
-    for row in released:
-        client_id: uuid.UUID = row["target_client_id"]
-        events.append(control_event(task_id=row["id"], client_id=client_id, control="cancelled",
-                                    reason=RELEASE_REASON, interrupt_generation=int(row["interrupt_generation"]),
-                                    tenant_id=row["tenant_id"], collect_request_id=row["collect_request_id"],
+    for work in released:
+        client_id = work.target_client_id
+        events.append(control_event(task_id=work.id, client_id=client_id, control="cancelled",
+                                    reason=RELEASE_REASON, interrupt_generation=work.interrupt_generation,
+                                    tenant_id=work.tenant_id, collect_request_id=work.collect_request_id,
                                     now=now))
         events.append(OutboxEvent(
-            exchange=LIFECYCLE, routing_key="task.released", tenant_id=row["tenant_id"],
-            message=LifecycleEvent(event="task.released", tenant_id=row["tenant_id"], occurred_at=now,
-                                   client_id=client_id, task_id=row["id"], monitor_task_id=row["monitor_task_id"],
-                                   ai_platform_id=row["ai_platform_id"], lane=row["lane"], reason=RELEASE_REASON,
-                                   collect_request_id=row["collect_request_id"])))
+            exchange=LIFECYCLE, routing_key="task.released", tenant_id=work.tenant_id,
+            message=LifecycleEvent(event="task.released", tenant_id=work.tenant_id, occurred_at=now,
+                                   client_id=client_id, task_id=work.id, monitor_task_id=work.monitor_task_id,
+                                   ai_platform_id=work.ai_platform_id, lane=work.lane, reason=RELEASE_REASON,
+                                   collect_request_id=work.collect_request_id)))
     await enqueue_many(conn, events, notify=True)  # the client told and the coordinator woken now, not at a poll
     return released
 
 
-def _log_released(released: list[dict[str, Any]]) -> None:
-    by_client: dict[tuple[uuid.UUID, int], list[dict[str, Any]]] = {}
-    for row in released:
-        by_client.setdefault((row["target_client_id"], int(row["tenant_id"])), []).append(row)
+def _log_released(released: list[ReleasedWork]) -> None:
+    by_client: dict[tuple[uuid.UUID, int], list[ReleasedWork]] = {}
+    for work in released:
+        by_client.setdefault((work.target_client_id, work.tenant_id), []).append(work)
     for (client_id, tenant_id), rows in by_client.items():
         log.info("queued work released: the client reports a broken login on its platform", extra={
             "client_id": str(client_id), "tenant_id": tenant_id, "released": len(rows),
-            "ai_platform_ids": sorted({int(r["ai_platform_id"]) for r in rows}), "reason": RELEASE_REASON})
+            "ai_platform_ids": sorted({r.ai_platform_id for r in rows}), "reason": RELEASE_REASON})

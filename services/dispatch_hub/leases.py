@@ -15,10 +15,9 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import assert_never
 
 import msgspec
-from psycopg import AsyncCursor
 from psycopg_pool import AsyncConnectionPool
 
 from libs.auth import hash_token, tokens_match
@@ -45,11 +44,15 @@ from libs.dispatch_settings import SettingsCache
 from libs.domain.safe_points import bucket_of
 from libs.domain.shard import shard_for
 from libs.http import ApiError
-from libs.tasks import executions, legacy
-from libs.tasks import requests as collect_requests
+from libs.tasks import execution_paths, lease_context
 from libs.tasks.controls import send_control
+from libs.tasks.lease_context import ResultContext
+from libs.tasks.outcomes import Fenced, NotFound, Stale
+from libs.tasks.queued import Queued
+from libs.tasks.records import EndedExecution, ExecutionEnd, Extended, InterruptReplay, Leased, Offer, ResultClaim
+from libs.tasks.records import LeaseState as LeaseRow
 from libs.tasks.statuses import ClientCancelReason
-from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task, yield_business_task
+from libs.tasks.transitions import emit_lifecycle, retry_business_task, yield_business_task
 from libs.telemetry import metrics, tracing
 from services.dispatch_hub import queries as q
 from services.dispatch_hub.auth import ClientPrincipal
@@ -174,21 +177,18 @@ class HubContext:
     write_health: WriterHealth = field(default_factory=lambda: WriterHealth("hub", "hub"))
 
 
-def _state(row: dict[str, Any] | None) -> LeaseState | None:
-    if row is None:
-        return None
-    return LeaseState(target_client_id=row["target_client_id"], status=row["status"],
-                      lease_epoch=int(row["lease_epoch"]), lease_token_hash=row["lease_token_hash"])
-
-
-def _fence(row: dict[str, Any] | None, principal: ClientPrincipal, token: str) -> dict[str, Any]:
-    verdict = check_lease(_state(row), caller=principal.client_id, token=token)
-    if verdict is LeaseCheck.NOT_FOUND or row is None:
+def _fence(state: LeaseRow | NotFound, principal: ClientPrincipal, token: str) -> LeaseRow:
+    """The lease if `token` holds it; else the call's 404 (no such task for this client) or 409 stale_lease."""
+    found = None if isinstance(state, NotFound) else state
+    verdict = check_lease(None if found is None else LeaseState(
+        target_client_id=found.target_client_id, status=found.status, lease_epoch=found.lease_epoch,
+        lease_token_hash=found.lease_token_hash), caller=principal.client_id, token=token)
+    if verdict is LeaseCheck.NOT_FOUND or found is None:
         raise ApiError(404, "not_found", "no such task for this client")
     if verdict is LeaseCheck.STALE:
         raise ApiError(409, "stale_lease", "the lease is no longer held by this token (expired, ended or re-leased)",
                        "lease_token")
-    return row
+    return found
 
 
 # ---- lease ------------------------------------------------------------------------------------
@@ -196,55 +196,54 @@ def _fence(row: dict[str, Any] | None, principal: ClientPrincipal, token: str) -
 
 @tracing.traced("hub.lease")
 async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest) -> LeaseResponse:
-    """Two round trips whatever the number of tasks: the client's lease lock + its capacity + the picked rows
-    (locked); then every lease, attempt, request mark and lifecycle event with the COMMIT."""
+    """Two round trips whatever the number of tasks: the client's lease lock + its capacity + the picked work of
+    both paths (locked); then every lease, attempt, request mark and lifecycle event with the COMMIT."""
     tracing.set_attributes(tenant_id=principal.tenant_id, client_id=principal.client_id, max_tasks=body.max_tasks)
-    picked: list[tuple[dict[str, Any], int, str, AsyncCursor[dict[str, Any]]]] = []  # row, epoch, token, lease
+    picked: list[tuple[Offer, int, str, Queued[Leased | Stale]]] = []  # work, epoch, token, its lease
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
         async with ctx.write_health.timed(), pipelined_transaction(conn) as pipe:
-            params = {"client_id": principal.client_id, "tenant_id": principal.tenant_id,
-                      "max_tasks": body.max_tasks}
-            await conn.execute(q.LOCK_CLIENT_LEASES, params)
-            capacity_cur = await conn.execute(q.CLIENT_CAPACITY, params)
-            pick_cur = await conn.execute(q.PICK_QUEUED, params)
-            offers_cur = await conn.execute(legacy.PICK_OFFERS, params)
+            await conn.execute(q.LOCK_CLIENT_LEASES, {"client_id": principal.client_id})
+            pick = await execution_paths.pick_for_client(conn, client_id=principal.client_id,
+                                                         tenant_id=principal.tenant_id, max_tasks=body.max_tasks)
             await pipe.sync()
-            capacity = await capacity_cur.fetchone()
-            if capacity is None:
+            offers = await pick.result()
+            if isinstance(offers, NotFound):
                 raise ApiError(404, "not_found", "client not found")
-            for row in _best_first(await pick_cur.fetchall(), await offers_cur.fetchall(), int(capacity["free"])):
-                epoch = int(row["lease_epoch"]) + 1
+            for offer in offers:
+                epoch = offer.lease_epoch + 1
                 token = new_lease_token(epoch)
-                mark = legacy.MARK_LEASED if row["execution_owner"] == "legacy" else executions.MARK_LEASED
-                leased_cur = await conn.execute(mark, {
-                    "task_id": row["id"], "epoch": epoch, "token_hash": hash_token(token),
-                    "ttl_s": dispatch.lease_ttl_seconds})
-                if row["collect_request_id"] is not None:
-                    await conn.execute(collect_requests.MARK_RUNNING, {"request_id": row["collect_request_id"],
-                                                           "tenant_id": principal.tenant_id})
+                leasing = await execution_paths.mark_leased(conn, offer, epoch=epoch, token_hash=hash_token(token),
+                                                            ttl_s=dispatch.lease_ttl_seconds)
+                if offer.collect_request_id is not None:
+                    await lease_context.mark_request_running(conn, offer.collect_request_id,
+                                                             tenant_id=principal.tenant_id)
                 await emit_lifecycle(conn, "task.leased", tenant_id=principal.tenant_id,
-                                     client_id=principal.client_id, task_id=row["id"],
-                                     monitor_task_id=row["monitor_task_id"], ai_platform_id=row["ai_platform_id"],
-                                     lane=row["lane"], collect_request_id=row["collect_request_id"])
-                picked.append((row, epoch, token, leased_cur))
+                                     client_id=principal.client_id, task_id=offer.id,
+                                     monitor_task_id=offer.monitor_task_id, ai_platform_id=offer.ai_platform_id,
+                                     lane=offer.lane, collect_request_id=offer.collect_request_id)
+                picked.append((offer, epoch, token, leasing))
     tasks: list[LeasedTask] = []
-    for row, epoch, token, leased_cur in picked:
-        leased = await leased_cur.fetchone()
-        if leased is None:  # cannot happen under PICK_QUEUED's row lock; not handed out if it did
-            log.error("a picked execution was not leased", extra={"task_id": str(row["id"])})
-            continue
-        flags = row["control_flags"] or {}
+    for offer, epoch, token, leasing in picked:
+        match await leasing.result():
+            case Leased(lease_expires_at=expires_at):
+                pass
+            case Stale():  # cannot happen under the pick's row lock; not handed out if it did
+                log.error("a picked execution was not leased", extra={"task_id": str(offer.id)})
+                continue
+            case unhandled:
+                assert_never(unhandled)
+        flags = offer.control_flags or {}
         tasks.append(LeasedTask(
-            task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]), lane=row["lane"],
-            priority=int(row["priority"]), lease_token=token, lease_expires_at=leased["lease_expires_at"],
-            interrupt_generation=int(row["interrupt_generation"]), business_date=row["business_date"],
-            brand=BrandRef(brand_id=int(row["brand_id"]), name=row["brand_name"]),
-            question=QuestionRef(question_id=int(row["question_id"]), text=row["question_text"]),
-            platform=PlatformRef(ai_platform_id=int(row["ai_platform_id"]), code=row["platform_code"],
-                                 mode=row["platform_mode"]),
+            task_id=offer.id, monitor_task_id=offer.monitor_task_id, lane=offer.lane,  # type: ignore[arg-type]
+            priority=offer.priority, lease_token=token, lease_expires_at=expires_at,
+            interrupt_generation=offer.interrupt_generation, business_date=offer.business_date,
+            brand=BrandRef(brand_id=offer.brand_id, name=offer.brand_name),
+            question=QuestionRef(question_id=offer.question_id, text=offer.question_text),
+            platform=PlatformRef(ai_platform_id=offer.ai_platform_id, code=offer.platform_code,
+                                 mode=offer.platform_mode),
             lease_epoch=epoch, interrupt_requested=bool(flags.get("interrupt_requested", False)),
-            execution_owner=row["execution_owner"]))
+            execution_owner=offer.execution_owner))
     tracing.set_attributes(leased=len(tasks), task_id=tasks[0].task_id if len(tasks) == 1 else None,
                            execution_owner=tracing.execution_owners(t.execution_owner for t in tasks))
     for task in tasks:
@@ -252,28 +251,6 @@ async def lease(ctx: HubContext, principal: ClientPrincipal, body: LeaseRequest)
                                        "tenant_id": principal.tenant_id, "lane": task.lane,
                                        "lease_epoch": task.lease_epoch, "execution_owner": task.execution_owner})
     return LeaseResponse(tasks=tasks)
-
-
-def _best_first(queued: list[dict[str, Any]], offers: list[dict[str, Any]], free: int) -> list[dict[str, Any]]:
-    """The client's queued executions and legacy offers merged in dispatch order (lane weight, priority, enqueued),
-    as many as it has free slots."""
-    rows = sorted([*queued, *offers], key=lambda r: (-int(r["lane_weight"]), -int(r["priority"]), r["enqueued_at"]))
-    return rows[:free]
-
-
-async def _lease_state(conn: Conn, task_id: uuid.UUID, tenant_id: int, *, for_update: bool = False) -> (
-    dict[str, Any] | None
-):
-    """An execution's lease state, or a legacy lease's (same columns, plus `execution_owner`); None: neither."""
-    params = {"task_id": task_id, "tenant_id": tenant_id}
-    cur = await conn.execute(q.LEASE_STATE_FOR_UPDATE if for_update else q.LEASE_STATE, params)
-    row = await cur.fetchone()
-    if row is None:
-        if for_update:  # the business row first (libs/tasks/legacy.py: lock order)
-            await conn.execute(legacy.LOCK_BUSINESS_ROW, params)
-        cur = await conn.execute(legacy.LEASE_STATE_FOR_UPDATE if for_update else legacy.LEASE_STATE, params)
-        row = await cur.fetchone()
-    return row
 
 
 # ---- extend -----------------------------------------------------------------------------------
@@ -288,48 +265,46 @@ async def extend(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
     epoch = lease_token_epoch(body.lease_token)
     async with ctx.pool.connection() as conn:
         dispatch = await ctx.settings.get(conn)
-        row = None
+        extended: Extended | Fenced = Fenced(task_id=task_id)
         if epoch is not None:
-            params = {"task_id": task_id, "tenant_id": principal.tenant_id, "client_id": principal.client_id,
-                      "epoch": epoch, "token_hash": hash_token(body.lease_token),
-                      "ttl_s": dispatch.lease_ttl_seconds, "phase": body.execution_phase}
             async with ctx.write_health.timed():  # autocommit: one statement, a second for a legacy lease
-                cur = await conn.execute(executions.EXTEND_LEASE, params)
-                row = await cur.fetchone()
-                owner = "desktop_tasks"
-                if row is None:  # a lease of the legacy path?
-                    cur = await conn.execute(legacy.EXTEND, params)
-                    row = await cur.fetchone()
-                    owner = "legacy"
-            if row is not None:
-                tracing.set_attributes(execution_owner=owner)
-        if row is None:
-            _fence(await _lease_state(conn, task_id, principal.tenant_id), principal, body.lease_token)
-            raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
+                extended = await execution_paths.extend(
+                    conn, task_id, tenant_id=principal.tenant_id, client_id=principal.client_id, epoch=epoch,
+                    token_hash=hash_token(body.lease_token), ttl_s=dispatch.lease_ttl_seconds,
+                    phase=body.execution_phase)
+        match extended:
+            case Extended():
+                tracing.set_attributes(execution_owner=extended.execution_owner)
+            case Fenced():
+                _fence(await execution_paths.lease_state(conn, task_id, tenant_id=principal.tenant_id), principal,
+                       body.lease_token)
+                raise ApiError(409, "stale_lease", "the lease is no longer held by this token", "lease_token")
+            case unhandled:
+                assert_never(unhandled)
         if body.safe_point_interval_ms is not None:
-            platform = await ctx.platforms.code(conn, row["ai_platform_id"])
-            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms),
+            platform = await ctx.platforms.code(conn, extended.ai_platform_id)
+            ctx.safe_points.observe(extended.ai_platform_id, platform, float(body.safe_point_interval_ms),
                                     principal.client_id)
-    flags = row["control_flags"] or {}
+    flags = extended.control_flags or {}
     interrupt = bool(flags.get("interrupt_requested", False))
-    generation = int(row["interrupt_generation"])
+    generation = extended.interrupt_generation
     if interrupt:
         generation = max(generation, int(flags.get("interrupt_generation") or 0))
-    return ExtendResponse(lease_expires_at=row["lease_expires_at"], interrupt_requested=interrupt,
+    return ExtendResponse(lease_expires_at=extended.lease_expires_at, interrupt_requested=interrupt,
                           interrupt_generation=generation)
 
 
 # ---- cancel / interrupt-ack ---------------------------------------------------------------------
 
 
-def current_interrupt(row: dict[str, Any], *, now: datetime) -> TaskControl:
-    """The TaskControl a client must act on for an execution (re-sent after a stale callback)."""
-    flags = row["control_flags"] or {}
-    generation = max(int(row["interrupt_generation"]), int(flags.get("interrupt_generation", 0)))
+def current_interrupt(row: LeaseRow | InterruptReplay, *, now: datetime) -> TaskControl:
+    """The TaskControl a client must act on for an execution (re-sent after a stale callback, or on a replay)."""
+    flags = row.control_flags or {}
+    generation = max(row.interrupt_generation, int(flags.get("interrupt_generation", 0)))
     request = flags.get("collect_request_id")
     replacement = flags.get("replacement_task_id")
-    return TaskControl(kind=row["kind"], task_id=row["id"], target_client_id=row["target_client_id"],
-                       control="interrupt_requested", reason=row["interrupt_reason"] or PREEMPT_REASON,
+    return TaskControl(kind=row.kind, task_id=row.id, target_client_id=row.target_client_id,  # type: ignore[arg-type]
+                       control="interrupt_requested", reason=row.interrupt_reason or PREEMPT_REASON,
                        interrupt_generation=generation, updated_at=now,
                        collect_request_id=uuid.UUID(str(request)) if request else None,
                        replacement_task_id=uuid.UUID(str(replacement)) if replacement else None)
@@ -358,9 +333,9 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         ack = _PreemptAck()
         # One transaction; the lease row (a legacy lease: the business row first) is locked before anything else.
         async with ctx.write_health.timed(), conn.transaction():
-            row = _fence(await _lease_state(conn, task_id, principal.tenant_id, for_update=True), principal,
-                         body.lease_token)
-            tracing.set_attributes(execution_owner=row["execution_owner"])
+            row = _fence(await execution_paths.lease_state(conn, task_id, tenant_id=principal.tenant_id,
+                                                           for_update=True), principal, body.lease_token)
+            tracing.set_attributes(execution_owner=row.execution_owner)
             if body.reason == PREEMPT_REASON:
                 ack = await _acknowledge_preempt(conn, principal, task_id, body, row)
             else:
@@ -369,8 +344,8 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
         if ack.stale is not None:
             raise ack.stale
         if body.safe_point_interval_ms is not None:
-            platform = await ctx.platforms.code(conn, row["ai_platform_id"])
-            ctx.safe_points.observe(row["ai_platform_id"], platform, float(body.safe_point_interval_ms),
+            platform = await ctx.platforms.code(conn, row.ai_platform_id)
+            ctx.safe_points.observe(row.ai_platform_id, platform, float(body.safe_point_interval_ms),
                                     principal.client_id)
     _count_cancel(body, ack)
     log.info("task cancelled by client", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
@@ -380,20 +355,20 @@ async def cancel(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
 
 
 async def _acknowledge_preempt(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
-                               row: dict[str, Any]) -> _PreemptAck:
+                               row: LeaseRow) -> _PreemptAck:
     """The client yields to an interrupt the server requested (refused when none was): a callback of an older
     generation gets the current interrupt re-sent, the current one aborts the execution."""
-    if not preempt_cancel_allowed(row["control_flags"]):
+    if not preempt_cancel_allowed(row.control_flags):
         raise ApiError(409, "no_interrupt_requested", f"reason {PREEMPT_REASON!r} acknowledges an interrupt "
                        "the server requested, and none was requested for this task; cancel with another "
                        "reason", "reason")
-    if is_stale_generation(body.interrupt_generation, int(row["interrupt_generation"])):
+    if is_stale_generation(body.interrupt_generation, row.interrupt_generation):
         return _PreemptAck(stale=await _resend_current_interrupt(conn, principal, task_id, body, row))
     return await _abort_preempted(conn, principal, task_id, body, row)
 
 
 async def _resend_current_interrupt(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
-                                    row: dict[str, Any]) -> ApiError:
+                                    row: LeaseRow) -> ApiError:
     """A stale preempt callback: the current interrupt goes to the client again; returns the 409 to answer."""
     client = principal.client_id
     metrics.interrupt_generation_mismatch_count.inc()
@@ -405,29 +380,30 @@ async def _resend_current_interrupt(conn: Conn, principal: ClientPrincipal, task
     log.warning("stale preempt callback; current interrupt re-sent", extra={
         "task_id": str(task_id), "client_id": str(client), "tenant_id": principal.tenant_id,
         "callback_generation": body.interrupt_generation,
-        "current_generation": int(row["interrupt_generation"])})
+        "current_generation": row.interrupt_generation})
     return ApiError(409, "stale_generation",
                     "interrupt_generation is older than the task's; the current interrupt was re-sent",
-                    "interrupt_generation", current_generation=int(row["interrupt_generation"]))
+                    "interrupt_generation", current_generation=row.interrupt_generation)
 
 
 async def _abort_preempted(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
-                           row: dict[str, Any]) -> _PreemptAck:
+                           row: LeaseRow) -> _PreemptAck:
     """End the preempted execution (aborted) and yield its business task back to its lane, no attempt counted."""
     ack = _PreemptAck()
-    ended = await end_execution(conn, task_id=task_id, outcome="aborted", lease_epoch=int(row["lease_epoch"]),
-                                reason=PREEMPT_REASON, phase=body.execution_phase)
-    if ended is None:
-        return ack
+    match await execution_paths.end(conn, ExecutionEnd(task_id=task_id, outcome="aborted", lease_epoch=row.lease_epoch,
+                                                       reason=PREEMPT_REASON, phase=body.execution_phase)):
+        case EndedExecution() as ended:
+            pass
+        case Stale() | NotFound():  # ended by another writer since the fence, under our row lock: cannot happen
+            return ack
+        case unhandled:
+            assert_never(unhandled)
     await yield_business_task(conn, ended.monitor_task_id)
-    if preempt_wasted_work(body.execution_phase or row["execution_phase"]):
+    if preempt_wasted_work(body.execution_phase or row.execution_phase):
         ack.induced_retry = True
-    request = (row["control_flags"] or {}).get("collect_request_id")
+    request = (row.control_flags or {}).get("collect_request_id")
     if request:
-        cur = await conn.execute(collect_requests.FIRST_PREEMPT,
-                                 {"request_id": request, "tenant_id": principal.tenant_id})
-        age = await cur.fetchone()
-        ack.request_age_ms = float(age["age_ms"]) if age else None
+        ack.request_age_ms = await lease_context.first_preempt(conn, request, tenant_id=principal.tenant_id)
     await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=principal.client_id,
                          task_id=task_id, monitor_task_id=ended.monitor_task_id, ai_platform_id=ended.ai_platform_id,
                          lane=ended.lane, reason=PREEMPT_REASON, notify=True)
@@ -435,12 +411,17 @@ async def _abort_preempted(conn: Conn, principal: ClientPrincipal, task_id: uuid
 
 
 async def _client_cancel(conn: Conn, principal: ClientPrincipal, task_id: uuid.UUID, body: CancelRequest,
-                         row: dict[str, Any], *, max_attempts: int) -> None:
+                         row: LeaseRow, *, max_attempts: int) -> None:
     """The client's own cancel: the execution is aborted and its business task retried (an attempt counted)."""
-    ended = await end_execution(conn, task_id=task_id, outcome="aborted", lease_epoch=int(row["lease_epoch"]),
-                                reason=ClientCancelReason(body.reason[:64]), phase=body.execution_phase)
-    if ended is None:
-        return
+    match await execution_paths.end(conn, ExecutionEnd(task_id=task_id, outcome="aborted", lease_epoch=row.lease_epoch,
+                                                       reason=ClientCancelReason(body.reason[:64]),
+                                                       phase=body.execution_phase)):
+        case EndedExecution() as ended:
+            pass
+        case Stale() | NotFound():  # ended by another writer since the fence, under our row lock: cannot happen
+            return
+        case unhandled:
+            assert_never(unhandled)
     await retry_business_task(conn, ended.monitor_task_id, max_attempts=max_attempts,
                               error=f"cancelled by client: {body.reason}")
     await emit_lifecycle(conn, "task.aborted", tenant_id=principal.tenant_id, client_id=principal.client_id,
@@ -471,46 +452,43 @@ async def result(ctx: HubContext, principal: ClientPrincipal, task_id: uuid.UUID
                            status=body.status)
     digest = result_digest(msgspec.json.encode(body))
     async with ctx.pool.connection() as conn:
-        row = await _lease_state(conn, task_id, principal.tenant_id)
-        tracing.set_attributes(execution_owner=row["execution_owner"] if row is not None else None)
-        replayed = _result_replay(row, principal, body.lease_token, digest)
+        state = await execution_paths.lease_state(conn, task_id, tenant_id=principal.tenant_id)
+        tracing.set_attributes(execution_owner=state.execution_owner if isinstance(state, LeaseRow) else None)
+        replayed = _result_replay(state, principal, body.lease_token, digest)
         if replayed is not None:
             return replayed
-        row = _fence(row, principal, body.lease_token)
-        on_legacy = row["execution_owner"] == "legacy"
-        epoch = int(row["lease_epoch"])
-        claim_params = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch, "digest": digest}
+        row = _fence(state, principal, body.lease_token)
+        path = execution_paths.executions_for(row.execution_owner)
+        epoch = row.lease_epoch
         async with ctx.write_health.timed(), conn.transaction():
-            cur = await conn.execute(legacy.CLAIM_RESULT if on_legacy else executions.CLAIM_RESULT, claim_params)
-            claim = await cur.fetchone()
-        assert claim is not None  # the fence passed: the row is there at this epoch
-        post = classify_result_post(claim["previous"], digest, received=claim["result_received_at"] is not None)
+            claim = await path.claim_result(conn, task_id, tenant_id=principal.tenant_id, epoch=epoch, digest=digest)
+        match claim:
+            case ResultClaim():
+                pass
+            case Stale():  # the fence passed: the row is there at this epoch
+                raise AssertionError(f"the result claim of a fenced lease matched nothing: {task_id}")
+            case unhandled:
+                assert_never(unhandled)
+        post = classify_result_post(claim.previous, digest, received=claim.received)
         if post is ResultPost.CONFLICT:
             raise _result_conflict()
         if post is ResultPost.REPLAY:
             return ResultResponse(accepted=True, result_id=result_id_for(task_id, epoch))
-        cur = await conn.execute(q.RESULT_CONTEXT, {"monitor_task_id": row["monitor_task_id"],
-                                                    "tenant_id": principal.tenant_id})
-        business_row = await cur.fetchone()
-    if business_row is None:
+        business_row = await lease_context.result_context(conn, row.monitor_task_id, tenant_id=principal.tenant_id)
+    if isinstance(business_row, NotFound):
         raise ApiError(404, "not_found", "the business task of this execution no longer exists")
     message = _result_message(ctx, principal, row, business_row, body)
     try:
         message = await publish_routed(ctx.publisher, ctx.router or StaticRouter(ctx.ingest_shards), message)
     except BrokerUnavailable as exc:
         async with ctx.pool.connection() as conn, ctx.write_health.timed():
-            release = legacy.RELEASE_RESULT_CLAIM if on_legacy else executions.RELEASE_RESULT_CLAIM
-            await conn.execute(release, claim_params)
+            # Stale: the lease was ended or resulted meanwhile; nothing to give back then.
+            await path.release_result_claim(conn, task_id, tenant_id=principal.tenant_id, epoch=epoch, digest=digest)
         raise ApiError(503, "broker_unavailable", f"the result could not be queued; retry later ({exc})",
                        retry_after_s=2) from exc
-    received = {"task_id": task_id, "tenant_id": principal.tenant_id, "epoch": epoch}
     async with ctx.pool.connection() as conn, ctx.write_health.timed():
-        if on_legacy:
-            async with conn.transaction():
-                await conn.execute(legacy.MARK_BUSINESS_RECEIVED, received)
-                await conn.execute(legacy.MARK_RESULT_RECEIVED, received)
-        else:
-            await conn.execute(executions.MARK_RESULT_RECEIVED, received)
+        # Stale: ingest ended the lease first (it read the result already); the result is in either way.
+        await path.mark_result_received(conn, task_id, tenant_id=principal.tenant_id, epoch=epoch)
     log.info("result accepted", extra={"task_id": str(task_id), "client_id": str(principal.client_id),
                                        "tenant_id": principal.tenant_id, "result_id": str(message.result_id),
                                        "shard": message.shard, "status": body.status,
@@ -523,33 +501,33 @@ def _result_conflict() -> ApiError:
                     "takes one result (an identical retry is answered as the first post was)", "lease_token")
 
 
-def _result_replay(row: dict[str, Any] | None, principal: ClientPrincipal, token: str,
+def _result_replay(state: LeaseRow | NotFound, principal: ClientPrincipal, token: str,
                    digest: str) -> ResultResponse | None:
     """A post on a lease whose result was accepted already (even if ingest has ended the execution since):
     the same 202 for the same body, 409 for another. None: not such a post (fence and claim as usual)."""
-    if row is None or row["target_client_id"] != principal.client_id or row["result_received_at"] is None:
+    if (isinstance(state, NotFound) or state.target_client_id != principal.client_id
+            or state.result_received_at is None):
         return None
     epoch = lease_token_epoch(token)
-    if (epoch != int(row["lease_epoch"]) or row["lease_token_hash"] is None
-            or not tokens_match(token, row["lease_token_hash"]) or row["result_digest"] is None):
+    if (epoch != state.lease_epoch or state.lease_token_hash is None
+            or not tokens_match(token, state.lease_token_hash) or state.result_digest is None):
         return None
-    if classify_result_post(row["result_digest"], digest, received=True) is ResultPost.CONFLICT:
+    if classify_result_post(state.result_digest, digest, received=True) is ResultPost.CONFLICT:
         raise _result_conflict()
-    return ResultResponse(accepted=True, result_id=result_id_for(row["id"], epoch))
+    return ResultResponse(accepted=True, result_id=result_id_for(state.id, epoch))
 
 
-def _result_message(ctx: HubContext, principal: ClientPrincipal, row: dict[str, Any], business_row: dict[str, Any],
+def _result_message(ctx: HubContext, principal: ClientPrincipal, row: LeaseRow, business_row: ResultContext,
                     body: ResultRequest) -> MonitorResult:
-    shard = shard_for(int(business_row["tenant_id"]), int(business_row["brand_id"]), business_row["business_date"],
-                      ctx.ingest_shards)
-    epoch = int(row["lease_epoch"])
+    shard = shard_for(business_row.tenant_id, business_row.brand_id, business_row.business_date, ctx.ingest_shards)
+    epoch = row.lease_epoch
     return MonitorResult(
-        result_id=result_id_for(row["id"], epoch), task_id=row["id"], monitor_task_id=int(row["monitor_task_id"]),
-        lease_epoch=epoch, tenant_id=int(business_row["tenant_id"]),
-        workspace_id=int(business_row["workspace_id"]), brand_id=int(business_row["brand_id"]),
-        question_id=int(business_row["question_id"]), ai_platform_id=int(business_row["ai_platform_id"]),
-        collector_type=business_row["collector_type"], run_mode=business_row["run_mode"],
-        business_date=business_row["business_date"], client_id=principal.client_id, status=body.status,
+        result_id=result_id_for(row.id, epoch), task_id=row.id, monitor_task_id=business_row.id,
+        lease_epoch=epoch, tenant_id=business_row.tenant_id,
+        workspace_id=business_row.workspace_id, brand_id=business_row.brand_id,
+        question_id=business_row.question_id, ai_platform_id=business_row.ai_platform_id,
+        collector_type=business_row.collector_type, run_mode=business_row.run_mode,
+        business_date=business_row.business_date, client_id=principal.client_id, status=body.status,
         answer_text=body.answer_text, citations=body.citations, brand_mentioned=body.brand_mentioned,
         error=body.error, started_at=body.started_at, finished_at=body.finished_at, received_at=datetime.now(UTC),
-        collect_request_id=row["collect_request_id"], shard=shard)
+        collect_request_id=row.collect_request_id, shard=shard)

@@ -1,7 +1,6 @@
-"""Every SQL statement of the hub, with named parameters. Each filters by the caller's tenant. The legacy path's
-statements (the same calls on a lease of the business row) are in libs/tasks/legacy.py."""
-
-from libs.tasks import fragments, legacy
+"""Every SQL statement of the hub on its own tables (clients, sockets, hub replicas, safe points), with named
+parameters. Its reads and writes of the task tables are operations of the task store (libs/tasks/execution_paths.py,
+libs/tasks/lease_context.py)."""
 
 # The tokens of every handshake and call that missed the hub's cache while the previous lookup ran.
 AUTHENTICATE_CLIENTS = """
@@ -22,110 +21,7 @@ WHERE c.id IS NULL OR c.disabled_at IS NOT NULL OR c.token_hash IS DISTINCT FROM
 # desktop_clients, which heartbeats and collect-now update).
 LOCK_CLIENT_LEASES = "SELECT pg_advisory_xact_lock(hashtextextended('hub.lease:' || %(client_id)s::text, 0))"
 
-# The client's free monitor slots for this lease: its concurrency minus what it runs, at most `max_tasks`.
-# No row: not a client of this tenant.
-CLIENT_CAPACITY = f"""
-SELECT greatest(0, least(%(max_tasks)s, c.max_concurrent_monitor - (
-           SELECT count(*) FROM desktop_tasks d
-           WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
-             -- a posted result waits for ingest, not for the client: the client is free again
-             AND d.result_received_at IS NULL) - {legacy.IN_PROGRESS_OF_CLIENT})) AS free
-FROM desktop_clients c
-WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
-"""
-
-# Contract 5: the best queued executions of this client in dispatch order, as many as it has free slots (the
-# capacity is computed in the statement, so that the lease reads and locks in one round trip). Normal work of a
-# platform the client reports a broken login on is not leased (the heartbeat flush releases it:
-# executions.RELEASE_QUEUED_OF_PLATFORM; this is the second line, for work queued since).
-PICK_QUEUED = f"""
-SELECT d.id, d.monitor_task_id, d.lane, d.lane_weight, d.priority, d.lease_epoch, d.interrupt_generation,
-       d.business_date, d.tenant_id, d.ai_platform_id, d.collect_request_id, d.control_flags, d.enqueued_at,
-       b.id AS brand_id, b.name AS brand_name, q.id AS question_id, q.text AS question_text,
-       p.code AS platform_code, {fragments.platform_mode_sql("d.monitor_task_id")} AS platform_mode,
-       'desktop_tasks' AS execution_owner
-FROM desktop_tasks d
-JOIN brands b ON b.id = d.brand_id
-JOIN monitoring_questions q ON q.id = d.question_id
-JOIN ai_platforms p ON p.id = d.ai_platform_id
-WHERE d.target_client_id = %(client_id)s AND d.tenant_id = %(tenant_id)s
-  AND d.status = 'queued' AND d.kind = 'monitor' AND NOT {fragments.held_for_broken_login_sql("d", "p.code")}
-ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
-LIMIT coalesce(({CLIENT_CAPACITY}), 0)
-FOR UPDATE OF d SKIP LOCKED
-"""
-
-LEASE_STATE = """
-SELECT d.id, d.target_client_id, d.status, d.lease_epoch, d.lease_token_hash, d.interrupt_generation,
-       d.control_flags, d.monitor_task_id, d.tenant_id, d.workspace_id, d.ai_platform_id, d.lane, d.kind,
-       d.collect_request_id, d.brand_id, d.question_id, d.business_date, d.interrupt_reason,
-       d.result_digest, d.result_received_at, d.execution_phase, 'desktop_tasks' AS execution_owner
-FROM desktop_tasks d
-WHERE d.id = %(task_id)s AND d.tenant_id = %(tenant_id)s
-"""
-
-LEASE_STATE_FOR_UPDATE = f"{LEASE_STATE} FOR UPDATE OF d"
-
-# What a result message needs from the business task.
-RESULT_CONTEXT = """
-SELECT t.collector_type, t.run_mode, t.tenant_id, t.workspace_id, t.brand_id, t.question_id, t.ai_platform_id,
-       t.business_date
-FROM monitoring_collect_tasks t
-WHERE t.id = %(monitor_task_id)s AND t.tenant_id = %(tenant_id)s
-"""
-
 PLATFORM_CODES = "SELECT id, code FROM ai_platforms"
-
-# Replay on (re)connect, for a batch of clients (client_ids[i] of tenant_ids[i]): everything queued for each (on
-# either execution path), in lane order ...
-REPLAY_QUEUED = """
-SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.scheduler_group_key, d.business_date,
-       d.interrupt_generation, d.updated_at, d.monitor_task_id, d.collect_request_id
-FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
-CROSS JOIN LATERAL (
-    SELECT d.* FROM (
-        SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.lane_weight, d.scheduler_group_key,
-               d.business_date, d.interrupt_generation, d.updated_at, d.monitor_task_id, d.collect_request_id,
-               d.enqueued_at
-        FROM desktop_tasks d
-        WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'queued'
-        UNION ALL  -- the legacy path's offers not pulled yet (libs/tasks/legacy.py), with the coordinator's group key
-        SELECT l.kind, l.id, l.target_client_id, l.priority, l.lane, l.lane_weight, 'qid:' || l.question_id,
-               l.business_date, l.interrupt_generation, l.updated_at, l.monitor_task_id, l.collect_request_id,
-               l.enqueued_at
-        FROM legacy_leases l
-        WHERE l.target_client_id = c.client_id AND l.tenant_id = c.tenant_id AND l.status = 'queued'
-    ) d
-    ORDER BY d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
-    LIMIT %(limit)s
-) d
-ORDER BY c.n, d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
-"""
-
-# ... and every interrupt still outstanding on their running executions.
-REPLAY_INTERRUPTS = """
-SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags, d.interrupt_reason,
-       d.updated_at, d.collect_request_id
-FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
-CROSS JOIN LATERAL (
-    SELECT d.* FROM (
-        SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags, d.interrupt_reason,
-               d.updated_at, d.collect_request_id, d.leased_at
-        FROM desktop_tasks d
-        WHERE d.target_client_id = c.client_id AND d.tenant_id = c.tenant_id AND d.status = 'in_progress'
-          AND coalesce((d.control_flags ->> 'interrupt_requested')::boolean, false)
-        UNION ALL  -- pulled legacy leases asked to yield and without a posted result
-        SELECT l.kind, l.id, l.target_client_id, l.interrupt_generation, l.control_flags, l.interrupt_reason,
-               l.updated_at, l.collect_request_id, l.leased_at
-        FROM legacy_leases l
-        WHERE l.target_client_id = c.client_id AND l.tenant_id = c.tenant_id AND l.status = 'in_progress'
-          AND l.result_received_at IS NULL AND coalesce((l.control_flags ->> 'interrupt_requested')::boolean, false)
-    ) d
-    ORDER BY d.leased_at
-    LIMIT %(limit)s
-) d
-ORDER BY c.n, d.leased_at
-"""
 
 # A batch of attaching clients (rows locked in id order, as the heartbeat batch does: no deadlocks between them);
 # a disabled client is not marked online.

@@ -16,7 +16,8 @@ from libs.contracts.wire import TaskControl
 from libs.db.pool import Conn
 from libs.dispatch_settings import load_settings, set_setting
 from libs.domain.lanes import lane_weight
-from libs.tasks import legacy
+from libs.tasks import execution_paths, legacy
+from libs.tasks.records import Leased, LeaseState
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from services.dispatch_hub.leases import current_interrupt
 from tests.support.collect_now import World, api_client, business_task, execution, fetch_all, make_world, today
@@ -61,10 +62,11 @@ async def _interrupting_click(settings: Settings, pool: AsyncConnectionPool[Conn
 
 async def test_the_interrupt_names_the_high_execution_that_replaces_it(settings: Settings,
                                                                        pool: AsyncConnectionPool[Conn]) -> None:
-    _, running, accepted, control = await _interrupting_click(settings, pool, legacy_path=False)
+    world, running, accepted, control = await _interrupting_click(settings, pool, legacy_path=False)
     async with pool.connection() as conn:
-        # the hub's replay of the interrupt names the same replacement
-        (row,) = await fetch_all(conn, "SELECT * FROM desktop_tasks WHERE id = %s", running)
+        # the hub's re-sent interrupt names the same replacement
+        row = await execution_paths.DESKTOP_TASKS.lease_state(conn, running, tenant_id=world.tenant_id)
+        assert isinstance(row, LeaseState)
         assert current_interrupt(row, now=control.updated_at).replacement_task_id == control.replacement_task_id
         settings_now = await load_settings(conn)
     outcome = await Dispatcher(pool).run_high_pass(settings_now)
@@ -95,9 +97,8 @@ async def test_the_legacy_interrupt_names_the_offer_that_replaces_it(settings: S
         (flags,) = await fetch_all(conn, "SELECT control_flags FROM legacy_leases WHERE id = %s", running)
         assert flags["control_flags"]["replacement_task_id"] == str(control.replacement_task_id)
         # the hub's re-sent interrupt of the lease (a stale callback) names the same replacement
-        cur = await conn.execute(legacy.LEASE_STATE, {"task_id": running, "tenant_id": world.tenant_id})
-        row = await cur.fetchone()
-        assert row is not None
+        row = await execution_paths.LEGACY.lease_state(conn, running, tenant_id=world.tenant_id)
+        assert isinstance(row, LeaseState)
         resent = current_interrupt(row, now=control.updated_at)
         assert (resent.task_id, resent.control, resent.replacement_task_id) == (
             running, "interrupt_requested", control.replacement_task_id)
@@ -113,7 +114,7 @@ async def test_the_legacy_interrupt_names_the_offer_that_replaces_it(settings: S
 
 
 async def pulled_legacy_lease(conn: Conn, monitor_task_id: int, client_id: uuid.UUID) -> uuid.UUID:
-    """Scheduled legacy work the client pulled: offered (legacy.offer) and leased (legacy.MARK_LEASED), as the
+    """Scheduled legacy work the client pulled: offered (legacy.offer) and leased (LegacyExecutions.mark_leased), as the
     coordinator and the hub write it."""
     (task,) = await fetch_all(conn, "SELECT * FROM monitoring_collect_tasks WHERE id = %s", monitor_task_id)
     lease_id = uuid.uuid4()
@@ -125,5 +126,6 @@ async def pulled_legacy_lease(conn: Conn, monitor_task_id: int, client_id: uuid.
             "business_date": task["business_date"], "lane": "normal", "lane_weight": lane_weight("monitor", "normal"),
             "priority": task["dispatch_priority"], "interrupt_generation": 0, "collect_request_id": None,
             "enqueued_at": task["enqueued_at"]}], ts=datetime.now(UTC))
-        await conn.execute(legacy.MARK_LEASED, {"task_id": lease_id, "epoch": 1, "token_hash": "h", "ttl_s": 300})
+        leased = await execution_paths.LEGACY.mark_leased(conn, lease_id, epoch=1, token_hash="h", ttl_s=300)
+    assert isinstance(await leased.result(), Leased)
     return lease_id

@@ -21,7 +21,8 @@ from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.dispatch_settings import load_settings, set_setting
 from libs.domain.lanes import lane_weight
-from libs.tasks import legacy
+from libs.tasks import execution_paths, legacy
+from libs.tasks.records import Done, Leased
 from libs.tasks.transitions import end_execution, finish_business_task
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from services.dispatch_coordinator.scanner import scan_once
@@ -330,13 +331,16 @@ async def test_rollout_status_counts_the_real_rows_of_both_paths(
         async with conn.transaction():
             await legacy.offer(conn, offers, ts=datetime.now(UTC))
         for offer in offers[1:]:  # pulled
-            cur = await conn.execute(legacy.MARK_LEASED, {"epoch": 1, "token_hash": "h" * 64,
-                                                          "task_id": offer["id"], "ttl_s": 120})
-            assert await cur.fetchone() is not None
-        async with conn.transaction():  # the hub's result post: business row received, then the lease's row
-            received = {"task_id": offers[2]["id"], "tenant_id": leg["tenant_id"], "epoch": 1}
-            assert (await conn.execute(legacy.MARK_BUSINESS_RECEIVED, received)).rowcount == 1
-            assert (await conn.execute(legacy.MARK_RESULT_RECEIVED, received)).rowcount == 1
+            leased = await execution_paths.LEGACY.mark_leased(conn, offer["id"], epoch=1, token_hash="h" * 64,
+                                                              ttl_s=120)
+            assert isinstance(await leased.result(), Leased)
+        # the hub's result post: business row received, then the lease's row
+        received = await execution_paths.LEGACY.mark_result_received(conn, offers[2]["id"],
+                                                                     tenant_id=leg["tenant_id"], epoch=1)
+        assert isinstance(received, Done)
+        cur = await conn.execute("SELECT status FROM monitoring_collect_tasks WHERE id = %s",
+                                 (offers[2]["monitor_task_id"],))
+        assert await cur.fetchone() == {"status": "received"}
         await finish_business_task(conn, rows[4]["id"], status="completed")
         extra = await insert_ready_task(conn, tenant=leg, brand_index=0, question_index=0, platform_id=platforms[1])
         await conn.execute("UPDATE monitoring_collect_tasks SET execution_owner = 'legacy' WHERE id = %s", (extra,))

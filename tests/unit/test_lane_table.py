@@ -33,7 +33,6 @@ STILL_NAMING: frozenset[str] = frozenset({
     "libs/tasks/fragments.py",
     "libs/tasks/legacy.py",
     "libs/tasks/transitions.py",
-    "services/reconciler/jobs/interrupt_timeouts.py",
 })
 
 

@@ -117,7 +117,9 @@ def test_push_lease_key_fails_closed() -> None:
         Settings.from_env(env={"PUSH_LEASE_ENABLED": "1",
                                "PUSH_LEASE_SECRET": "REPLACE_ME_WITH_OUTPUT_OF_OPENSSL_RAND_HEX_32"}).push_lease_key()
     with pytest.raises(ConfigError, match="PUSH_LEASE_TTL_SECONDS"):
-        Settings.from_env(env={"PUSH_LEASE_TTL_SECONDS": "500"})
+        Settings.from_env(env={"PUSH_LEASE_ENABLED": "1", "PUSH_LEASE_TTL_SECONDS": "500"})
+    # Pull-only: a lease shorter than the push default (the reconcile and chaos stacks' 3 s) is no error.
+    assert Settings.from_env(env={"LEASE_TTL_SECONDS": "3"}).lease_ttl_seconds == 3
 
 
 def test_a_hub_grants_push_lease_only_with_a_key() -> None:

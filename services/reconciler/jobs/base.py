@@ -6,17 +6,19 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import psycopg
 
 from libs.contracts.wire import ControlKind
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings
-from libs.tasks import controls
+from libs.tasks import controls, execution_paths
+from libs.tasks.outcomes import NotFound, Stale
+from libs.tasks.records import EndedExecution, ExecutionEnd
 from libs.tasks.requests import refresh_progress
 from libs.tasks.statuses import EndReason
-from libs.tasks.transitions import emit_lifecycle, end_execution, retry_business_task
+from libs.tasks.transitions import emit_lifecycle, retry_business_task
 from services.reconciler.config import ReconcilerConfig
 
 log = logging.getLogger("reconciler")
@@ -89,6 +91,18 @@ async def fix_candidates(ctx: JobContext, result: JobResult, fix_one: FixOne, *q
             log.warning(f"{what} lost a race; retried next run", extra={id_field: str(item), "error": str(exc)})
 
 
+async def fix_each(ctx: JobContext, result: JobResult, fix_one: FixOne, ids: list[uuid.UUID], *, what: str,
+                   id_field: str = "task_id") -> None:
+    """`fix_candidates` for ids a store operation read (libs/tasks/execution_paths.py): each fixed in its own
+    transaction; one that lost a race with another writer is counted, logged and left for the next run."""
+    for item in ids:
+        try:
+            await fix_one(ctx, item, result)
+        except RETRYABLE_ERRORS as exc:
+            result.add("skipped_conflict")
+            log.warning(f"{what} lost a race; retried next run", extra={id_field: str(item), "error": str(exc)})
+
+
 async def send_control(conn: Conn, *, task_id: uuid.UUID, client_id: uuid.UUID, control: ControlKind, reason: str,
                        interrupt_generation: int, collect_request_id: uuid.UUID | None = None,
                        tenant_id: int | None = None) -> None:
@@ -114,12 +128,18 @@ async def expire_and_retry(ctx: JobContext, row: dict[str, Any], *, reason: EndR
     has the lease's id, monitor_task_id, tenant_id, target_client_id, ai_platform_id, lane, lease_epoch and
     collect_request_id. In the caller's transaction."""
     conn = ctx.conn
-    ended = await end_execution(conn, task_id=row["id"], outcome="expired", lease_epoch=row["lease_epoch"],
-                                reason=reason, error=error, phase=phase)
-    if ended is None:
-        return Expired(ended=False)
-    status = await retry_business_task(conn, ended.monitor_task_id, max_attempts=ctx.settings.max_dispatch_attempts,
-                                       error=retry_error or error)
+    match await execution_paths.end(conn, ExecutionEnd(task_id=row["id"], outcome="expired",
+                                                       lease_epoch=row["lease_epoch"], reason=reason, error=error,
+                                                       phase=phase)):
+        case EndedExecution() as ended:
+            pass
+        case Stale() | NotFound():  # ended (or re-leased) by another writer since it was read
+            return Expired(ended=False)
+        case unhandled:
+            assert_never(unhandled)
+    retried = await retry_business_task(conn, ended.monitor_task_id, max_attempts=ctx.settings.max_dispatch_attempts,
+                                        error=retry_error or error)
+    status = None if isinstance(retried, Stale) else retried  # Stale: finished meanwhile (a late result applied)
     request = row["collect_request_id"]
     await emit_lifecycle(conn, "task.aborted", tenant_id=ended.tenant_id, client_id=ended.client_id,
                          task_id=ended.task_id, monitor_task_id=ended.monitor_task_id,
