@@ -544,7 +544,8 @@ async def _clicks(settings: Settings, world: dict[str, Any], clicks: int) -> dic
             try:
                 await asyncio.sleep(5)  # dispatch reaches its steady state with the fleet working
                 await _analyze(settings)
-                to_socket, _, marks = await _measure(settings, stack, world, clicks)
+                latencies, marks = await _measure(settings, stack, world, clicks)
+                to_socket = latencies.to_socket
             finally:
                 totals = await _stop_fleet(fleet)
     print(f"  the fleet executed {totals.get('executed', '?')} normal tasks meanwhile", flush=True)
