@@ -9,7 +9,7 @@ Semantics every service relies on:
 - An execution is active while queued / in_progress / unknown (`uq_desktop_tasks_monitor_active`).
 
 Ending an execution or lease is the `Executions` protocol's (libs/tasks/execution_paths.py `end`, `end_many`, with
-typed outcomes); `end_execution` / `end_executions` here are its forms for callers not moved yet.
+typed outcomes); the business task's moves that follow it are here.
 """
 
 from __future__ import annotations
@@ -25,27 +25,14 @@ from libs.db.pool import Conn
 from libs.domain.lanes import retry_lane_sql, retry_priority_sql
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
-from libs.tasks import execution_paths
 from libs.tasks.outcomes import Stale
 from libs.tasks.records import EndedExecution, ExecutionEnd, ExecutionOutcome
-from libs.tasks.statuses import CLEAR_LEGACY_LEASE_SQL, ClientCancelReason, EndReason
+from libs.tasks.statuses import CLEAR_LEGACY_LEASE_SQL
 
-__all__ = ["EndedExecution", "ExecutionEnd", "ExecutionOutcome", "end_execution", "end_executions"]
+__all__ = ["EndedExecution", "ExecutionEnd", "ExecutionOutcome"]
 
 # Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
 DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
-
-
-
-async def end_execution(
-    conn: Conn, *, task_id: uuid.UUID, outcome: ExecutionOutcome, lease_epoch: int | None = None,
-    reason: EndReason | ClientCancelReason | None = None, error: str | None = None, phase: str | None = None,
-) -> EndedExecution | None:
-    """`execution_paths.end` for callers not moved to its typed answer yet: None where it answers Stale or
-    NotFound. New code calls `execution_paths.end` and handles each outcome."""
-    ended = await execution_paths.end(conn, ExecutionEnd(task_id=task_id, outcome=outcome, lease_epoch=lease_epoch,
-                                                         reason=reason, error=error, phase=phase))
-    return ended if isinstance(ended, EndedExecution) else None
 
 
 _YIELD_BUSINESS = """
@@ -124,12 +111,6 @@ WHERE id = ANY(%(ids)s::bigint[]) AND status NOT IN ('completed', 'skipped', 'ex
   AND NOT (status = 'failed' AND %(status)s = 'failed')
 RETURNING id
 """
-
-
-async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExecution]:
-    """`execution_paths.end_many`: the live ones among `ends` ended (rows locked in id order; a task id given twice
-    is ended by its first entry); returns those that were live."""
-    return await execution_paths.end_many(conn, ends)
 
 
 _RETRY_BUSINESS_MANY = f"""
