@@ -146,7 +146,7 @@ WHERE id = ANY(%(interrupted_ids)s::uuid[]) AND tenant_id = %(tenant_id)s AND EX
 # The platform-health pause at the hub (libs/domain/platform_health.py): the queued executions of the lanes the
 # planner holds back (normal, boosted, retry; not high) that wait for one of the clients %(client_ids)s on a platform
 # it now reports a broken login on (unless the tenant's override ignores health) are released. The set-based twin
-# of transitions.end_execution(outcome='aborted') for executions never leased (no attempt to close), reason
+# of execution_paths.end(outcome='aborted') for executions never leased (no attempt to close), reason
 # platform_unhealthy; then (transitions.yield_business_task) each one's business task gets its dispatch attempt
 # back, lane and enqueued_at kept, for the coordinator to plan again (another client of the tenant whose login
 # works, or held while none has one). Rows locked in id order. The legacy twin: legacy.RELEASE_OFFERS_OF_PLATFORM.

@@ -4,6 +4,7 @@ task ids, the test for a client without a fresh heartbeat, the platforms a clien
 
 from __future__ import annotations
 
+from libs.domain.lanes import HELD_FOR_BROKEN_LOGIN_SQL
 from libs.domain.platform_health import BLOCKING_STATES
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, sql_list
 
@@ -39,8 +40,9 @@ STALE_CLIENT_SQL = "(c.last_heartbeat_at IS NULL OR c.last_heartbeat_at < now() 
 # The login states that block a platform's scheduled work on the client reporting them.
 BLOCKING_STATES_SQL = sql_list(tuple(sorted(BLOCKING_STATES)))
 
-# The lanes the pause holds back on a client with a broken login (all but high: a user's collect-now still goes).
-HELD_LANES_SQL = sql_list(("normal", "normal_boosted", "retry"))
+# The lanes the pause holds back on a client with a broken login (`held_for_broken_login`: all but the click lane, a
+# user's collect-now still goes).
+HELD_LANES_SQL = HELD_FOR_BROKEN_LOGIN_SQL
 
 
 def _health_ignored_sql(tenant: str, platform: str) -> str:

@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from libs.db.pool import Conn, json_records
+from libs.domain.lanes import PREEMPTIBLE_SQL
 from libs.tasks import fragments
 from libs.tasks.fragments import (
     BLOCKED_PLATFORMS_OF_CLIENTS_SQL,
@@ -293,7 +294,7 @@ withdrawn AS (
                                                             'collect_request_id', %(request_id)s::text)
     FROM g
     WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'queued'
-      AND lane IN ('normal', 'normal_boosted')
+      AND lane IN {PREEMPTIBLE_SQL}
     RETURNING id, monitor_task_id, ai_platform_id, lane
 ), {_RELEASE_WITHDRAWN}
 SELECT * FROM withdrawn
@@ -311,7 +312,7 @@ SET control_flags = control_flags || jsonb_build_object('interrupt_requested', t
     interrupt_generation = g.gen, interrupt_reason = 'collect_now_preempt', updated_at = now()
 FROM g
 WHERE target_client_id = %(client_id)s AND tenant_id = %(tenant_id)s AND status = 'in_progress'
-  AND lane IN ('normal', 'normal_boosted') AND result_received_at IS NULL AND interrupt_generation < g.gen
+  AND lane IN {PREEMPTIBLE_SQL} AND result_received_at IS NULL AND interrupt_generation < g.gen
 RETURNING id, monitor_task_id, ai_platform_id, lane
 """
 

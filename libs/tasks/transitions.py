@@ -9,7 +9,7 @@ Semantics every service relies on:
 - An execution is active while queued / in_progress / unknown (`uq_desktop_tasks_monitor_active`).
 
 Ending an execution or lease is the `Executions` protocol's (libs/tasks/execution_paths.py `end`, `end_many`, with
-typed outcomes); `end_execution` / `end_executions` here are its forms for callers not moved yet.
+typed outcomes); the business task's moves that follow it are here.
 """
 
 from __future__ import annotations
@@ -22,30 +22,17 @@ import msgspec
 
 from libs.contracts.amqp import LifecycleEvent, LifecycleKind
 from libs.db.pool import Conn
-from libs.domain.lanes import RETRY_PRIORITY
+from libs.domain.lanes import retry_lane_sql, retry_priority_sql
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import enqueue
-from libs.tasks import execution_paths
 from libs.tasks.outcomes import Stale
 from libs.tasks.records import EndedExecution, ExecutionEnd, ExecutionOutcome
-from libs.tasks.statuses import CLEAR_LEGACY_LEASE_SQL, ClientCancelReason, EndReason
+from libs.tasks.statuses import CLEAR_LEGACY_LEASE_SQL
 
-__all__ = ["EndedExecution", "ExecutionEnd", "ExecutionOutcome", "end_execution", "end_executions"]
+__all__ = ["EndedExecution", "ExecutionEnd", "ExecutionOutcome"]
 
 # Notified by collect-now (and anything else latency-sensitive) to wake the coordinator at once.
 DISPATCH_WAKE_CHANNEL = "dispatch_wakeup"
-
-
-
-async def end_execution(
-    conn: Conn, *, task_id: uuid.UUID, outcome: ExecutionOutcome, lease_epoch: int | None = None,
-    reason: EndReason | ClientCancelReason | None = None, error: str | None = None, phase: str | None = None,
-) -> EndedExecution | None:
-    """`execution_paths.end` for callers not moved to its typed answer yet: None where it answers Stale or
-    NotFound. New code calls `execution_paths.end` and handles each outcome."""
-    ended = await execution_paths.end(conn, ExecutionEnd(task_id=task_id, outcome=outcome, lease_epoch=lease_epoch,
-                                                         reason=reason, error=error, phase=phase))
-    return ended if isinstance(ended, EndedExecution) else None
 
 
 _YIELD_BUSINESS = """
@@ -62,11 +49,11 @@ SET dispatch_attempts = greatest(dispatch_attempts - 1, 0), updated_at = now()
 WHERE id = ANY(%(ids)s::bigint[]) AND status = 'pending'
 """
 
-_RETRY_BUSINESS = """
+_RETRY_BUSINESS = f"""
 UPDATE monitoring_collect_tasks
 SET status = CASE WHEN dispatch_attempts >= %(max_attempts)s THEN 'failed' ELSE 'pending' END,
-    dispatch_lane = CASE WHEN dispatch_lane = 'high' THEN 'high' ELSE 'retry' END,
-    dispatch_priority = CASE WHEN dispatch_lane = 'high' THEN dispatch_priority ELSE %(retry_priority)s END,
+    dispatch_lane = {retry_lane_sql("dispatch_lane")},
+    dispatch_priority = {retry_priority_sql("dispatch_lane", "dispatch_priority")},
     last_error = %(error)s,
     completed_at = CASE WHEN dispatch_attempts >= %(max_attempts)s THEN now() END,
     updated_at = now()
@@ -103,7 +90,7 @@ async def retry_business_task(conn: Conn, monitor_task_id: int, *, max_attempts:
     """A failed or expired execution: pending in the retry lane (high work stays high), or failed once
     `dispatch_attempts` reached `max_attempts`. Returns the new status; Stale: the task was not pending."""
     cur = await conn.execute(_RETRY_BUSINESS, {"id": monitor_task_id, "max_attempts": max_attempts,
-                                               "retry_priority": RETRY_PRIORITY, "error": error})
+                                               "error": error})
     row = await cur.fetchone()
     if row is None:
         return Stale()
@@ -126,17 +113,11 @@ RETURNING id
 """
 
 
-async def end_executions(conn: Conn, ends: list[ExecutionEnd]) -> list[EndedExecution]:
-    """`execution_paths.end_many`: the live ones among `ends` ended (rows locked in id order; a task id given twice
-    is ended by its first entry); returns those that were live."""
-    return await execution_paths.end_many(conn, ends)
-
-
-_RETRY_BUSINESS_MANY = """
+_RETRY_BUSINESS_MANY = f"""
 UPDATE monitoring_collect_tasks t
 SET status = CASE WHEN t.dispatch_attempts >= %(max_attempts)s THEN 'failed' ELSE 'pending' END,
-    dispatch_lane = CASE WHEN t.dispatch_lane = 'high' THEN 'high' ELSE 'retry' END,
-    dispatch_priority = CASE WHEN t.dispatch_lane = 'high' THEN t.dispatch_priority ELSE %(retry_priority)s END,
+    dispatch_lane = {retry_lane_sql("t.dispatch_lane")},
+    dispatch_priority = {retry_priority_sql("t.dispatch_lane", "t.dispatch_priority")},
     last_error = w.error,
     completed_at = CASE WHEN t.dispatch_attempts >= %(max_attempts)s THEN now() END,
     updated_at = now()
@@ -153,7 +134,7 @@ async def retry_business_tasks(conn: Conn, failures: dict[int, str | None], *, m
         return {}
     ids = sorted(failures)
     cur = await conn.execute(_RETRY_BUSINESS_MANY, {"ids": ids, "errors": [failures[i] for i in ids],
-                                                    "max_attempts": max_attempts, "retry_priority": RETRY_PRIORITY})
+                                                    "max_attempts": max_attempts})
     return {int(row["id"]): str(row["status"]) for row in await cur.fetchall()}
 
 

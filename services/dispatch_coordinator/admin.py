@@ -36,10 +36,11 @@ from libs.leader import leader_states
 from libs.mq.topology import LIFECYCLE
 from libs.outbox import OutboxEvent, enqueue_many
 from libs.outbox import admin as outbox_admin
-from libs.tasks import admin_ops, business
+from libs.tasks import admin_ops, business, execution_paths
 from libs.tasks.controls import control_event
+from libs.tasks.records import ExecutionEnd
 from libs.tasks.statuses import EndReason
-from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL, ExecutionEnd, end_executions
+from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from services.dispatch_coordinator import queries as q
 
 ROLLBACK_REASON: EndReason = "phase2_emergency_rollback"
@@ -420,8 +421,8 @@ async def _abort_in_flight(conn: Conn) -> int:
     its dispatch attempt back, and tell the clients (TaskControl 'cancelled') and the lifecycle stream
     (`task.aborted`) through the outbox. Returns how many were ended."""
     active = {row.id: row for row in await admin_ops.active_monitor_executions(conn)}
-    ended = await end_executions(conn, [ExecutionEnd(task_id=task_id, outcome="aborted", reason=ROLLBACK_REASON)
-                                        for task_id in active])
+    ended = await execution_paths.end_many(conn, [ExecutionEnd(task_id=task_id, outcome="aborted",
+                                                               reason=ROLLBACK_REASON) for task_id in active])
     rows = [(active[e.task_id], e) for e in ended if e.task_id in active]
     if not rows:
         return 0

@@ -12,6 +12,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
+from typing import assert_never
 
 import msgspec
 from psycopg import AsyncPipeline
@@ -24,18 +25,17 @@ from libs.ingest.citations import ParsedCitation, parse_citations
 from libs.ingest.runs import fold_latest_effective
 from libs.mq.topology import LIFECYCLE, PROJECTION
 from libs.outbox import OutboxEvent, enqueue_many
-from libs.tasks import ingest_ops
+from libs.tasks import execution_paths, ingest_ops
 from libs.tasks import requests as collect_requests
 from libs.tasks.controls import send_control
 from libs.tasks.ingest_ops import BusinessTaskOfResult
+from libs.tasks.outcomes import NotFound, Stale
 from libs.tasks.requests import CountDelta, request_count_delta
 from libs.tasks.statuses import EndReason
 from libs.tasks.transitions import (
     EndedExecution,
     ExecutionEnd,
     emit_lifecycle,
-    end_execution,
-    end_executions,
     finish_business_tasks,
     retry_business_tasks,
 )
@@ -210,7 +210,7 @@ async def _end_executions(conn: Conn, fresh: list[MonitorResult]) -> tuple[
         list[tuple[MonitorResult, EndedExecution]], int]:
     """End the executions of `fresh`: (each result that ended its execution with that execution, rows written).
     The first result of an execution ends it; later ones of the same execution only update facts."""
-    ended = await end_executions(conn, [
+    ended = await execution_paths.end_many(conn, [
         ExecutionEnd(task_id=r.task_id, outcome=r.status, lease_epoch=r.lease_epoch, error=r.error) for r in fresh])
     ended_by_task = {e.task_id: e for e in ended}
     first_of_task: dict[uuid.UUID, uuid.UUID] = {}
@@ -290,9 +290,14 @@ async def _upsert_runs(conn: Conn, fresh: list[MonitorResult], outcome: BatchOut
 async def _abort_other_executions(conn: Conn, monitor_task_ids: list[int], own_task_ids: list[uuid.UUID]) -> int:
     aborted = 0
     for other in await ingest_ops.other_live_executions(conn, monitor_task_ids, own_task_ids):
-        ended = await end_execution(conn, task_id=other.id, outcome="aborted", reason=SUPERSEDED_BY_RESULT)
-        if ended is None:
-            continue
+        match await execution_paths.end(conn, ExecutionEnd(task_id=other.id, outcome="aborted",
+                                                           reason=SUPERSEDED_BY_RESULT)):
+            case EndedExecution():
+                pass
+            case Stale() | NotFound():  # ended by another writer since it was read: nothing to abort
+                continue
+            case unhandled:
+                assert_never(unhandled)
         aborted += 1
         client_id = other.target_client_id
         await send_control(conn, task_id=other.id, client_id=client_id, control="cancelled",

@@ -18,7 +18,9 @@ from libs.dispatch_settings import load_settings, set_setting
 from libs.domain.schedule import plan_occurrence
 from libs.domain.shard import ingest_shard_key
 from libs.mq.topology import Topology, declare_exchanges
-from libs.tasks.transitions import emit_lifecycle, end_execution, finish_business_task
+from libs.tasks import execution_paths
+from libs.tasks.records import EndedExecution, ExecutionEnd
+from libs.tasks.transitions import emit_lifecycle, finish_business_task
 from libs.telemetry import metrics
 from services.dispatch_coordinator import admin
 from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
@@ -162,7 +164,8 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
             await conn.execute("UPDATE desktop_tasks SET status = 'in_progress', lease_epoch = 1, leased_at = now() "
                                "WHERE id = %(id)s", {"id": done["id"]})
         async with pool.connection() as conn, conn.transaction():
-            await end_execution(conn, task_id=done["id"], outcome="succeeded")
+            ended = await execution_paths.end(conn, ExecutionEnd(task_id=done["id"], outcome="succeeded"))
+            assert isinstance(ended, EndedExecution)
             await finish_business_task(conn, done["monitor_task_id"], status="completed")
             await emit_lifecycle(conn, "task.completed", tenant_id=tenant.tenant_id, task_id=done["id"])
         started = time.monotonic()
@@ -189,7 +192,8 @@ async def test_dispatch_contract_events_wakeups_and_platform_concurrency(
             explained = await explain_task(conn, str(ready[0]))
             assert explained is not None and explained["blocked_by"] == "platform_concurrency"
         async with pool.connection() as conn, conn.transaction():
-            await end_execution(conn, task_id=busy["id"], outcome="succeeded")
+            ended = await execution_paths.end(conn, ExecutionEnd(task_id=busy["id"], outcome="succeeded"))
+            assert isinstance(ended, EndedExecution)
             await finish_business_task(conn, busy["monitor_task_id"], status="completed")
             await emit_lifecycle(conn, "task.completed", tenant_id=tenant.tenant_id, task_id=busy["id"])
         await eventually(lambda: _count(pool, "SELECT count(*) FROM desktop_tasks WHERE lane = 'high'"), timeout=5,
@@ -252,11 +256,13 @@ async def test_budget_spent_on_a_preempted_queued_dispatch_is_given_back(pool: A
     assert metrics.monitor_dispatch_reject_by_reason_count.value(reason="cluster_budget") >= 1
     async with pool.connection() as conn, conn.transaction():
         victims = await (await conn.execute("SELECT id FROM desktop_tasks ORDER BY id LIMIT 2")).fetchall()
-        await end_execution(conn, task_id=victims[0]["id"], outcome="aborted", reason="collect_now_preempt")
+        for_queued = ExecutionEnd(task_id=victims[0]["id"], outcome="aborted", reason="collect_now_preempt")
+        assert isinstance(await execution_paths.end(conn, for_queued), EndedExecution)
         # An execution that had been leased keeps counting (its work happened).
         await conn.execute("UPDATE desktop_tasks SET status = 'in_progress', lease_epoch = 1 WHERE id = %(id)s",
                            {"id": victims[1]["id"]})
-        await end_execution(conn, task_id=victims[1]["id"], outcome="aborted", reason="collect_now_preempt")
+        for_leased = ExecutionEnd(task_id=victims[1]["id"], outcome="aborted", reason="collect_now_preempt")
+        assert isinstance(await execution_paths.end(conn, for_leased), EndedExecution)
     refunded = await dispatcher.run_pass(settings)
     assert refunded.dispatched == 1
 

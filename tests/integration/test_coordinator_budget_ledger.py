@@ -1,8 +1,8 @@
 """The budget ledger and its totals (migration 021) against real Postgres: after any sequence of dispatches (full
 and high passes, executions written outside the coordinator), refunds (collect-now's own cancel statement,
-end_execution on other paths), leases and endings, changes of `budget_window_seconds` and leader changes, every window
-it counts equals the count of the window's executions (queries.BUDGET_USED) in the same snapshot; what the passes read
-equals that count whether the ledger counts the window or not; and a refund racing the ledger's start is never
+execution_paths.end on other paths), leases and endings, changes of `budget_window_seconds` and leader changes, every
+window it counts equals the count of the window's executions (queries.BUDGET_USED) in the same snapshot; what the passes
+read equals that count whether the ledger counts the window or not; and a refund racing the ledger's start is never
 lost."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
-from libs.tasks import dispatch_reads, executions
-from libs.tasks.transitions import end_execution
+from libs.tasks import dispatch_reads, execution_paths, executions
+from libs.tasks.records import EndedExecution, ExecutionEnd
 from services.collect_now_api import queries as collect_now_queries
 from services.dispatch_coordinator import queries as q
 from services.dispatch_coordinator.dispatcher import Dispatcher, read_snapshot
@@ -147,7 +147,7 @@ async def _step(pool: AsyncConnectionPool[Conn], rng: random.Random, seeded: See
             if ids:
                 await collect_now(conn, tenant_id=tenant.tenant_id, client_id=client, task_ids=ids)
                 await state["dispatcher"].run_high_pass(state["settings"])
-        elif op == "collect_now":  # refunds through end_execution(reason=collect_now_preempt) on queued work
+        elif op == "collect_now":  # refunds through execution_paths.end(reason=collect_now_preempt) on queued work
             cur = await conn.execute(_PROMOTABLE, {"t": tenant.tenant_id, "n": 1})
             ids = [r["id"] for r in await cur.fetchall()]
             if ids:
@@ -164,13 +164,14 @@ async def _step(pool: AsyncConnectionPool[Conn], rng: random.Random, seeded: See
             for r in await cur.fetchall():
                 outcome = rng.choice(["succeeded", "failed", "aborted", "expired"])
                 reason = rng.choice([None, "collect_now_preempt", "lease_expired"])
-                await end_execution(conn, task_id=r["id"], outcome=outcome, lease_epoch=r["lease_epoch"],
-                                    reason=reason)
+                await execution_paths.end(conn, ExecutionEnd(task_id=r["id"], outcome=outcome,
+                                                             lease_epoch=r["lease_epoch"], reason=reason))
         elif op == "end_queued":  # never leased: only collect-now's reason gives the budget back
             cur = await conn.execute(_SOME, {"status": "queued", "n": rng.randint(1, 3)})
             for r in await cur.fetchall():
-                await end_execution(conn, task_id=r["id"], outcome="aborted",
-                                    reason=rng.choice([None, "collect_now_preempt", "client_offline"]))
+                await execution_paths.end(conn, ExecutionEnd(
+                    task_id=r["id"], outcome="aborted",
+                    reason=rng.choice([None, "collect_now_preempt", "client_offline"])))
         elif op == "window":  # mid-window change of the window length
             state["settings"] = await _settings(pool, budget_window_seconds=rng.choice([60, 7, 3600, 60]))
         elif op == "leader":  # a new leader: a fresh dispatcher, the ledger as the old one left it
@@ -187,7 +188,8 @@ async def _step(pool: AsyncConnectionPool[Conn], rng: random.Random, seeded: See
                     "FROM monitoring_collect_tasks t WHERE t.id = %(t)s",
                     {"id": execution, "c": client, "t": row["id"]})
                 if rng.random() < 0.5:
-                    await end_execution(conn, task_id=execution, outcome="aborted", reason="collect_now_preempt")
+                    await execution_paths.end(conn, ExecutionEnd(task_id=execution, outcome="aborted",
+                                                                 reason="collect_now_preempt"))
     return op
 
 
@@ -260,7 +262,8 @@ async def test_an_execution_aborted_for_another_reason_keeps_its_budget(pool: As
         cur = await conn.execute(_SOME, {"status": "queued", "n": 1})
         row = await cur.fetchone()
         assert row is not None
-        await end_execution(conn, task_id=row["id"], outcome="aborted")  # no reason: not a collect-now refund
+        no_refund = ExecutionEnd(task_id=row["id"], outcome="aborted")  # no reason: not a collect-now refund
+        assert isinstance(await execution_paths.end(conn, no_refund), EndedExecution)
         cur = await conn.execute("SELECT count(*) AS n FROM desktop_tasks WHERE kind = 'monitor'")
         total = (await cur.fetchone() or {"n": 0})["n"]
     assert await assert_ledger_equals_count(pool) == total, seeded
@@ -280,7 +283,8 @@ async def test_a_refund_racing_the_ledger_start_is_never_lost(pool: AsyncConnect
     async with pool.connection() as refunder, pool.connection() as starter:
         # 1. The refund holds the ledger lock shared (uncommitted) when the start begins: the start waits.
         await refunder.execute("BEGIN")
-        await end_execution(refunder, task_id=first, outcome="aborted", reason="collect_now_preempt")
+        first_refund = ExecutionEnd(task_id=first, outcome="aborted", reason="collect_now_preempt")
+        assert isinstance(await execution_paths.end(refunder, first_refund), EndedExecution)
         start = asyncio.create_task(Dispatcher(pool)._ensure_ledger(starter, 60))
         await eventually(functools.partial(_waiting_for_advisory_lock, pool), timeout=10)
         assert not start.done()
@@ -297,12 +301,12 @@ async def test_a_refund_racing_the_ledger_start_is_never_lost(pool: AsyncConnect
         params = {"window": 60, "window_start": int(now // 60 * 60)}
         for statement in (q.LEDGER_CLEAR, q.LEDGER_TRACK, q.LEDGER_START):
             await starter.execute(statement, params)
-        refund = asyncio.create_task(end_execution(refunder, task_id=second, outcome="aborted",
-                                                   reason="collect_now_preempt"))
+        refund = asyncio.create_task(execution_paths.end(refunder, ExecutionEnd(
+            task_id=second, outcome="aborted", reason="collect_now_preempt")))
         await eventually(functools.partial(_waiting_for_advisory_lock, pool), timeout=10)
         assert not refund.done()
         await starter.execute("COMMIT")
-        assert await asyncio.wait_for(refund, 10) is not None
+        assert isinstance(await asyncio.wait_for(refund, 10), EndedExecution)
     await assert_ledger_equals_count(pool)
 
 

@@ -22,7 +22,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.dispatch_settings import set_setting
-from libs.tasks.transitions import end_execution, yield_business_task
+from libs.tasks import execution_paths
+from libs.tasks.records import EndedExecution, ExecutionEnd
+from libs.tasks.transitions import yield_business_task
 from tests.support.coordinator_runner import run_coordinator
 from tests.support.dispatch_fleet import Fleet, concurrency_peaks, running, seed_fleet, window_counts
 from tests.support.wait import eventually
@@ -58,7 +60,8 @@ async def collect_now(conn: Conn, *, tenant_id: int, client_id: uuid.UUID, task_
         cur = await conn.execute("SELECT id, monitor_task_id FROM desktop_tasks WHERE target_client_id = %(c)s "
                                  "AND status = 'queued' AND source = 'daily_schedule'", {"c": client_id})
         for row in await cur.fetchall():
-            if await end_execution(conn, task_id=row["id"], outcome="aborted", reason="collect_now_preempt"):
+            preempted = ExecutionEnd(task_id=row["id"], outcome="aborted", reason="collect_now_preempt")
+            if isinstance(await execution_paths.end(conn, preempted), EndedExecution):
                 await yield_business_task(conn, row["monitor_task_id"])
         await conn.execute(
             "UPDATE desktop_tasks SET control_flags = jsonb_build_object('interrupt_requested', true, "

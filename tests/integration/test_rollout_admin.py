@@ -22,8 +22,8 @@ from libs.demo import seed_demo
 from libs.dispatch_settings import load_settings, set_setting
 from libs.domain.lanes import lane_weight
 from libs.tasks import execution_paths, legacy
-from libs.tasks.records import Done, Leased
-from libs.tasks.transitions import end_execution, finish_business_task
+from libs.tasks.records import Done, EndedExecution, ExecutionEnd, Leased
+from libs.tasks.transitions import finish_business_task
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from services.dispatch_coordinator.scanner import scan_once
 from tests.support.db import fetch, one
@@ -165,7 +165,8 @@ async def test_rollback_yes_leaves_in_flight_executions_alone_and_moves_only_tas
     # An execution that finishes afterwards leaves its task done on desktop_tasks; a second apply leaves it there.
     done = world.executions[1]
     async with pool.connection() as conn, conn.transaction():
-        assert await end_execution(conn, task_id=done["task_id"], outcome="succeeded") is not None
+        ended = await execution_paths.end(conn, ExecutionEnd(task_id=done["task_id"], outcome="succeeded"))
+        assert isinstance(ended, EndedExecution)
         assert await finish_business_task(conn, done["monitor_task_id"], status="completed")
     again = await monitorctl_json(settings, "rollback", "--yes")
     assert [again[k] for k in CHANGES] == [0, 0, 0, 0] and again["in_flight_left_to_finish"] == 2

@@ -2,7 +2,7 @@
 
 The fleet stands in for the hub + desktop clients: one loop leases queued executions for every client
 (lane_weight DESC, priority DESC, enqueued_at ASC, within max_concurrent_monitor), "runs" each for a
-fixed time, then ends it (end_execution + finish_business_task + lifecycle 'task.completed'), or yields
+fixed time, then ends it (execution_paths.end + finish_business_task + lifecycle 'task.completed'), or yields
 it when collect-now asked for an interrupt meanwhile. Heartbeats are kept fresh.
 """
 
@@ -21,7 +21,9 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.demo import create_client, ensure_platforms
-from libs.tasks.transitions import emit_lifecycle, end_execution, finish_business_task, yield_business_task
+from libs.tasks import execution_paths
+from libs.tasks.records import EndedExecution, ExecutionEnd
+from libs.tasks.transitions import emit_lifecycle, finish_business_task, yield_business_task
 
 _TENANT = "INSERT INTO tenants (name, time_zone) VALUES (%(name)s, %(tz)s) RETURNING id"
 _BRAND = "INSERT INTO brands (tenant_id, workspace_id, name) VALUES (%(t)s, %(t)s, 'brand') RETURNING id"
@@ -147,18 +149,19 @@ class Fleet:
                 flags = {f["id"]: f["control_flags"] or {} for f in await cur.fetchall()}
                 for r in due:
                     if flags.get(r["id"], {}).get("interrupt_requested"):
-                        ended = await end_execution(conn, task_id=r["id"], outcome="aborted",
-                                                    lease_epoch=r["lease_epoch"], reason="collect_now_preempt")
-                        if ended is not None:
+                        ended = await execution_paths.end(conn, ExecutionEnd(
+                            task_id=r["id"], outcome="aborted", lease_epoch=r["lease_epoch"],
+                            reason="collect_now_preempt"))
+                        if isinstance(ended, EndedExecution):  # Stale / NotFound: ended meanwhile
                             await yield_business_task(conn, r["monitor_task_id"])
                             await emit_lifecycle(conn, "task.aborted", tenant_id=r["tenant_id"],
                                                  client_id=r["target_client_id"], task_id=r["id"],
                                                  monitor_task_id=r["monitor_task_id"], reason="collect_now_preempt")
                             self.aborted += 1
                         continue
-                    ended = await end_execution(conn, task_id=r["id"], outcome="succeeded",
-                                                lease_epoch=r["lease_epoch"])
-                    if ended is not None:
+                    ended = await execution_paths.end(conn, ExecutionEnd(task_id=r["id"], outcome="succeeded",
+                                                                         lease_epoch=r["lease_epoch"]))
+                    if isinstance(ended, EndedExecution):  # Stale / NotFound: ended meanwhile
                         await finish_business_task(conn, r["monitor_task_id"], status="completed")
                         await emit_lifecycle(conn, "task.completed", tenant_id=r["tenant_id"],
                                              client_id=r["target_client_id"], task_id=r["id"],

@@ -29,11 +29,7 @@ NAMES = frozenset(s.name for s in LANE_SPECS if s.kind == "monitor")
 # A lane name quoted in SQL text: 'high', 'normal_boosted', ...
 SQL_LANE = re.compile(r"'(" + "|".join(sorted(NAMES, key=len, reverse=True)) + r")'")
 
-STILL_NAMING: frozenset[str] = frozenset({
-    "libs/tasks/fragments.py",
-    "libs/tasks/legacy.py",
-    "libs/tasks/transitions.py",
-})
+STILL_NAMING: frozenset[str] = frozenset()
 
 
 # ---- the table and what derives from it ----------------------------------------------------------------------

@@ -5,9 +5,13 @@ libs/tasks/business_day.py's operations."""
 
 from __future__ import annotations
 
-from libs.tasks import business_day
+from typing import assert_never
+
+from libs.tasks import business_day, execution_paths
+from libs.tasks.outcomes import NotFound, Stale
+from libs.tasks.records import EndedExecution, ExecutionEnd
 from libs.tasks.requests import refresh_progress
-from libs.tasks.transitions import emit_lifecycle, end_execution
+from libs.tasks.transitions import emit_lifecycle
 from services.reconciler.jobs.base import RETRYABLE_ERRORS, JobContext, JobResult, configured_job, log, send_control
 
 NAME = "business_day_expiry"
@@ -23,9 +27,14 @@ async def run(ctx: JobContext) -> JobResult:
                 if task is None:
                     continue
                 for d in await business_day.live_work(conn, task.id):
-                    if await end_execution(conn, task_id=d.id, outcome="aborted",
-                                           reason="business_day_expired") is None:
-                        continue
+                    match await execution_paths.end(conn, ExecutionEnd(task_id=d.id, outcome="aborted",
+                                                                       reason="business_day_expired")):
+                        case EndedExecution():
+                            pass
+                        case Stale() | NotFound():  # ended by another writer since it was read
+                            continue
+                        case unhandled:
+                            assert_never(unhandled)
                     result.add("executions_aborted")
                     if d.status != "unknown":
                         await send_control(conn, task_id=d.id, client_id=d.target_client_id,
