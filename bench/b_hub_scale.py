@@ -393,7 +393,7 @@ async def _routed_keys(settings: Settings, clients: list[tuple[str, str]]) -> di
 
 
 def _fan_out_frames(topology: Topology, clients: list[tuple[str, str]], keys: dict[str, str], marker: uuid.UUID,
-                    relay_batch: int) -> list[Any]:
+                    relay_batch: int, max_content: int) -> list[Any]:
     """The broker messages the outbox relay would publish for one `task_available` per client: the rows in relay
     batches of `relay_batch` (the pump's `OUTBOX_BATCH_SIZE`), each batch's events towards one hub packed into
     `dispatch_batch` envelopes by the relay's own functions (libs/outbox/dispatch_batches.py), the rest alone."""
@@ -419,7 +419,9 @@ def _fan_out_frames(topology: Topology, clients: list[tuple[str, str]], keys: di
         frames += [spec.Basic.Publish(exchange=topology.dispatch_exchange, routing_key=key),
                    ContentHeader(properties=spec.Basic.Properties(delivery_mode=1, message_type=kind),
                                  body_size=len(body)),
-                   ContentBody(body)]
+                   # A body above the connection's frame_max goes in several body frames, as aio-pika's publish sends
+                   # it (an envelope of a full relay batch is ~135 KiB; one frame of it closes the connection).
+                   *(ContentBody(body[at:at + max_content]) for at in range(0, len(body), max_content))]
     return frames
 
 
@@ -445,7 +447,7 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
         for round_no, round_mode in enumerate(modes, start=1):
             marker = uuid.uuid4()
             relay_batch = 1 if round_mode == "single" else settings.outbox_batch_size
-            frames = _fan_out_frames(topology, clients, keys, marker, relay_batch)
+            frames = _fan_out_frames(topology, clients, keys, marker, relay_batch, channel.max_content_size)
             written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             payload = ChannelFrame.marshall(channel_number=channel.number, frames=frames, drain_future=written)
             cpu0 = _cpu_s(stack)
