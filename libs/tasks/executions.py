@@ -200,20 +200,30 @@ FOR UPDATE OF d SKIP LOCKED
 
 # Lease one picked execution and record its attempt (the attempt only if the lease took: under _PICK_QUEUED's row
 # lock it always does).
-_MARK_LEASED = """
+def lease_set_sql(epoch: str, token_hash: str) -> str:
+    """What taking a lease writes on the execution (a SET list): the hub's lease call, and push-lease at dispatch
+    (libs/tasks/push_leases.py). The attempt it opens is OPEN_ATTEMPT_SQL, over a `leased` CTE."""
+    return (f"status = 'in_progress', lease_epoch = {epoch}, lease_token_hash = {token_hash}, leased_at = now(),\n"
+            "        lease_expires_at = now() + make_interval(secs => %(ttl_s)s), execution_phase = 'PREPARING',\n"
+            "        result_received_at = NULL, updated_at = now()")
+
+
+OPEN_ATTEMPT_SQL = (
+    "INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status,\n"
+    "                                       execution_phase, interrupt_generation)\n"
+    """    SELECT id, monitor_task_id, tenant_id, target_client_id, lease_epoch, 'in_progress', 'PREPARING',
+           interrupt_generation
+    FROM leased""")
+
+
+_MARK_LEASED = f"""
 WITH leased AS (
     UPDATE desktop_tasks
-    SET status = 'in_progress', lease_epoch = %(epoch)s, lease_token_hash = %(token_hash)s, leased_at = now(),
-        lease_expires_at = now() + make_interval(secs => %(ttl_s)s), execution_phase = 'PREPARING',
-        result_received_at = NULL, updated_at = now()
+    SET {lease_set_sql("%(epoch)s", "%(token_hash)s")}
     WHERE id = %(task_id)s AND status = 'queued'
     RETURNING id, monitor_task_id, tenant_id, target_client_id, lease_epoch, interrupt_generation, lease_expires_at
 ), attempt AS (
-    INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status,
-                                       execution_phase, interrupt_generation)
-    SELECT id, monitor_task_id, tenant_id, target_client_id, lease_epoch, 'in_progress', 'PREPARING',
-           interrupt_generation
-    FROM leased
+    {OPEN_ATTEMPT_SQL}
 )
 SELECT lease_expires_at FROM leased
 """

@@ -99,11 +99,15 @@ LEGACY_SLOTS_TAKEN_SQL = """(
     SELECT count(*) FROM legacy_leases l
     WHERE l.target_client_id = c.id AND l.status = 'in_progress' AND l.result_received_at IS NULL)"""
 
-CLIENT_CAPACITY_SQL = f"""
-SELECT greatest(0, least(%(max_tasks)s, c.max_concurrent_monitor - (
+# The free monitor slots of a client `c` (may be negative): its concurrency minus what it runs on either path. The
+# lease call's capacity below, and push-lease's at dispatch (libs/tasks/push_leases.py).
+CLIENT_FREE_SLOTS_SQL = f"""c.max_concurrent_monitor - (
            SELECT count(*) FROM desktop_tasks d
            WHERE d.target_client_id = c.id AND d.kind = 'monitor' AND d.status = 'in_progress'
-             AND d.result_received_at IS NULL) - {LEGACY_SLOTS_TAKEN_SQL})) AS free
+             AND d.result_received_at IS NULL) - {LEGACY_SLOTS_TAKEN_SQL}"""
+
+CLIENT_CAPACITY_SQL = f"""
+SELECT greatest(0, least(%(max_tasks)s, {CLIENT_FREE_SLOTS_SQL})) AS free
 FROM desktop_clients c
 WHERE c.id = %(client_id)s AND c.tenant_id = %(tenant_id)s
 """

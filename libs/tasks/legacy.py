@@ -101,10 +101,6 @@ async def offer(conn: Conn, rows: list[dict[str, Any]], *, ts: datetime) -> None
 
 # ---- hub: lease, extend, result ----------------------------------------------------------------------------------
 
-# A client's legacy leases that take a slot: pulled and without a posted result (public for push-lease's slot count,
-# libs/tasks/push_leases.py).
-IN_PROGRESS_OF_CLIENT = fragments.LEGACY_SLOTS_TAKEN_SQL
-
 # The client's offers in dispatch order (the same order as its queued executions), as many as the call asks for (the
 # hub merges them with the queued executions and leases what the client's free slots take). Normal work of a platform
 # the client reports a broken login on stays where it is (the heartbeat flush withdraws it:

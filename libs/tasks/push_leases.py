@@ -31,8 +31,8 @@ from libs.contracts.wire import TaskAvailable, dispatch_decoder
 from libs.db.pool import Conn
 from libs.mq.topology import LIFECYCLE
 from libs.outbox.writer import OutboxEvent
-from libs.tasks.fragments import platform_mode_sql
-from libs.tasks.legacy import IN_PROGRESS_OF_CLIENT
+from libs.tasks.executions import OPEN_ATTEMPT_SQL, lease_set_sql
+from libs.tasks.fragments import CLIENT_FREE_SLOTS_SQL, platform_mode_sql
 
 # The prefix and shape of every lease token (services/dispatch_hub/logic.py: LEASE_TOKEN_PREFIX, lease_token_epoch):
 # a pushed token is fenced by the hub exactly as a pulled one.
@@ -90,26 +90,17 @@ WITH r AS (
     JOIN desktop_clients c ON c.id = d.target_client_id AND c.push_lease
     WHERE d.kind = 'monitor' AND d.status = 'queued' AND d.lease_epoch = 0
 ), free AS (
-    SELECT c.id, c.max_concurrent_monitor - (
-               SELECT count(*) FROM desktop_tasks x
-               WHERE x.target_client_id = c.id AND x.kind = 'monitor' AND x.status = 'in_progress'
-                 AND x.result_received_at IS NULL) - {IN_PROGRESS_OF_CLIENT} AS slots
+    SELECT c.id, {CLIENT_FREE_SLOTS_SQL} AS slots
     FROM desktop_clients c WHERE c.id IN (SELECT target_client_id FROM ranked)
 ), leased AS (
     UPDATE desktop_tasks d
-    SET status = 'in_progress', lease_epoch = {FIRST_EPOCH}, lease_token_hash = k.token_hash, leased_at = now(),
-        lease_expires_at = now() + make_interval(secs => %(ttl_s)s), execution_phase = 'PREPARING',
-        result_received_at = NULL, updated_at = now()
+    SET {lease_set_sql(str(FIRST_EPOCH), "k.token_hash")}
     FROM ranked k JOIN free f ON f.id = k.target_client_id
     WHERE d.id = k.id AND k.n <= f.slots AND d.status = 'queued'
     RETURNING d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, d.lease_epoch, d.interrupt_generation,
               d.lease_expires_at, d.lane, d.ai_platform_id, d.collect_request_id, d.brand_id, d.question_id
 ), attempt AS (
-    INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_id, lease_epoch, status,
-                                       execution_phase, interrupt_generation)
-    SELECT id, monitor_task_id, tenant_id, target_client_id, lease_epoch, 'in_progress', 'PREPARING',
-           interrupt_generation
-    FROM leased
+    {OPEN_ATTEMPT_SQL}
 ), running AS (
     UPDATE monitoring_collect_requests SET status = 'running', updated_at = now()
     WHERE id IN (SELECT collect_request_id FROM leased) AND status IN ('accepted', 'dispatching')
