@@ -21,8 +21,9 @@ the change is over both).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from libs.db.pool import Conn
 from libs.tasks import executions as desktop_path
@@ -279,13 +280,22 @@ async def expired(conn: Conn, *, limit: int) -> list[uuid.UUID]:
     return [i for p in PATHS for i in await p.expired(conn, limit=limit)]
 
 
+_Locked = TypeVar("_Locked")
+
+
+async def _first_locked(task_id: uuid.UUID, lock: Callable[[Executions], Awaitable[_Locked | Stale]]) -> (
+        _Locked | Stale):
+    """The row the first path locks (a task id is on one path only); Stale when neither does."""
+    for path in PATHS:
+        found = await lock(path)
+        if not isinstance(found, Stale):
+            return found
+    return Stale(task_id=task_id)
+
+
 async def lock_expired(conn: Conn, task_id: uuid.UUID) -> ExpiringLease | Stale:
     """The expired lease locked, re-checked; Stale: it was extended, resulted, ended or is locked meanwhile."""
-    for path in PATHS:
-        lease = await path.lock_expired(conn, task_id)
-        if isinstance(lease, ExpiringLease):
-            return lease
-    return Stale(task_id=task_id)
+    return await _first_locked(task_id, lambda path: path.lock_expired(conn, task_id))
 
 
 async def offline_queued(conn: Conn, *, timeout_s: float, limit: int) -> list[uuid.UUID]:
@@ -294,11 +304,7 @@ async def offline_queued(conn: Conn, *, timeout_s: float, limit: int) -> list[uu
 
 
 async def lock_offline_queued(conn: Conn, task_id: uuid.UUID, *, timeout_s: float) -> QueuedWork | Stale:
-    for path in PATHS:
-        work = await path.lock_offline_queued(conn, task_id, timeout_s=timeout_s)
-        if isinstance(work, QueuedWork):
-            return work
-    return Stale(task_id=task_id)
+    return await _first_locked(task_id, lambda path: path.lock_offline_queued(conn, task_id, timeout_s=timeout_s))
 
 
 async def overdue_interrupts(conn: Conn, *, default_hard_ms: int, limit: int) -> list[uuid.UUID]:
@@ -306,11 +312,8 @@ async def overdue_interrupts(conn: Conn, *, default_hard_ms: int, limit: int) ->
 
 
 async def lock_overdue_interrupt(conn: Conn, task_id: uuid.UUID, *, default_hard_ms: int) -> OverdueInterrupt | Stale:
-    for path in PATHS:
-        work = await path.lock_overdue_interrupt(conn, task_id, default_hard_ms=default_hard_ms)
-        if isinstance(work, OverdueInterrupt):
-            return work
-    return Stale(task_id=task_id)
+    return await _first_locked(task_id, lambda path: path.lock_overdue_interrupt(
+        conn, task_id, default_hard_ms=default_hard_ms))
 
 
 async def queued_high_of_client(conn: Conn, client_id: uuid.UUID) -> list[QueuedWork]:
