@@ -61,8 +61,9 @@ def run_monitorctl(settings: Settings, *args: str, env: dict[str, str] | None = 
     return asyncio.run(run_in_process(settings, *args))
 
 
-async def _run(settings: Settings, *args: str, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
-    if env:
+async def _run(settings: Settings, *args: str, env: dict[str, str] | None,
+               executable: bool = False) -> subprocess.CompletedProcess[str]:
+    if env or executable:
         return await asyncio.to_thread(monitorctl_subprocess, settings, *args, env=env)
     return await run_in_process(settings, *args)
 
@@ -71,8 +72,7 @@ async def monitorctl_json(settings: Settings, *args: str, env: dict[str, str] | 
                           executable: bool = False) -> Any:
     """The command's JSON output; fails the test with its stderr if it did not succeed. `executable`: run the real
     executable (an end-to-end test's operator, at an operator's pace)."""
-    done = (await asyncio.to_thread(monitorctl_subprocess, settings, *args, env=env) if executable
-            else await _run(settings, *args, env=env))
+    done = await _run(settings, *args, env=env, executable=executable)
     assert done.returncode == 0, done.stderr
     return msgspec.json.decode(done.stdout)
 
