@@ -200,7 +200,10 @@ async def test_a_burst_of_one_tenants_events_does_not_hold_back_another_tenants_
     assert {trigger for _, trigger in rebuilder.rebuilt} == {"event"}
     assert len(rebuilder.rebuilt) == burst + 1
     assert rebuilder.round_of(B) == [1]
+    # A's oldest key and B's share the first turn of the first round, which the loop rebuilds in claim order ...
+    assert [c.key_tuple for c in rebuilder.rounds[0][:2]] == [(A, 1, DAY), (B, 1, DAY)]
+    # ... while the worker's other claim loops rebuild keys of their own rounds meanwhile, as many as the scheduler
+    # lets them (a loaded box has let one rebuild four before B's). FIFO by event would have rebuilt B's key last
+    # (position `burst`); half of that is a bound no interleaving of the loops reaches without the fair claim.
     position = [key for key, _ in rebuilder.rebuilt].index((B, 1, DAY))
-    # A's oldest key and B's share the first turn of the first round; the worker's other claim loop may rebuild a
-    # key of its own round meanwhile. FIFO by event would have rebuilt B's key last (position `burst`).
-    assert position <= 3, position
+    assert position < burst // 2, position
