@@ -557,7 +557,8 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
                                           deadline_s=STORM_DEADLINE_S, stack=stack, label="storm", shown_from=killed)
     last = status["last_ready"]
     print(f"  reconnect storm: {status['ready']}/{total} reconnected with their replay; kill -> all ready "
-          f"{last - killed:.1f} s (hub back up after {up - killed:.1f} s; up -> all ready {last - up:.1f} s)"
+          f"{last - killed:.1f} s (hub back up after {up - killed:.1f} s; "
+          f"{f'up -> all ready {last - up:.1f} s' if last >= up else 'all ready on the other hubs before it was up'})"
           f"{'' if done else f' -- deadline of {STORM_DEADLINE_S:.0f} s reached'}; hub RSS {_rss_mib(stack):.0f} MiB, "
           f"hub CPU {_cpu_s(stack) - cpu0:.1f} s; handshake failures seen by clients: {status['errors']}; "
           f"listen queue overflows {_listen_overflows() - overflows}; {_load()}; CPU meanwhile: "
