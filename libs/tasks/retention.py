@@ -50,19 +50,21 @@ DELETE FROM monitoring_collect_requests WHERE id IN (
 """
 # Oldest business date first (ix_collect_tasks_business_date_all), only finished ones (a pending, leased or received
 # one is live however old: the business-day sweep expires it; the scanner and a click create or promote only today's)
-# that no execution or legacy lease refers to any more (ix_desktop_tasks_monitor_task, ix_legacy_leases_monitor_task),
-# locked. The date is UTC's: a tenant's business day is at most a day away from it, far inside any retention allowed.
-_DELETE_BUSINESS_TASKS = f"""
-DELETE FROM monitoring_collect_tasks WHERE id IN (
-    SELECT t.id FROM monitoring_collect_tasks t
-    WHERE t.business_date < (now() AT TIME ZONE 'UTC')::date - %(days)s::int
-      AND t.status IN {FINISHED_BUSINESS_SQL}
-      AND NOT EXISTS (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id)
-      AND NOT EXISTS (SELECT 1 FROM legacy_leases l WHERE l.monitor_task_id = t.id)
-    ORDER BY t.business_date
-    LIMIT %(batch)s
-    FOR UPDATE OF t SKIP LOCKED)
+# that no execution or legacy lease refers to any more, locked. The references are scalar subqueries, one index probe
+# per candidate (ix_desktop_tasks_monitor_task, ix_legacy_leases_monitor_task): as NOT EXISTS the planner hashes the
+# whole of desktop_tasks for an anti-join (measured: a sequential scan of 227,000 executions for a 2,000-row batch).
+# The date is UTC's: a tenant's business day is at most a day away from it, far inside any retention allowed.
+_DOOMED_BUSINESS_TASKS = f"""
+SELECT t.id FROM monitoring_collect_tasks t
+WHERE t.business_date < (now() AT TIME ZONE 'UTC')::date - %(days)s::int
+  AND t.status IN {FINISHED_BUSINESS_SQL}
+  AND (SELECT 1 FROM desktop_tasks d WHERE d.monitor_task_id = t.id LIMIT 1) IS NULL
+  AND (SELECT 1 FROM legacy_leases l WHERE l.monitor_task_id = t.id LIMIT 1) IS NULL
+ORDER BY t.business_date
+LIMIT %(batch)s
+FOR UPDATE OF t SKIP LOCKED
 """
+_DELETE_BUSINESS_TASKS = "DELETE FROM monitoring_collect_tasks WHERE id = ANY(%(ids)s::bigint[])"
 
 
 class Purged(msgspec.Struct):
@@ -94,6 +96,7 @@ async def purge_history_batch(conn: Conn, *, execution_days: int, request_days: 
         purged.legacy_leases = (await conn.execute(_DELETE_LEASES, {"days": execution_days, "batch": batch})).rowcount
         purged.collect_requests = (await conn.execute(_DELETE_REQUESTS, {"days": request_days,
                                                                          "batch": batch})).rowcount
-        purged.business_tasks = (await conn.execute(_DELETE_BUSINESS_TASKS, {"days": business_days,
-                                                                             "batch": batch})).rowcount
+        cur = await conn.execute(_DOOMED_BUSINESS_TASKS, {"days": business_days, "batch": batch})
+        if business_ids := [r["id"] for r in await cur.fetchall()]:
+            purged.business_tasks = (await conn.execute(_DELETE_BUSINESS_TASKS, {"ids": business_ids})).rowcount
     return purged
