@@ -12,7 +12,8 @@ is `bench collect_now`'s loaded scenario with a larger backlog), BACKLOG_EXPLAIN
 `explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's top node,
 buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many business days before the backlog's, every business key
 finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the tables' rows and
-sizes are printed after the load). 10,000 tenants: BACKLOG_TENANTS=10000.
+sizes are printed after the load; BACKLOG_HISTORY_RESULTS=1 adds their results: a run per execution with one desktop
+simulator answer and its citations, and the daily aggregates). 10,000 tenants: BACKLOG_TENANTS=10000.
 
 Per size one fresh database, bulk-loaded with INSERT .. SELECT generate_series: tenants = size / 1,000 (at least
 10, at most 1,000), each with a brand, 10 questions, 3 platforms and one desktop client; the ready normal backlog
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import tempfile
 import time
@@ -89,6 +91,7 @@ from services.reconciler.config import ReconcilerConfig
 from services.reconciler.jobs import JOBS
 from services.reconciler.runner import run_job
 from tests.support.stack import running_stack
+from tools.desktop_sim.answers import compose_answer
 
 QUESTIONS = 10
 PLATFORMS = ("openai", "gemini", "perplexity")
@@ -175,11 +178,53 @@ INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_i
 SELECT d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, 1, 'succeeded', d.started_at, d.finished_at
 FROM desktop_tasks d WHERE d.created_at < now() - interval '1 day' AND d.status = 'succeeded'
 """
+# With BACKLOG_HISTORY_RESULTS=1 the history's results too, as ingest writes them: a succeeded run per history
+# execution with one answer of the desktop simulator (tools/desktop_sim/answers.py) and its citations, as parse
+# results and citation facts, and the daily aggregates of those days.
+_HISTORY_RUNS = """
+INSERT INTO question_monitor_runs (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type,
+    run_mode, business_date, status, answer_text, brand_mentioned, citation_count, desktop_task_id, client_id,
+    result_id, started_at, finished_at)
+SELECT d.tenant_id, d.workspace_id, d.brand_id, d.question_id, d.ai_platform_id, 'desktop', 'daily', d.business_date,
+       'succeeded', %(answer)s, true, cardinality(%(urls)s::text[]), d.id, d.target_client_id, gen_random_uuid(),
+       d.started_at, d.finished_at
+FROM desktop_tasks d WHERE d.created_at < now() - interval '1 day' AND d.status = 'succeeded'
+ORDER BY d.business_date
+"""
+_HISTORY_PARSE_RESULTS = """
+INSERT INTO question_monitor_parse_results (run_id, tenant_id, citation_fingerprint, url, title, position, domain)
+SELECT r.id, r.tenant_id, md5(c.url), c.url, c.title, c.position, split_part(c.url, '/', 3)
+FROM question_monitor_runs r
+CROSS JOIN unnest(%(urls)s::text[], %(titles)s::text[]) WITH ORDINALITY AS c(url, title, position)
+"""
+_HISTORY_CITATION_FACTS = """
+INSERT INTO monitoring_citation_facts (run_id, tenant_id, brand_id, question_id, ai_platform_id, business_date,
+                                       citation_fingerprint, url, domain, position)
+SELECT r.id, r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.business_date, md5(c.url), c.url,
+       split_part(c.url, '/', 3), c.position
+FROM question_monitor_runs r
+CROSS JOIN unnest(%(urls)s::text[]) WITH ORDINALITY AS c(url, position)
+"""
+_HISTORY_DAILY = """
+WITH platforms AS (
+    INSERT INTO monitoring_brand_platform_daily (tenant_id, brand_id, business_date, ai_platform_id, runs,
+        succeeded_runs, brand_mentioned_runs, mention_rate, citations, distinct_cited_domains)
+    SELECT tenant_id, brand_id, business_date, ai_platform_id, count(*), count(*), count(*), 1, sum(citation_count),
+           cardinality(%(urls)s::text[])
+    FROM question_monitor_runs GROUP BY 1, 2, 3, 4
+)
+INSERT INTO monitoring_brand_daily (tenant_id, brand_id, business_date, runs, succeeded_runs, brand_mentioned_runs,
+    mention_rate, citations, distinct_cited_domains)
+SELECT tenant_id, brand_id, business_date, count(*), count(*), count(*), 1, sum(citation_count),
+       cardinality(%(urls)s::text[])
+FROM question_monitor_runs GROUP BY 1, 2, 3
+"""
 _TABLE_SIZES = """
 SELECT c.relname AS name, greatest(c.reltuples, 0)::bigint AS n, pg_total_relation_size(c.oid) AS bytes
 FROM pg_class c
 WHERE c.relname IN ('monitoring_collect_tasks', 'desktop_tasks', 'desktop_task_attempts', 'legacy_leases',
-                    'monitoring_collect_requests')
+                    'monitoring_collect_requests', 'question_monitor_runs', 'question_monitor_parse_results',
+                    'monitoring_citation_facts', 'monitoring_brand_daily', 'monitoring_brand_platform_daily')
 ORDER BY 1
 """
 _CLIENTS_ONLINE = """
@@ -274,6 +319,15 @@ async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: i
                                                      "weight": lane_weight("monitor", "normal"),
                                                      "before": first})
             await conn.execute(_HISTORY_ATTEMPTS)
+            if os.environ.get("BACKLOG_HISTORY_RESULTS", "0") == "1":
+                answer = compose_answer(question="Which CRM tools are best for small teams?", brand="Acme",
+                                        platform="openai", rng=random.Random(3), mention_rate=1.0)
+                cites = {"answer": answer.text, "urls": [str(c["url"]) for c in answer.citations],
+                         "titles": [str(c["title"]) for c in answer.citations]}
+                for statement in (_HISTORY_RUNS, _HISTORY_PARSE_RESULTS, _HISTORY_CITATION_FACTS, _HISTORY_DAILY):
+                    await conn.execute(statement, cites)
+                print(f"  {size:,}: history results: a {len(answer.text)}-character answer with "
+                      f"{len(answer.citations)} citations each", flush=True)
         await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
                            "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
         await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
