@@ -5,14 +5,15 @@
     BACKLOG_SIZES=1000000 BACKLOG_PARTS=explain BACKLOG_EXPLAIN_OUT=plans.txt .venv/bin/python -m bench backlog_scale
 
 Settings (environment, since `python -m bench` takes no per-benchmark options): BACKLOG_SIZES (comma-separated ready
-task counts), BACKLOG_PARTS (any of `inproc,clicks,explain`; default `inproc,clicks`), BACKLOG_CLICKS (clicks per
-size, default 100), BACKLOG_WINDOW_RATE (executions per minute already in the budget windows, default 5,000),
+task counts), BACKLOG_PARTS (any of `inproc,clicks,explain,retention`; default `inproc,clicks`), BACKLOG_CLICKS (clicks
+per size, default 100), BACKLOG_WINDOW_RATE (executions per minute already in the budget windows, default 5,000),
 BACKLOG_TENANTS (a fixed number of tenants, at least 10: with BACKLOG_TENANTS=10 BACKLOG_WINDOW_RATE=0 the clicks part
 is `bench collect_now`'s loaded scenario with a larger backlog), BACKLOG_EXPLAIN_OUT (a file for the full plans of
-`explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's
-top node, buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many business days before the backlog's, every
-business key finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the
-tables' rows and sizes are printed after the load). 10,000 tenants: BACKLOG_TENANTS=10000.
+`explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's top node,
+buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many business days before the backlog's, every business key
+finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the tables' rows and
+sizes are printed after the load; BACKLOG_HISTORY_RESULTS=1 adds their results: a run per execution with one desktop
+simulator answer and its citations, and the daily aggregates). 10,000 tenants: BACKLOG_TENANTS=10000.
 
 Per size one fresh database, bulk-loaded with INSERT .. SELECT generate_series: tenants = size / 1,000 (at least
 10, at most 1,000), each with a brand, 10 questions, 3 platforms and one desktop client; the ready normal backlog
@@ -34,6 +35,10 @@ autovacuum would have done in a running system (and so that it does not run duri
   then the high pass that dispatches its task), one full pass, one maintenance tick, one aging round and one
   scanner batch with EXPLAIN (ANALYZE, BUFFERS) and its real parameters (auto_explain, loaded in the benchmark's own
   sessions only: no server configuration changes).
+- retention: the reconciler's `history_retention` job with its defaults (ReconcilerConfig()), run in-process until a
+  run deletes nothing: each run's time and what it deleted per table, and every task table's rows before and after.
+  With BACKLOG_HISTORY_DAYS above the retentions (430: past BUSINESS_TASK_RETENTION_DAYS' 400) it shows the
+  steady state a year leaves and what a run costs on it.
 
 At the end one table, a column per size: p50 / p95 of every in-process timing (p50 / p99 of the clicks) and the
 load average (1 min) as each size started and ended: other work shares the machine.
@@ -44,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import tempfile
 import time
@@ -81,7 +87,11 @@ from services.collect_now_api.service import collect_now
 from services.dispatch_coordinator.dispatcher import Dispatcher
 from services.dispatch_coordinator.maintenance import measure_signals, observe_backlog, publish_state, run_aging
 from services.dispatch_coordinator.scanner import scan_once
+from services.reconciler.config import ReconcilerConfig
+from services.reconciler.jobs import JOBS
+from services.reconciler.runner import run_job
 from tests.support.stack import running_stack
+from tools.desktop_sim.answers import compose_answer
 
 QUESTIONS = 10
 PLATFORMS = ("openai", "gemini", "perplexity")
@@ -168,11 +178,53 @@ INSERT INTO desktop_task_attempts (task_id, monitor_task_id, tenant_id, client_i
 SELECT d.id, d.monitor_task_id, d.tenant_id, d.target_client_id, 1, 'succeeded', d.started_at, d.finished_at
 FROM desktop_tasks d WHERE d.created_at < now() - interval '1 day' AND d.status = 'succeeded'
 """
+# With BACKLOG_HISTORY_RESULTS=1 the history's results too, as ingest writes them: a succeeded run per history
+# execution with one answer of the desktop simulator (tools/desktop_sim/answers.py) and its citations, as parse
+# results and citation facts, and the daily aggregates of those days.
+_HISTORY_RUNS = """
+INSERT INTO question_monitor_runs (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, collector_type,
+    run_mode, business_date, status, answer_text, brand_mentioned, citation_count, desktop_task_id, client_id,
+    result_id, started_at, finished_at)
+SELECT d.tenant_id, d.workspace_id, d.brand_id, d.question_id, d.ai_platform_id, 'desktop', 'daily', d.business_date,
+       'succeeded', %(answer)s, true, cardinality(%(urls)s::text[]), d.id, d.target_client_id, gen_random_uuid(),
+       d.started_at, d.finished_at
+FROM desktop_tasks d WHERE d.created_at < now() - interval '1 day' AND d.status = 'succeeded'
+ORDER BY d.business_date
+"""
+_HISTORY_PARSE_RESULTS = """
+INSERT INTO question_monitor_parse_results (run_id, tenant_id, citation_fingerprint, url, title, position, domain)
+SELECT r.id, r.tenant_id, md5(c.url), c.url, c.title, c.position, split_part(c.url, '/', 3)
+FROM question_monitor_runs r
+CROSS JOIN unnest(%(urls)s::text[], %(titles)s::text[]) WITH ORDINALITY AS c(url, title, position)
+"""
+_HISTORY_CITATION_FACTS = """
+INSERT INTO monitoring_citation_facts (run_id, tenant_id, brand_id, question_id, ai_platform_id, business_date,
+                                       citation_fingerprint, url, domain, position)
+SELECT r.id, r.tenant_id, r.brand_id, r.question_id, r.ai_platform_id, r.business_date, md5(c.url), c.url,
+       split_part(c.url, '/', 3), c.position
+FROM question_monitor_runs r
+CROSS JOIN unnest(%(urls)s::text[]) WITH ORDINALITY AS c(url, position)
+"""
+_HISTORY_DAILY = """
+WITH platforms AS (
+    INSERT INTO monitoring_brand_platform_daily (tenant_id, brand_id, business_date, ai_platform_id, runs,
+        succeeded_runs, brand_mentioned_runs, mention_rate, citations, distinct_cited_domains)
+    SELECT tenant_id, brand_id, business_date, ai_platform_id, count(*), count(*), count(*), 1, sum(citation_count),
+           cardinality(%(urls)s::text[])
+    FROM question_monitor_runs GROUP BY 1, 2, 3, 4
+)
+INSERT INTO monitoring_brand_daily (tenant_id, brand_id, business_date, runs, succeeded_runs, brand_mentioned_runs,
+    mention_rate, citations, distinct_cited_domains)
+SELECT tenant_id, brand_id, business_date, count(*), count(*), count(*), 1, sum(citation_count),
+       cardinality(%(urls)s::text[])
+FROM question_monitor_runs GROUP BY 1, 2, 3
+"""
 _TABLE_SIZES = """
 SELECT c.relname AS name, greatest(c.reltuples, 0)::bigint AS n, pg_total_relation_size(c.oid) AS bytes
 FROM pg_class c
 WHERE c.relname IN ('monitoring_collect_tasks', 'desktop_tasks', 'desktop_task_attempts', 'legacy_leases',
-                    'monitoring_collect_requests')
+                    'monitoring_collect_requests', 'question_monitor_runs', 'question_monitor_parse_results',
+                    'monitoring_citation_facts', 'monitoring_brand_daily', 'monitoring_brand_platform_daily')
 ORDER BY 1
 """
 _CLIENTS_ONLINE = """
@@ -267,6 +319,15 @@ async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: i
                                                      "weight": lane_weight("monitor", "normal"),
                                                      "before": first})
             await conn.execute(_HISTORY_ATTEMPTS)
+            if os.environ.get("BACKLOG_HISTORY_RESULTS", "0") == "1":
+                answer = compose_answer(question="Which CRM tools are best for small teams?", brand="Acme",
+                                        platform="openai", rng=random.Random(3), mention_rate=1.0)
+                cites = {"answer": answer.text, "urls": [str(c["url"]) for c in answer.citations],
+                         "titles": [str(c["title"]) for c in answer.citations]}
+                for statement in (_HISTORY_RUNS, _HISTORY_PARSE_RESULTS, _HISTORY_CITATION_FACTS, _HISTORY_DAILY):
+                    await conn.execute(statement, cites)
+                print(f"  {size:,}: history results: a {len(answer.text)}-character answer with "
+                      f"{len(answer.citations)} citations each", flush=True)
         await conn.execute("UPDATE desktop_clients SET max_concurrent_monitor = 1000, max_queue_depth = 1000 "
                            "WHERE tenant_id = %s", (probe["tenants"][0]["tenant_id"],))
         await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
@@ -421,6 +482,53 @@ def _plan_summary(plan: str) -> tuple[str, str] | None:
                         f"rows={rows.group(1) if rows else '?'} | {buffers or 'Buffers: -'} | "
                         f"{'; '.join(scans) or 'no scans'}")
 
+
+
+_TABLE_ROWS = """
+SELECT (SELECT count(*) FROM monitoring_collect_tasks) AS business_tasks, (SELECT count(*) FROM desktop_tasks) AS
+       executions, (SELECT count(*) FROM desktop_task_attempts) AS attempts, (SELECT count(*) FROM legacy_leases) AS
+       legacy_leases, (SELECT count(*) FROM monitoring_collect_requests) AS collect_requests
+"""
+
+
+async def _retention(settings: Settings) -> None:
+    """The history retention job with its defaults until a run deletes nothing: each run's time and deletions, and the
+    task tables' rows before and after."""
+    conn = await connect(settings.database_url, with_session_timeouts=False)
+    try:
+        before = await (await conn.execute(_TABLE_ROWS)).fetchone() or {}
+        # The first batch with EXPLAIN (ANALYZE, BUFFERS): a line per statement (the foreign-key checks its deletes
+        # make, summed).
+        plans: list[str] = []
+        pool = _explaining_pool(settings, plans)
+        await pool.open(wait=True)
+        try:
+            async with pool.connection() as explained:
+                await run_job(JOBS["history_retention"], explained, ReconcilerConfig(retention_batches_per_run=1))
+        finally:
+            await pool.close()
+        checks = [_duration_ms(plan) for plan in plans if _plan_summary(plan) is None]
+        for plan in plans:
+            if (summary := _plan_summary(plan)) is not None:
+                print(f"  retention batch 1: {summary[1]}", flush=True)
+        print(f"  retention batch 1: {len(checks)} foreign-key checks (RI triggers), {sum(checks):.2f} ms in all",
+              flush=True)
+        config = ReconcilerConfig()
+        runs = 0
+        while True:
+            started, cpu = time.perf_counter(), time.process_time()
+            result = await run_job(JOBS["history_retention"], conn, config)
+            runs += 1
+            print(f"  retention run {runs}: {(time.perf_counter() - started) * 1000:,.0f} ms "
+                  f"({(time.process_time() - cpu) * 1000:,.0f} ms of it this process's CPU), deleted "
+                  + (", ".join(f"{k} {v:,}" for k, v in sorted(result.details.items())) or "nothing"), flush=True)
+            if not result.fixed:
+                break
+        after = await (await conn.execute(_TABLE_ROWS)).fetchone() or {}
+        for name in before:
+            print(f"  retention: {name} {before[name]:,} rows -> {after[name]:,}", flush=True)
+    finally:
+        await conn.close()
 
 
 async def _explain(settings: Settings, world: dict[str, Any], out: str | None) -> None:
@@ -610,6 +718,8 @@ async def run(args: argparse.Namespace) -> None:
                 timings.update(await _inproc(settings, world, rounds=rounds, aging_rounds=aging_rounds))
                 for name, values in sorted(timings.items()):
                     print(f"  {size:,} in-process {name}: " + ", ".join(f"{v:.1f}" for v in values), flush=True)
+            if "retention" in parts:
+                await _retention(settings)
             if "clicks" in parts:
                 timings.update(await _clicks(settings, world, clicks))
                 for name in ("click -> socket", "click -> high pass starts"):

@@ -117,6 +117,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "safe_point_client_histogram": (S, D),
         # history_retention deletes finished history past its retention (libs/tasks/retention.py).
         "desktop_tasks": RW, "desktop_task_attempts": RW, "legacy_leases": RW, "monitoring_collect_requests": RW,
+        "monitoring_collect_tasks": RW,
         "platform_mode_settings": READ,  # the hard interrupt timeout of a task's mode
         "rollout_observations": (S, INS, D),  # each migration reconcile's gate readings, pruned after 60 days
         "ingest_applied_results": READ,

@@ -34,7 +34,7 @@ from libs.db.pool import Conn
 from libs.domain.lanes import NORMAL_PRIORITY
 from libs.tasks.business import DEMOTE_TIMED_OUT as _DEMOTE_TIMED_OUT
 from libs.tasks.queued import Queued
-from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, sql_list
+from libs.tasks.statuses import ACTIVE_EXECUTION_SQL, ACTIVE_LEASE_SQL, FINISHED_BUSINESS, sql_list
 
 log = logging.getLogger("collect_requests")
 
@@ -44,7 +44,7 @@ RequestFinal = Literal["succeeded", "partial", "failed"]
 # Statuses a request may still move out of; the others are final.
 OPEN_REQUEST: tuple[RequestStatus, ...] = ("accepted", "dispatching", "running")
 OPEN_REQUEST_SQL = sql_list(OPEN_REQUEST)
-TERMINAL_BUSINESS = frozenset({"completed", "failed", "skipped", "expired"})
+TERMINAL_BUSINESS = frozenset(FINISHED_BUSINESS)
 
 
 # ---- rules (pure) ------------------------------------------------------------------------------------------------

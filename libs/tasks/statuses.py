@@ -35,6 +35,9 @@ ClientCancelReason = NewType("ClientCancelReason", str)
 ACTIVE_EXECUTION: tuple[ExecutionStatus, ...] = ("queued", "in_progress", "unknown")
 # A legacy lease lives (uq_legacy_leases_active) while offered or pulled.
 ACTIVE_LEASE: tuple[LegacyLeaseStatus, ...] = ("queued", "in_progress")
+# A business task is finished (nothing moves it again until a click resets one of today's for a fresh collection) in
+# one of these; pending, leased and received ones are live.
+FINISHED_BUSINESS: tuple[BusinessStatus, ...] = ("completed", "failed", "skipped", "expired")
 
 
 def sql_list(values: tuple[str, ...]) -> str:
@@ -44,6 +47,7 @@ def sql_list(values: tuple[str, ...]) -> str:
 
 ACTIVE_EXECUTION_SQL = sql_list(ACTIVE_EXECUTION)
 ACTIVE_LEASE_SQL = sql_list(ACTIVE_LEASE)
+FINISHED_BUSINESS_SQL = sql_list(FINISHED_BUSINESS)
 
 # The business row's legacy lease columns, cleared (SET list): a row that holds no live lease carries none of them.
 CLEAR_LEGACY_LEASE_SQL = ("leased_to_executor = NULL, legacy_lease_id = NULL, lease_token_hash = NULL, "

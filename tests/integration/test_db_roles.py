@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -19,7 +20,9 @@ from libs.config import Settings
 from libs.db.migrate import ensure_database, load_migrations, migrate
 from libs.db.pool import Conn
 from libs.db.roles import GRANTED_TO_NONE, GRANTS, SERVICES, apply_roles, drop_roles, role_name
+from libs.tasks.retention import purge_history_batch
 from tests.support.env import Backends
+from tests.support.reconcile_factory import insert_task, make_world, today
 
 
 @pytest.fixture
@@ -125,3 +128,27 @@ async def test_the_migration_job_needs_no_superuser(backend: Backends) -> None:
             for service in SERVICES:
                 await conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role_name(prefix, service))))
             await conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(migrator)))
+
+
+async def test_a_login_of_the_reconciler_role_deletes_old_business_tasks_and_not_without_its_grant(
+        settings: Settings, pool: AsyncConnectionPool[Conn], prefix: str) -> None:
+    """history_retention (libs/tasks/retention.py) under the reconciler's role: its DELETE on the business tasks is
+    granted (a missing grant would only show in a least-privilege deployment, a year after the upgrade)."""
+    async with pool.connection() as conn:
+        await apply_roles(conn, prefix)
+        await conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+            sql.Identifier(prefix + "hub_login"),  # the login name the fixture drops
+            sql.Identifier(role_name(prefix, "reconciler"))))
+        world = await make_world(conn, questions=2)
+        for question in (0, 1):
+            await insert_task(conn, world, question_index=question, status="completed",
+                              business_date=today() - timedelta(days=500))
+    url = make_conninfo(settings.database_url, user=prefix + "hub_login")
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True, row_factory=dict_row) as conn:
+        purged = await purge_history_batch(conn, execution_days=35, request_days=35, business_days=400, batch=1)
+        assert purged.business_tasks == 1
+        async with pool.connection() as admin:
+            await admin.execute(sql.SQL("REVOKE DELETE ON monitoring_collect_tasks FROM {}").format(
+                sql.Identifier(role_name(prefix, "reconciler"))))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            await purge_history_batch(conn, execution_days=35, request_days=35, business_days=400, batch=1)

@@ -76,3 +76,15 @@ def test_retention_settings_come_from_the_environment_and_keep_a_week_of_attempt
     assert ReconcilerConfig.from_env({}).history_retention_days == 35
     with pytest.raises(ValueError, match="HISTORY_RETENTION_DAYS"):
         ReconcilerConfig.from_env({"HISTORY_RETENTION_DAYS": "3"})  # the safe-point tuning reads 7 days of attempts
+
+
+def test_business_task_retention_keeps_a_year_and_outlives_the_executions() -> None:
+    assert ReconcilerConfig.from_env({}).business_task_retention_days == 400
+    assert ReconcilerConfig.from_env({"BUSINESS_TASK_RETENTION_DAYS": "90"}).business_task_retention_days == 90
+    # Refused at start, never clamped: shorter than the executions' (whose foreign keys keep the task anyway), zero,
+    # negative, not a number.
+    for bad in ("34", "0", "-1", "a year"):
+        with pytest.raises(ValueError, match="BUSINESS_TASK_RETENTION_DAYS"):
+            ReconcilerConfig.from_env({"BUSINESS_TASK_RETENTION_DAYS": bad})
+    with pytest.raises(ValueError, match="BUSINESS_TASK_RETENTION_DAYS"):
+        ReconcilerConfig.from_env({"HISTORY_RETENTION_DAYS": "90", "BUSINESS_TASK_RETENTION_DAYS": "60"})
