@@ -9,7 +9,12 @@ execution, so every (re)connect carries a replay. Measured, in this order:
 2. fan-out: one `task_available` per client published straight to the dispatch exchange as the outbox relay would
    (one `dispatch_batch` envelope per hub per relay batch; HUB_SCALE_FANOUT=single|both), until all arrived;
 3. probe: click (POST collect-now) -> high `task_available` on one more client's socket, with the fleet connected
-   and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path);
+   and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path), and each click
+   hop by hop (bench/hub_hops.py: the 202, the coordinator's high pass start and commit from its "high pass
+   committed" log line, the outbox row's publish, a broker tap queue of the benchmark's own, the socket, the
+   lease), p50 / p99 per hop, with the fleet's event-loop lag (`lag`: a starved fleet stamps arrivals late) and the
+   dispatch passes meanwhile. The probe reconnects after a reset or lost socket (a connect storm on this box) and
+   counts them;
 4. reconnect storm: the hub is killed (SIGKILL) and started again; until every client has its new hello and replay.
 
 With `--hubs N` the fleet is spread over N hub replicas by a simulated load balancer (bench/hub_scale_client.py:
@@ -32,6 +37,10 @@ process and the children (hub, clients) it starts.
     HUB_SCALE_PROFILE=/tmp/prof .venv/bin/python -m bench hub_scale   (py-spy, when installed, samples the hub in
                                                                        each phase; the hottest frames are printed)
     HUB_SCALE_PHASES=fan-out,probe,storm,rolling (the default: all of them; connect always runs first)
+    HUB_SCALE_FANOUT=batch|single|both (the fan-out's rounds: dispatch batches, one message per event, alternating)
+    HUB_SCALE_WAITS=1   (with the per-hop table: each hop's part of the clicks' time, largest first, and the slowest
+                         clicks hop by hop)
+    HUB_SCALE_FLEET_NICE=N   (the fleet's processes under `nice -n N`: `fleet_nice`)
 """
 
 from __future__ import annotations
@@ -684,17 +693,28 @@ ORDER BY published_at LIMIT 1
 """
 
 
-def _high_passes(log_text: str) -> dict[str, tuple[float, float]]:
-    """task id -> (pass_started_at, committed_at) from the coordinator's "high pass committed" lines."""
+def _high_passes(log_text: str) -> tuple[dict[str, tuple[float, float]], list[tuple[float, float, bool]]]:
+    """From the coordinator's log: task id -> (pass_started_at, committed_at) of its "high pass committed" line, and
+    the "high pass woken" lines as (picked_at, woken_at, during_full_pass), in order."""
     passes: dict[str, tuple[float, float]] = {}
+    wakes: list[tuple[float, float, bool]] = []
     for line in log_text.splitlines():
-        if '"high pass committed"' not in line:
+        if '"high pass committed"' not in line and '"high pass woken"' not in line:
             continue
         with contextlib.suppress(ValueError, KeyError, TypeError):
             record = json.loads(line)
+            if record.get("event") == "high pass woken":
+                wakes.append((float(record["picked_at"]), float(record["woken_at"]), bool(record["during_full_pass"])))
+                continue
             for task_id in record["task_ids"]:
                 passes[str(task_id)] = (float(record["pass_started_at"]), float(record["committed_at"]))
-    return passes
+    return passes, wakes
+
+
+def _wake_of(wakes: list[tuple[float, float, bool]], started: float) -> tuple[float, float, bool] | None:
+    """The wake-up a high pass served: the last one the loop took up before the pass began."""
+    taken = [w for w in wakes if w[0] <= started and w[1] > 0]
+    return max(taken, default=None)
 
 
 async def _hop_marks(stack: Stack, client_id: str, clicks: list[tuple[str, dict[str, float | None]]],
@@ -702,7 +722,7 @@ async def _hop_marks(stack: Stack, client_id: str, clicks: list[tuple[str, dict[
     """Each click's marks completed from the services: the coordinator's high pass (its log), the publish (the
     outbox row), the broker's delivery (the tap). A mark not found stays None (e.g. a click a full pass dispatched
     has no high pass)."""
-    passes = _high_passes(stack.procs["dispatch-coordinator"].logs())
+    passes, wakes = _high_passes(stack.procs["dispatch-coordinator"].logs())
     out: list[dict[str, float | None]] = []
     conn = await connect(stack.settings.database_url)
     try:
@@ -710,8 +730,11 @@ async def _hop_marks(stack: Stack, client_id: str, clicks: list[tuple[str, dict[
             cur = await conn.execute(_PUBLISHED, {"client": client_id, "task": f"%{task_id}%".encode()})
             row = await cur.fetchone()
             started, committed = passes.get(task_id, (None, None))
-            out.append({**click, "pass_started": started, "committed": committed,
-                        "published": row["published"] if row else None, "at_broker": at_broker.get(task_id)})
+            wake = _wake_of(wakes, started) if started is not None else None
+            out.append({**click, "woken": wake[1] if wake else None,
+                        "behind_full_pass": float(wake[2]) if wake else None, "pass_started": started,
+                        "committed": committed, "published": row["published"] if row else None,
+                        "at_broker": at_broker.get(task_id)})
     finally:
         await conn.close()
     return out
@@ -721,8 +744,10 @@ def _print_hops(label: str, run: ProbeRun, *, waits: bool) -> None:
     """The per-hop table (p50 / p99 ms); with HUB_SCALE_WAITS=1 also where the time went and the slowest clicks."""
     marks = run.marks
     by_full = sum(1 for m in marks if m.get("pass_started") is None)
+    behind = sum(1 for m in marks if m.get("behind_full_pass"))
     print(f"  {label}: per hop (ms; {len(marks)} clicks, {by_full} of them dispatched by a full pass, not the high "
-          f"pass; {run.resets} probe connection resets):", flush=True)
+          f"pass; {behind} woke the coordinator during a full pass; {run.resets} probe connection resets):",
+          flush=True)
     for hop, n, p50, p99 in hub_hops.hop_rows(marks):
         print(f"    {hop:<55} n={n:<4} p50 {p50:8.1f}  p99 {p99:8.1f}", flush=True)
     if not waits:

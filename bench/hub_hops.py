@@ -4,6 +4,8 @@ that the benchmark gathers for each click (docs/benchmarks.md, "Hub at scale": t
 A click's marks, in the order a click passes them (seconds, `time.time()` of one machine):
 
 - `clicked`: the probe sent POST collect-now; `accepted`: its 202 arrived (the probe);
+- `woken`: the coordinator's first wake-up for high work since its last high pass (the click's NOTIFY, as a rule:
+  its "high pass woken" log line, which the dispatch loop writes when it takes the wake-up up);
 - `pass_started`, `committed`: the coordinator's high pass that dispatched it began, and its transaction committed
   (the coordinator's "high pass committed" log line; absent when a full pass dispatched the click instead);
 - `published`: the outbox row's `published_at`, the publisher's broker confirm;
@@ -11,8 +13,10 @@ A click's marks, in the order a click passes them (seconds, `time.time()` of one
   delivery, beside the hub's own queue);
 - `on_socket`: the high `task_available` on the probe's WebSocket; `leased`: the lease call answered.
 
-A hop is the span between two consecutive marks; a click lacking one of a hop's marks is left out of that hop only
-(and out of the shares, which need every mark).
+The 202 and the wake-up race (the NOTIFY goes out with the click's commit, the 202 after it), so that hop may be
+negative; so may the tap's (the broker confirms as it delivers) and the socket's (the tap and the probe's socket are
+both read by the benchmark's one event loop, in either order). A hop is the span between two consecutive marks; a
+click lacking one of a hop's marks is left out of that hop only (and out of the shares, which need every mark).
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from collections.abc import Mapping, Sequence
 
 from bench.common import percentile
 
-MARKS = ("clicked", "accepted", "pass_started", "committed", "published", "at_broker", "on_socket", "leased")
+MARKS = ("clicked", "accepted", "woken", "pass_started", "committed", "published", "at_broker", "on_socket", "leased")
 HOPS: tuple[tuple[str, str, str], ...] = (
     ("click -> 202 (collect-now request)", "clicked", "accepted"),
-    ("202 -> high pass started", "accepted", "pass_started"),
+    ("202 -> coordinator woken (NOTIFY)", "accepted", "woken"),
+    ("woken -> high pass started (the dispatch loop busy)", "woken", "pass_started"),
     ("high pass started -> committed", "pass_started", "committed"),
     ("committed -> relay published (broker confirm)", "committed", "published"),
     ("published -> at the broker's tap queue", "published", "at_broker"),
