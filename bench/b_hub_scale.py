@@ -546,7 +546,7 @@ class _ProbeClient:
                     await self.finish(await self.lease(10))
                 self.ws = ws
                 return ws
-            except (*_PROBE_LOST, TimeoutError) as exc:
+            except (*_PROBE_LOST, aiohttp.WSServerHandshakeError, TimeoutError) as exc:  # a refusal (503) too
                 self.resets += 1
                 print(f"  probe: connecting the probe's socket failed ({type(exc).__name__}); again", flush=True)
                 await asyncio.sleep(min(5.0, 0.2 * 2 ** attempt))  # reconnect backoff, as a desktop's
