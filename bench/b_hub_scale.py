@@ -9,7 +9,12 @@ execution, so every (re)connect carries a replay. Measured, in this order:
 2. fan-out: one `task_available` per client published straight to the dispatch exchange as the outbox relay would
    (one `dispatch_batch` envelope per hub per relay batch; HUB_SCALE_FANOUT=single|both), until all arrived;
 3. probe: click (POST collect-now) -> high `task_available` on one more client's socket, with the fleet connected
-   and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path);
+   and heartbeating (collect-now-api -> coordinator -> broker -> hub: the `bench collect_now` path), and each click
+   hop by hop (bench/hub_hops.py: the 202, the coordinator's high pass start and commit from its "high pass
+   committed" log line, the outbox row's publish, a broker tap queue of the benchmark's own, the socket, the
+   lease), p50 / p99 per hop, with the fleet's event-loop lag (`lag`: a starved fleet stamps arrivals late) and the
+   dispatch passes meanwhile. The probe reconnects after a reset or lost socket (a connect storm on this box) and
+   counts them;
 4. reconnect storm: the hub is killed (SIGKILL) and started again; until every client has its new hello and replay.
 
 With `--hubs N` the fleet is spread over N hub replicas by a simulated load balancer (bench/hub_scale_client.py:
@@ -32,6 +37,10 @@ process and the children (hub, clients) it starts.
     HUB_SCALE_PROFILE=/tmp/prof .venv/bin/python -m bench hub_scale   (py-spy, when installed, samples the hub in
                                                                        each phase; the hottest frames are printed)
     HUB_SCALE_PHASES=fan-out,probe,storm,rolling (the default: all of them; connect always runs first)
+    HUB_SCALE_FANOUT=batch|single|both (the fan-out's rounds: dispatch batches, one message per event, alternating)
+    HUB_SCALE_WAITS=1   (with the per-hop table: each hop's part of the clicks' time, largest first, and the slowest
+                         clicks hop by hop)
+    HUB_SCALE_FLEET_NICE=N   (the fleet's processes under `nice -n N`: `fleet_nice`)
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ from pamqp import commands as spec
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
+from bench import hub_hops
 from bench.b_collect_now import _hub_hop as collect_now_hub_hop
 from bench.b_collect_now import open_limits_for_probe
 from bench.common import bench_environment, percentile, summary
@@ -77,6 +87,7 @@ from libs.mq.topology import DISPATCH, Topology
 from libs.outbox import dispatch_batches
 from libs.outbox.relay import ClaimedEvent
 from libs.outbox.writer import enqueue
+from services.dispatch_hub.envelope import unwrap
 from tests.support.procs import ServiceProcess, die_with_parent, service_env
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 
@@ -149,6 +160,15 @@ async def _prepare(settings: Settings, *, fleet: int, clicks: int) -> World:
 # ---- the fleet's processes ------------------------------------------------------------------------
 
 
+def fleet_nice() -> list[str]:
+    """`nice -n N` before the fleet's command when HUB_SCALE_FLEET_NICE=N (else nothing): on this benchmark's two
+    cores the fleet's processes (10,000 sockets' frames, heartbeats, pongs) compete with the services for CPU, which
+    desktops on their own machines never do; niced, the kernel runs the services first and the fleet takes the idle
+    cycles, so a probe's latency is the services' own (the `lag` command tells when the fleet itself runs late)."""
+    n = os.environ.get("HUB_SCALE_FLEET_NICE", "").strip()
+    return ["nice", "-n", str(int(n))] if n else []
+
+
 class ClientProcess:
     """One `bench.hub_scale_client` process: JSON-line commands in, answers out."""
 
@@ -161,7 +181,7 @@ class ClientProcess:
         config = folder / f"fleet-{index}.json"
         config.write_text(json.dumps({"hubs": hubs, "tokens": tokens, "offset": offset}))
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.hub_scale_client", str(config), stdin=asyncio.subprocess.PIPE,
+            *fleet_nice(), sys.executable, "-m", "bench.hub_scale_client", str(config), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, limit=1 << 24, preexec_fn=die_with_parent)
         client = cls(proc, len(tokens))
         await client.read()  # {"started": n}
@@ -484,57 +504,280 @@ async def _fan_out(stack: Stack, fleet: list[ClientProcess], clients: list[tuple
     print(f"  intake per hub over {len(modes)} rounds: " + "; ".join(shares), flush=True)
 
 
-async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: asyncio.Event | None = None) -> list[float]:
-    """Click -> high task_available on the probe's socket; then lease and post the result, as a desktop does.
-    `during_storm`: click the storm's own questions until it is set, and measure no hub hop."""
+class _SocketLost(Exception):
+    """The probe's WebSocket closed or reset under it (a connect storm on a loaded box)."""
+
+
+async def _next_event(ws: aiohttp.ClientWebSocketResponse, timeout: float) -> dict[str, Any]:
+    message = await ws.receive(timeout=timeout)
+    if message.type != aiohttp.WSMsgType.TEXT:  # CLOSE, CLOSED, ERROR: the socket is gone
+        raise _SocketLost(f"{message.type.name}: {message.data!r}"[:200])
+    event: dict[str, Any] = msgspec.json.decode(message.data)
+    return event
+
+
+# What a probe's HTTP call or socket may meet in a connect storm on this box: a reset, a refused or dropped connection
+# (`aiohttp.ClientConnectionResetError` among them), a socket closed under it. The probe reconnects and goes on.
+_PROBE_LOST = (aiohttp.ClientConnectionError, _SocketLost, ConnectionResetError)
+PROBE_RECONNECTS = 30
+
+
+@dataclass(slots=True)
+class _ProbeClient:
+    """The probe desktop: its WebSocket (reopened after a reset) and the resets it met."""
+
+    http: aiohttp.ClientSession
+    hub: str
+    auth: dict[str, str]
+    ws: aiohttp.ClientWebSocketResponse | None = None
+    resets: int = 0
+
+    async def open(self) -> aiohttp.ClientWebSocketResponse:
+        """(Re)connect: the hello, its replay read past (earlier clicks' events, not the next click's), then any task
+        a lost socket left leased or queued finished, so the next click's task is the only one."""
+        for attempt in range(PROBE_RECONNECTS):
+            try:
+                ws = await self.http.ws_connect(f"{self.hub}/api/desktop/ws", headers=self.auth)
+                hello = await _next_event(ws, 30)
+                assert hello["type"] == "hello", hello
+                for _ in range(int(hello.get("replayed_available", 0)) + int(hello.get("replayed_controls", 0))):
+                    await _next_event(ws, 10)
+                if self.resets:
+                    await self.finish(await self.lease(10))
+                self.ws = ws
+                return ws
+            except (*_PROBE_LOST, aiohttp.WSServerHandshakeError, TimeoutError) as exc:  # a refusal (503) too
+                self.resets += 1
+                print(f"  probe: connecting the probe's socket failed ({type(exc).__name__}); again", flush=True)
+                await asyncio.sleep(min(5.0, 0.2 * 2 ** attempt))  # reconnect backoff, as a desktop's
+        raise RuntimeError(f"the probe could not connect in {PROBE_RECONNECTS} attempts")
+
+    async def lease(self, max_tasks: int = 1) -> list[dict[str, Any]]:
+        async with self.http.post(f"{self.hub}/api/desktop/monitor/lease", json={"max_tasks": max_tasks},
+                                  headers=self.auth) as resp:
+            tasks: list[dict[str, Any]] = (await resp.json())["tasks"]
+        return tasks
+
+    async def finish(self, tasks: list[dict[str, Any]]) -> None:
+        for task in tasks:
+            async with self.http.post(f"{self.hub}/api/desktop/tasks/{task['task_id']}/result", json={
+                    "lease_token": task["lease_token"], "status": "succeeded", "answer_text": "bench"},
+                    headers=self.auth) as resp:
+                await resp.read()
+
+    async def reset(self, exc: BaseException) -> None:
+        self.resets += 1
+        print(f"  probe: the probe's connection was lost ({type(exc).__name__}: {str(exc)[:120]}); reconnecting",
+              flush=True)
+        if self.ws is not None:
+            with contextlib.suppress(Exception):
+                await self.ws.close()
+        await self.open()
+
+
+@dataclass(slots=True)
+class ProbeRun:
+    """A probe phase's clicks: click -> task_available (ms), each click's marks (bench/hub_hops.py), the probe's
+    connection resets."""
+
+    to_socket: list[float]
+    marks: list[dict[str, float | None]]
+    resets: int
+
+
+class _BrokerTap:
+    """A queue of the benchmark's own bound to every dispatch key of the probe client (`#.<client>`, the hub-routed
+    ones too): when the broker delivered each of its events (task id -> wall clock), beside the hub's queue."""
+
+    def __init__(self, settings: Settings, client_id: str) -> None:
+        self.settings, self.client_id = settings, client_id
+        self.seen: dict[str, float] = {}
+        self._connection: Any = None
+
+    async def __aenter__(self) -> _BrokerTap:
+        topology = Topology(self.settings.mq_prefix, self.settings.ingest_shards)
+        self._connection = await aio_pika.connect(self.settings.amqp_url)
+        channel = await self._connection.channel()
+        queue = await channel.declare_queue(exclusive=True, auto_delete=True)
+        await queue.bind(topology.dispatch_exchange, routing_key=f"#.{self.client_id}")
+        await queue.consume(self._on_message, no_ack=True)
+        return self
+
+    async def _on_message(self, message: Any) -> None:
+        now = time.time()
+        bodies = [e.body for e in unwrap(message.body).events] if message.type == DISPATCH_BATCH else [message.body]
+        for body in bodies:
+            with contextlib.suppress(msgspec.MsgspecError, AttributeError):
+                task_id = msgspec.json.decode(body).get("task_id")
+                if task_id:
+                    self.seen.setdefault(str(task_id), now)
+
+    async def __aexit__(self, *_: object) -> None:
+        await self._connection.close()
+
+
+async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: asyncio.Event | None = None) -> ProbeRun:
+    """Click -> high task_available on the probe's socket; then lease and post the result, as a desktop does; each
+    click's marks for the per-hop breakdown (`_hop_marks`). A reset or lost connection (a connect storm) is counted,
+    the socket reopened, and the click that met it left out. `during_storm`: click the storm's own questions until
+    it is set, and measure no hub hop."""
     probe = world.probe
     questions = probe["brands"][0]["question_ids"]
     question_ids = questions[clicks:] if during_storm is not None else questions[:clicks]
     client, brand = probe["clients"][0], probe["brands"][0]
     jwt = stack.jwt(probe)
-    hub, api = stack.hub_url, stack.api_url
-    auth = {"Authorization": f"Bearer {client['token']}"}
+    api = stack.api_url
     to_socket: list[float] = []
-    async with aiohttp.ClientSession() as http, http.ws_connect(f"{hub}/api/desktop/ws", headers=auth) as ws:
-        assert msgspec.json.decode((await ws.receive(timeout=30)).data)["type"] == "hello"
-        refused = 0
+    marks: list[dict[str, float | None]] = []
+    task_ids: list[str] = []  # each click's task, beside its marks
+    refused = 0
+    async with aiohttp.ClientSession() as http, _BrokerTap(stack.settings, client["client_id"]) as tap:
+        desktop = _ProbeClient(http, stack.hub_url, {"Authorization": f"Bearer {client['token']}"})
+        await desktop.open()
         for question_id in question_ids:
             if during_storm is not None and during_storm.is_set():
                 break
-            for _ in range(10):  # a click refused while the tenant's previous one still holds its lock: again
-                clicked = time.perf_counter()
-                async with http.post(f"{api}/api/tenant/monitoring/brands/{brand['brand_id']}/collect-now",
-                                     json={"target_client_id": client["client_id"], "question_ids": [question_id]},
-                                     headers={"Authorization": f"Bearer {jwt}"}) as resp:
-                    if resp.status in (200, 201, 202):
-                        break
-                    assert resp.status in (409, 429), await resp.text()
-                    refused += 1
-                await asyncio.sleep(0.5)
             try:
-                while True:
-                    event = msgspec.json.decode((await ws.receive(timeout=5)).data)
-                    if event.get("type") == "task_available" and event.get("lane") == "high":
-                        break
-            except TimeoutError:
-                print("  probe: a click's task_available did not arrive within 5 s", flush=True)
+                for _ in range(10):  # a click refused while the tenant's previous one still holds its lock: again
+                    clicked = time.time()
+                    async with http.post(f"{api}/api/tenant/monitoring/brands/{brand['brand_id']}/collect-now",
+                                         json={"target_client_id": client["client_id"], "question_ids": [question_id]},
+                                         headers={"Authorization": f"Bearer {jwt}"}) as resp:
+                        if resp.status in (200, 201, 202):
+                            break
+                        assert resp.status in (409, 429), await resp.text()
+                        refused += 1
+                    await asyncio.sleep(0.5)
+                accepted = time.time()
+                assert desktop.ws is not None
+                try:
+                    while True:
+                        event = await _next_event(desktop.ws, 5)
+                        if event.get("type") == "task_available" and event.get("lane") == "high":
+                            break
+                except TimeoutError:
+                    print("  probe: a click's task_available did not arrive within 5 s", flush=True)
+                    continue
+                on_socket = time.time()
+                to_socket.append((on_socket - clicked) * 1000)
+                tasks = await desktop.lease()
+                marks.append({"clicked": clicked, "accepted": accepted, "on_socket": on_socket, "leased": time.time()})
+                task_ids.append(str(event["task_id"]))
+                await desktop.finish(tasks)
+            except _PROBE_LOST as exc:
+                await desktop.reset(exc)
                 continue
-            to_socket.append((time.perf_counter() - clicked) * 1000)
-            async with http.post(f"{hub}/api/desktop/monitor/lease", json={"max_tasks": 1}, headers=auth) as resp:
-                tasks = (await resp.json())["tasks"]
-            for task in tasks:
-                async with http.post(f"{hub}/api/desktop/tasks/{task['task_id']}/result", json={
-                        "lease_token": task["lease_token"], "status": "succeeded", "answer_text": "bench"},
-                        headers=auth) as resp:
-                    await resp.read()
             await asyncio.sleep(0.1)  # clicks are human-paced; keep them apart
         if during_storm is None:
-            hops = await _hub_hop(stack, ws, client["client_id"], samples=clicks)
+            assert desktop.ws is not None
+            hops = await _hub_hop(stack, desktop.ws, client["client_id"], samples=clicks)
             print(f"  probe: hub hop (event published straight to the exchange -> on the probe's socket, ms): "
                   f"{summary(hops)}", flush=True)
+        if desktop.ws is not None:
+            await desktop.ws.close()
+        at_broker = dict(tap.seen)
     if refused:
         print(f"  probe: {refused} clicks refused as busy (409/429) and clicked again", flush=True)
-    return to_socket
+    if desktop.resets:
+        print(f"  probe: {desktop.resets} connection resets or failed connects met and reconnected (the clicks "
+              f"that met one are left out)", flush=True)
+    return ProbeRun(to_socket, await _hop_marks(stack, client["client_id"], list(zip(task_ids, marks, strict=True)),
+                                                at_broker), desktop.resets)
+
+
+# The click's high TaskAvailable in the outbox: published_at is its publisher's broker-confirm time.
+_PUBLISHED = """
+SELECT extract(epoch FROM published_at)::float8 AS published FROM outbox
+WHERE routing_key LIKE '%%.' || %(client)s AND payload LIKE %(task)s AND published_at IS NOT NULL
+ORDER BY published_at LIMIT 1
+"""
+
+
+def _high_passes(log_text: str) -> tuple[dict[str, tuple[float, float]], list[tuple[float, float, bool]]]:
+    """From the coordinator's log: task id -> (pass_started_at, committed_at) of its "high pass committed" line, and
+    the "high pass woken" lines as (picked_at, woken_at, during_full_pass), in order."""
+    passes: dict[str, tuple[float, float]] = {}
+    wakes: list[tuple[float, float, bool]] = []
+    for line in log_text.splitlines():
+        if '"high pass committed"' not in line and '"high pass woken"' not in line:
+            continue
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            record = json.loads(line)
+            if record.get("event") == "high pass woken":
+                wakes.append((float(record["picked_at"]), float(record["woken_at"]), bool(record["during_full_pass"])))
+                continue
+            for task_id in record["task_ids"]:
+                passes[str(task_id)] = (float(record["pass_started_at"]), float(record["committed_at"]))
+    return passes, wakes
+
+
+def _wake_of(wakes: list[tuple[float, float, bool]], started: float) -> tuple[float, float, bool] | None:
+    """The wake-up a high pass served: the last one the loop took up before the pass began."""
+    taken = [w for w in wakes if w[0] <= started and w[1] > 0]
+    return max(taken, default=None)
+
+
+async def _hop_marks(stack: Stack, client_id: str, clicks: list[tuple[str, dict[str, float | None]]],
+                     at_broker: dict[str, float]) -> list[dict[str, float | None]]:
+    """Each click's marks completed from the services: the coordinator's high pass (its log), the publish (the
+    outbox row), the broker's delivery (the tap). A mark not found stays None (e.g. a click a full pass dispatched
+    has no high pass)."""
+    passes, wakes = _high_passes(stack.procs["dispatch-coordinator"].logs())
+    out: list[dict[str, float | None]] = []
+    conn = await connect(stack.settings.database_url)
+    try:
+        for task_id, click in clicks:
+            cur = await conn.execute(_PUBLISHED, {"client": client_id, "task": f"%{task_id}%".encode()})
+            row = await cur.fetchone()
+            started, committed = passes.get(task_id, (None, None))
+            wake = _wake_of(wakes, started) if started is not None else None
+            out.append({**click, "woken": wake[1] if wake else None,
+                        "behind_full_pass": float(wake[2]) if wake else None, "pass_started": started,
+                        "committed": committed, "published": row["published"] if row else None,
+                        "at_broker": at_broker.get(task_id)})
+    finally:
+        await conn.close()
+    return out
+
+
+def _print_hops(label: str, run: ProbeRun, *, waits: bool) -> None:
+    """The per-hop table (p50 / p99 ms); with HUB_SCALE_WAITS=1 also where the time went and the slowest clicks."""
+    marks = run.marks
+    by_full = sum(1 for m in marks if m.get("pass_started") is None)
+    behind = sum(1 for m in marks if m.get("behind_full_pass"))
+    print(f"  {label}: per hop (ms; {len(marks)} clicks, {by_full} of them dispatched by a full pass, not the high "
+          f"pass; {behind} woke the coordinator during a full pass; {run.resets} probe connection resets):",
+          flush=True)
+    for hop, n, p50, p99 in hub_hops.hop_rows(marks):
+        print(f"    {hop:<55} n={n:<4} p50 {p50:8.1f}  p99 {p99:8.1f}", flush=True)
+    if not waits:
+        return
+    parts = hub_hops.shares(marks)
+    print(f"  {label}: where the time went (each hop's part of the complete clicks' click -> lease time): "
+          + ("; ".join(f"{hop} {share * 100:.0f}%" for hop, share in parts) if parts else "no complete click"),
+          flush=True)
+    print(f"  {label}: slowest clicks (click -> lease ms: the hops in the table's order): " + "; ".join(
+        f"{total:.0f}: " + " / ".join("-" if h is None else f"{h:.0f}" for h in hops)
+        for total, hops in hub_hops.slowest(marks, 3)), flush=True)
+
+
+async def _fleet_lag(fleet: list[ClientProcess]) -> str:
+    """The fleet processes' event-loop lag since the last ask (all processes together)."""
+    answers = await asyncio.gather(*(p.ask(cmd="lag") for p in fleet))
+    lag = hub_hops.lag_summary([s for a in answers for s in a["lag_ms"]])
+    return (f"fleet event-loop lag (ms, {int(lag['n'])} samples): p50 {lag['p50']:.1f} p99 {lag['p99']:.1f} "
+            f"max {lag['max']:.1f}")
+
+
+async def _passes(stack: Stack) -> tuple[float, float]:
+    """The coordinator's dispatch-loop iterations so far and their summed duration (ms)."""
+    return (await stack.metric("dispatch-coordinator", "dispatch_pass_duration_ms_count"),
+            await stack.metric("dispatch-coordinator", "dispatch_pass_duration_ms_sum"))
+
+
+def _passes_note(before: tuple[float, float], after: tuple[float, float]) -> str:
+    n, ms = after[0] - before[0], after[1] - before[1]
+    return f"dispatch passes meanwhile: {n:.0f}, {ms / max(n, 1):.0f} ms each on average, {ms / 1000:.1f} s in all"
 
 
 async def _hub_hop(stack: Stack, ws: aiohttp.ClientWebSocketResponse, client_id: str, *,
@@ -681,10 +924,13 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
         status, done = await _until_ready(fleet, since=started, deadline_s=CONNECT_DEADLINE_S, stack=stack,
                                           label="connect")
     connected.set()
-    storm_clicks = await clicking
+    storm = await clicking
+    storm_clicks = storm.to_socket
     print(f"  clicks during the connect storm: click -> task_available (ms): "
           f"{summary(storm_clicks) if storm_clicks else 'none arrived'}; p99 {percentile(storm_clicks, 99):.1f} ms",
           flush=True)
+    waits = os.environ.get("HUB_SCALE_WAITS", "") == "1"
+    _print_hops("clicks during the connect storm", storm, waits=waits)
     rss = _rss_mib(stack)
     per = (rss - rss0) * 1024 / max(1, status["ready"])
     took = f"{status['last_ready'] - started:.1f} s" if status["ready"] else "-"
@@ -707,12 +953,19 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
         async with Profile(stack, "fan-out"):
             await _fan_out(stack, fleet, world.fleet)
     if "probe" in phases:
-        cpu0 = _cpu_s(stack)
+        cpu0, leader0, passes0 = _cpu_s(stack), await _leader(stack), await _passes(stack)
+        others, probe_started = _others_cpu_s(stack, fleet), time.time()
+        await _fleet_lag(fleet)  # the samples so far are not the probe's
         async with Profile(stack, "probe"):
-            to_socket = await _probe(stack, world, clicks)
+            run = await _probe(stack, world, clicks)
+        to_socket = run.to_socket
         print(f"  probe with {total} others connected: click -> task_available (ms): "
               f"{summary(to_socket) if to_socket else 'none arrived'}; p99 {percentile(to_socket, 99):.1f} ms; "
               f"hub CPU {_cpu_s(stack) - cpu0:.1f} s; {_load()}", flush=True)
+        _print_hops(f"probe with {total} others connected", run, waits=waits)
+        print(f"  probe: {await _fleet_lag(fleet)}; {_passes_note(passes0, await _passes(stack))}; "
+              f"{_leader_note(leader0, await _leader(stack), time.time() - probe_started)}; CPU meanwhile: "
+              f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; {_load()}", flush=True)
     if "storm" in phases:
         await _storm(stack, fleet, total)
     if "rolling" in phases:

@@ -12,7 +12,8 @@ CONFIG: {"hubs": ["http://127.0.0.1:PORT", ...], "tokens": [...], "offset": N}. 
 of the process goes to hub (offset + i) % len(hubs) first, and to the next hub after a refused connection or
 handshake. A hub that drains (close code 4503) names the delay after which its desktop reconnects; others are
 reconnected with the simulator's backoff. Commands arrive on stdin as JSON lines, answers go to stdout as JSON
-lines; clocks are `time.time()`, so the benchmark compares them across processes on one machine.
+lines; clocks are `time.time()`, so the benchmark compares them across processes on one machine. Commands:
+connect, status, arrivals, arrived, lag (how late this process's event loop ran since the last `lag`), stop.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ from tools.desktop_sim.rules import backoff_delay
 RECONNECT_BASE_S = 0.1
 RECONNECT_MAX_S = 5.0
 HANDSHAKE_TIMEOUT_S = 30.0
+# The `lag` command's probe: a timer every LAG_EVERY_S; how late it fires is the process's event-loop lag (a
+# starved fleet process stamps its arrivals late, which would read as a slow service).
+LAG_EVERY_S = 0.05
+LAG_SAMPLES = 20_000
 TEXT, CLOSE, PING, PONG = 0x1, 0x8, 0x9, 0xA
 
 
@@ -249,6 +254,28 @@ class Fleet:
             socket._end("stopped")
 
 
+class LagProbe:
+    """How late a timer of this process fires (ms), sampled every LAG_EVERY_S: the fleet's own starvation, apart
+    from the service's latency (under `nice`, or with the box's cores busy, the fleet's loop runs late)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_EVERY_S
+            await asyncio.sleep(LAG_EVERY_S)
+            self.samples.append(max(0.0, (loop.time() - due) * 1000))
+            if len(self.samples) > LAG_SAMPLES:
+                del self.samples[:LAG_SAMPLES // 2]
+
+    def take(self) -> list[float]:
+        """The samples since the last take."""
+        samples, self.samples = self.samples, []
+        return samples
+
+
 def _raise_fd_limit() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -270,6 +297,8 @@ async def main(config_path: str) -> None:
     commands = asyncio.StreamReader(limit=1 << 20)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(commands), sys.stdin)
     tasks: list[asyncio.Task[None]] = []
+    lag = LagProbe()
+    lagging = asyncio.create_task(lag.run())
     _answer({"started": len(fleet.desktops), "fd_limit": fd_limit})
     while line := await commands.readline():
         command = json.loads(line)
@@ -283,8 +312,11 @@ async def main(config_path: str) -> None:
         elif command["cmd"] == "arrived":  # which of these tasks reached a desktop of this process
             wanted = set(command["task_ids"])
             _answer({"arrived": sorted({t for d in fleet.desktops for t in d.arrivals if t in wanted})})
+        elif command["cmd"] == "lag":  # the event loop's lag samples since the last `lag` (ms)
+            _answer({"lag_ms": lag.take()})
         elif command["cmd"] == "stop":
             break
+    lagging.cancel()
     fleet.stopping.set()
     fleet.close_all()
     await asyncio.gather(*tasks, return_exceptions=True)

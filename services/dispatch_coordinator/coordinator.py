@@ -178,6 +178,10 @@ class Coordinator:
                                           else SettingsCache(pool, max_age_s=SETTINGS_MAX_AGE_S))
         self._last_aging = clock.monotonic()
         self._high_woken_at = 0.0  # monotonic: the last collect-now wake-up
+        # Wall clock of the first wake-up the next high pass serves, and whether a full pass was running then: logged
+        # when the loop takes it up ("high pass woken"), a click's wait for the loop (docs/benchmarks.md, Hub at scale).
+        self._high_first_woken = (0.0, False)
+        self._in_full_pass = False
         self.listening = asyncio.Event()
         self.consuming = asyncio.Event()
         self.dispatched_total = 0
@@ -190,6 +194,8 @@ class Coordinator:
 
     def wake_high(self) -> None:
         """Collect-now work is ready: run a high-only pass now (and a full pass if it leaves work behind)."""
+        if not self._high_wake.is_set():
+            self._high_first_woken = (time.time(), self._in_full_pass)
         self._high_wake.set()
         self._wake.set()
         self._high_woken_at = self._clock.monotonic()
@@ -250,6 +256,9 @@ class Coordinator:
                 high_left_work = False
                 if self._high_wake.is_set():
                     self._high_wake.clear()
+                    woken_at, during_full = self._high_first_woken
+                    log.info("high pass woken", extra={"woken_at": woken_at, "during_full_pass": during_full,
+                                                       "picked_at": time.time()})
                     high = await self.dispatcher.run_high_pass(settings)
                     self.dispatched_total += high.dispatched
                     # A full pass re-decides what the high pass left (work held back for the normal
@@ -271,7 +280,11 @@ class Coordinator:
                     continue
                 self._full_requested = redo = False
                 last_pass_at = clock.monotonic()
-                outcome = await self.dispatcher.run_pass(settings)
+                self._in_full_pass = True
+                try:
+                    outcome = await self.dispatcher.run_pass(settings)
+                finally:
+                    self._in_full_pass = False
             except Exception as exc:
                 if not is_transient(exc):
                     raise

@@ -434,6 +434,7 @@ class Dispatcher:
         if CLICK_LANE.name in limits.paused_lanes:
             return outcome
         batch = max(1, settings.dispatch_batch_size)
+        started_at = time.time()  # wall clock, logged with the commit (a click's hops: docs/benchmarks.md)
         async with self._pool.connection() as conn:
             timing = _WriteTiming()
             try:
@@ -445,9 +446,13 @@ class Dispatcher:
                         return outcome
                     plan, written = await self._write_high(conn, read, limits, batch, outcome, timing)
                 if written is not None:
+                    committed_at = time.time()
                     await self._after_commit(written)
                     outcome.dispatched = outcome.high_dispatched = len(written.rows)
                     tracing.set_attributes(dispatched=outcome.dispatched)
+                    log.info("high pass committed", extra={
+                        "task_ids": [str(r["id"]) for r in written.rows], "pass_started_at": started_at,
+                        "committed_at": committed_at})
             except CONFLICT_ERRORS as exc:
                 self._record_write(timing, conflicted=True)
                 log.warning("high dispatch pass hit a write conflict; the full pass redoes it",
