@@ -194,21 +194,32 @@ async def scan_due_plans(conn: Conn, *, limit: int, zones: Sequence[str], priori
 
 # ---- lanes and bindings ------------------------------------------------------------------------------------------
 
-# Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost.
+# Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost. Each row is
+# found by the ctid its read gave (backlog_reads.aging_candidates, in the same transaction): a Tid Scan, not a second
+# walk of the primary key (the list of ctids, = ANY: the planner does not look rows up by a joined ctid). The WHERE
+# re-checks the rest: the id (a ctid whose row was pruned since may hold another row), the row's version (xmin: a
+# task a pass dispatched since the read, `count_dispatched`, stays pending but is a newer row; so is one a
+# collect-now promoted; a row being written is waited for, and its newer version fails the test), and that the task
+# is still pending in a lane that ages. A task left alone is boosted next round if still ready. The UPDATE locks the
+# rows it writes, as before.
 _APPLY_AGING = f"""
 UPDATE monitoring_collect_tasks t
 SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
-     AS v(id, lane, priority, boost)
-WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN {AGING_LANES_SQL}
+FROM unnest(%(tids)s::tid[], %(versions)s::text[]::xid[], %(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[],
+            %(boosts)s::int[]) AS v(tid, version, id, lane, priority, boost)
+WHERE t.ctid = ANY(%(tids)s::tid[]) AND t.ctid = v.tid AND t.xmin = v.version AND t.id = v.id
+  AND t.status = 'pending' AND t.dispatch_lane IN {AGING_LANES_SQL}
 """
 
 
-async def apply_aging(conn: Conn, *, ids: Sequence[int], lanes: Sequence[str], priorities: Sequence[int],
-                      boosts: Sequence[int]) -> None:
-    """Aged pending normal tasks get their new lane, priority and boost (ids[i]: lanes[i], ...)."""
-    await conn.execute(_APPLY_AGING, {"ids": list(ids), "lanes": list(lanes), "priorities": list(priorities),
-                                      "boosts": list(boosts)})
+async def apply_aging(conn: Conn, *, tids: Sequence[str], versions: Sequence[str], ids: Sequence[int],
+                      lanes: Sequence[str], priorities: Sequence[int], boosts: Sequence[int]) -> int:
+    """Aged pending normal tasks get their new lane, priority and boost (task ids[i], read at ctid tids[i] as version
+    versions[i]: lanes[i], ...); how many did (a task changed since its read does not: dispatched, promoted)."""
+    cur = await conn.execute(_APPLY_AGING, {"tids": list(tids), "versions": list(versions), "ids": list(ids),
+                                            "lanes": list(lanes), "priorities": list(priorities),
+                                            "boosts": list(boosts)})
+    return cur.rowcount
 
 
 # The reconciler: pending high work bound to a client without a fresh heartbeat (or disabled) is unbound, lane kept.
