@@ -102,13 +102,14 @@ WHERE t.dispatch_lane IN {AGING_LANES_SQL} AND {ready.READY_BACKLOG}
 # The next batch of a round: ready normal tasks after `after` whose boost is below the cap, oldest first, among the
 # oldest %(share)s ready normal tasks after `after` (the round's share: its boundary). One index-only walk of
 # ix_collect_tasks_aging (migration 021 includes dispatch_after and aging_boost) numbers the ready tasks as it goes
-# (row_number(); the share's bound is a run condition of the WindowAgg, so it stops there, and so does the LIMIT) and
-# skips the capped ones from the index; only the tasks returned are read from the heap (by id), with their ctid and
-# xmin for the UPDATE (business.apply_aging writes by ctid, a Tid Scan instead of a second index lookup, and only an
-# unchanged row). `walked` is how far into the share a task lies: the next batch takes the share's rest after it.
-# The boundary was a statement of its own before, an OFFSET walk of the whole share: 99,950 rows, 72.8 ms at
-# 1,000,000 ready tasks, for a round that boosts a few hundred of them (docs/benchmarks.md "Aging at the dispatch
-# pace").
+# (row_number()) and skips the capped ones from the index; it stops at the batch's last task (the outer LIMIT, in the
+# walk's own order: ordered by `walked` the planner sorted the whole share first) or at the share's end (the inner
+# LIMIT, which also tells the planner that the walk stops: without it, it read every pending task by another index and
+# sorted them). Only the tasks returned are read from the heap (by id), with their ctid and xmin for the UPDATE
+# (business.apply_aging writes by ctid, a Tid Scan instead of a second index lookup, and only an unchanged row).
+# `walked` is how far into the share a task lies: the next batch takes the share's rest after it. The boundary was a
+# statement of its own before, an OFFSET walk of the whole share: 99,950 rows, 72.8 ms at 1,000,000 ready tasks, for
+# a round that boosts a few hundred of them (docs/benchmarks.md "Aging at the dispatch pace").
 _AGING_OLDEST = f"""
 SELECT t.ctid::text AS tid, t.xmin::text AS version, t.id, t.dispatch_lane AS lane, t.dispatch_priority AS priority,
        t.aging_boost, t.enqueued_at, o.walked, extract(epoch FROM (now() - t.enqueued_at)) / 60.0 AS wait_minutes
@@ -117,9 +118,10 @@ FROM (SELECT w.id, w.walked
             FROM monitoring_collect_tasks t
             WHERE t.dispatch_lane IN {AGING_LANES_SQL} AND {ready.READY_BACKLOG}
               AND (t.enqueued_at, t.id) > (%(after_at)s::timestamptz, %(after_id)s::bigint)
-            ORDER BY t.enqueued_at, t.id) w
-      WHERE w.walked <= %(share)s AND w.aging_boost < %(cap)s
-      ORDER BY w.enqueued_at, w.id  -- the walk's own order (by `walked`, the planner would sort the whole share)
+            ORDER BY t.enqueued_at, t.id
+            LIMIT %(share)s) w
+      WHERE w.aging_boost < %(cap)s
+      ORDER BY w.enqueued_at, w.id
       LIMIT %(batch)s) o
 CROSS JOIN LATERAL (SELECT t.ctid, t.xmin, t.id, t.dispatch_lane, t.dispatch_priority, t.aging_boost, t.enqueued_at
                     FROM monitoring_collect_tasks t WHERE t.id = o.id OFFSET 0) t
