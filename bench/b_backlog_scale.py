@@ -454,7 +454,7 @@ async def _inproc(settings: Settings, world: dict[str, Any], *, rounds: int,
     return timings
 
 
-async def _aging(settings: Settings, world: dict[str, Any], *, rounds: int,
+async def _aging(settings: Settings, world: dict[str, Any], *, size: int, rounds: int,
                  plans_out: str | None) -> dict[str, list[float]]:
     """Aging rounds at the dispatch pace and at the budget's limit, taking turns, a full pass before each."""
     await _apply(settings, _INPROC_SETTINGS)
@@ -476,11 +476,13 @@ async def _aging(settings: Settings, world: dict[str, Any], *, rounds: int,
 
         async def dispatch() -> int:
             async with pool.connection() as conn:
+                # Before the pass, so that the pages the undo dirtied (20,000 rows after a round at the budget's
+                # limit) are not all written out by the next round's reads.
+                await conn.execute(_UNBOOST)
                 await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
             outcome = await dispatcher.run_pass(pass_settings)
             async with pool.connection() as conn:
                 await conn.execute(_FINISH_EXECUTIONS)
-                await conn.execute(_UNBOOST)
             timings["aging: full pass dispatched"].append(outcome.dispatched)
             return outcome.dispatched - outcome.high_dispatched
 
@@ -510,15 +512,20 @@ async def _aging(settings: Settings, world: dict[str, Any], *, rounds: int,
             for plan in mine:
                 if (line := _plan_summary(plan.text)) is not None:
                     print(f"  aging {variant}: {line[1]}", flush=True)
-            text.append(f"==== aging round, {variant}: {len(mine)} statements")
+            text.append(f"==== {size:,} ready tasks: aging round, {variant}: {len(mine)} statements")
             text.extend(p.text for p in mine)
     finally:
         await explained.close()
         await pool.close()
-    if plans_out:
-        await asyncio.to_thread(Path(plans_out).write_text, "\n".join(text) + "\n")
+    if plans_out:  # every size's after the last's (`run` empties the file first)
+        await asyncio.to_thread(_append, Path(plans_out), "\n".join(text) + "\n")
         print(f"  aging plans written to {plans_out}", flush=True)
     return timings
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a") as out:
+        out.write(text)
 
 
 def _explaining_pool(settings: Settings, plans: list[str]) -> AsyncConnectionPool[Conn]:
@@ -805,6 +812,8 @@ async def run(args: argparse.Namespace) -> None:
     window_rate = int(os.environ.get("BACKLOG_WINDOW_RATE", "5000"))
     rounds, aging_rounds = (3, 2) if args.quick else (20, 10)
     results: list[tuple[int, int, str, dict[str, list[float]]]] = []
+    if "aging" in parts and os.environ.get("BACKLOG_AGING_PLANS"):
+        await asyncio.to_thread(Path(os.environ["BACKLOG_AGING_PLANS"]).write_text, "")
     for size in sizes:
         load_at_start = os.getloadavg()[0]
         print(f"  {size:,}: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
@@ -821,7 +830,7 @@ async def run(args: argparse.Namespace) -> None:
             if "retention" in parts:
                 await _retention(settings)
             if "aging" in parts:
-                aged = await _aging(settings, world, rounds=3 if args.quick else 10,
+                aged = await _aging(settings, world, size=size, rounds=3 if args.quick else 10,
                                     plans_out=os.environ.get("BACKLOG_AGING_PLANS"))
                 timings.update(aged)
                 for name, values in sorted(aged.items()):
