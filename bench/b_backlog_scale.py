@@ -43,12 +43,13 @@ autovacuum would have done in a running system (and so that it does not run duri
   steady state a year leaves and what a run costs on it.
 - aging: aging rounds at the dispatch pace (`maintenance.aging_pace`, fed what the full pass before each round
   dispatched below high, as the coordinator does) against rounds at the budget's limit (`aging_round_limit`, every round
-  before the pace), with the clicks' budgets (20,000 a round); a full pass (budgets out of the way, its executions
-  finished after it) before every round, every boost undone before it (the backlog's tasks would be at the cap after
-  five rounds, and the share of 10,000 is the oldest 1,000 every time), the two variants taking turns, 10 rounds each (3
-  with --quick) after one each that is not counted, then one more each with EXPLAIN (ANALYZE, BUFFERS) on every
-  statement (auto_explain in the benchmark's own sessions): per variant the tasks boosted, statements and buffers a
-  round and its time, and a line per statement of the explained rounds.
+  before the pace), with the clicks' budgets (20,000 a round); before every round every boost undone and the tasks
+  vacuumed (without the undo the backlog's oldest tasks reach the cap within five rounds, and at 10,000 the share is the
+  same oldest 1,000 every round; without the vacuum the undo's dead versions pile up in the aging index), then a full
+  pass (budgets out of the way, its executions finished after it); the two variants taking turns, 10 rounds each (3 with
+  --quick) after one each that is not counted, then one more each with EXPLAIN (ANALYZE, BUFFERS) on every statement
+  (auto_explain in the benchmark's own sessions): per variant the tasks boosted, statements and buffers a round and its
+  time, and a line per statement of the explained rounds.
 
 At the end one table, a column per size: p50 / p95 of every in-process timing (p50 / p99 of the clicks) and the
 load average (1 min) as each size started and ended: other work shares the machine.
