@@ -3,17 +3,19 @@
 
     .venv/bin/python -m bench backlog_scale          (--quick: 1,000 and 10,000 ready tasks, fewer rounds)
     BACKLOG_SIZES=1000000 BACKLOG_PARTS=explain BACKLOG_EXPLAIN_OUT=plans.txt .venv/bin/python -m bench backlog_scale
+    BACKLOG_SIZES=10000,1000000 BACKLOG_PARTS=aging BACKLOG_AGING_PLANS=a.txt .venv/bin/python -m bench backlog_scale
 
 Settings (environment, since `python -m bench` takes no per-benchmark options): BACKLOG_SIZES (comma-separated ready
-task counts), BACKLOG_PARTS (any of `inproc,clicks,explain,retention`; default `inproc,clicks`), BACKLOG_CLICKS (clicks
-per size, default 100), BACKLOG_WINDOW_RATE (executions per minute already in the budget windows, default 5,000),
-BACKLOG_TENANTS (a fixed number of tenants, at least 10: with BACKLOG_TENANTS=10 BACKLOG_WINDOW_RATE=0 the clicks part
-is `bench collect_now`'s loaded scenario with a larger backlog), BACKLOG_EXPLAIN_OUT (a file for the full plans of
-`explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's top node,
-buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many business days before the backlog's, every business key
-finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the tables' rows and
-sizes are printed after the load; BACKLOG_HISTORY_RESULTS=1 adds their results: a run per execution with one desktop
-simulator answer and its citations, and the daily aggregates). 10,000 tenants: BACKLOG_TENANTS=10000.
+task counts), BACKLOG_PARTS (any of `inproc,clicks,explain,retention,aging`; default `inproc,clicks`), BACKLOG_CLICKS
+(clicks per size, default 100), BACKLOG_WINDOW_RATE (executions per minute already in the budget windows, default
+5,000), BACKLOG_TENANTS (a fixed number of tenants, at least 10: with BACKLOG_TENANTS=10 BACKLOG_WINDOW_RATE=0 the
+clicks part is `bench collect_now`'s loaded scenario with a larger backlog), BACKLOG_EXPLAIN_OUT (a file for the full
+plans of `explain`; printed either way: a line per statement, or per run of the same statement, with its slowest plan's
+top node, buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many business days before the backlog's, every
+business key finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the tables'
+rows and sizes are printed after the load; BACKLOG_HISTORY_RESULTS=1 adds their results: a run per execution with one
+desktop simulator answer and its citations, and the daily aggregates), BACKLOG_AGING_PLANS (a file for the full plans of
+`aging`'s explained rounds). 10,000 tenants: BACKLOG_TENANTS=10000.
 
 Per size one fresh database, bulk-loaded with INSERT .. SELECT generate_series: tenants = size / 1,000 (at least
 10, at most 1,000), each with a brand, 10 questions, 3 platforms and one desktop client; the ready normal backlog
@@ -39,6 +41,15 @@ autovacuum would have done in a running system (and so that it does not run duri
   run deletes nothing: each run's time and what it deleted per table, and every task table's rows before and after.
   With BACKLOG_HISTORY_DAYS above the retentions (430: past BUSINESS_TASK_RETENTION_DAYS' 400) it shows the
   steady state a year leaves and what a run costs on it.
+- aging: aging rounds at the dispatch pace (`maintenance.aging_pace`, fed what the full pass before each round
+  dispatched below high, as the coordinator does) against rounds at the budget's limit (`aging_round_limit`, every round
+  before the pace), with the clicks' budgets (20,000 a round); before every round every boost undone and the tasks
+  vacuumed (without the undo the backlog's oldest tasks reach the cap within five rounds, and at 10,000 the share is the
+  same oldest 1,000 every round; without the vacuum the undo's dead versions pile up in the aging index), then a full
+  pass (budgets out of the way, its executions finished after it); the two variants taking turns, 10 rounds each (3 with
+  --quick) after one each that is not counted, then one more each with EXPLAIN (ANALYZE, BUFFERS) on every statement
+  (auto_explain in the benchmark's own sessions): per variant the tasks boosted, statements and buffers a round and its
+  time, and a line per statement of the explained rounds.
 
 At the end one table, a column per size: p50 / p95 of every in-process timing (p50 / p99 of the clicks) and the
 load average (1 min) as each size started and ended: other work shares the machine.
@@ -85,11 +96,20 @@ from libs.domain.lanes import HIGH_PRIORITY, lane_weight
 from libs.tasks import dispatch_reads
 from services.collect_now_api.service import collect_now
 from services.dispatch_coordinator.dispatcher import Dispatcher
-from services.dispatch_coordinator.maintenance import measure_signals, observe_backlog, publish_state, run_aging
+from services.dispatch_coordinator.maintenance import (
+    AgingRound,
+    aging_pace,
+    aging_round_limit,
+    measure_signals,
+    observe_backlog,
+    publish_state,
+    run_aging,
+)
 from services.dispatch_coordinator.scanner import scan_once
 from services.reconciler.config import ReconcilerConfig
 from services.reconciler.jobs import JOBS
 from services.reconciler.runner import run_job
+from tests.support.explain import Plan, explaining_pool
 from tests.support.stack import running_stack
 from tools.desktop_sim.answers import compose_answer
 
@@ -242,6 +262,11 @@ _DROP_OUTBOX = "DELETE FROM outbox WHERE status <> 'published'"
 _FINISH_HIGH = """
 UPDATE monitoring_collect_tasks SET status = 'completed', completed_at = now()
 WHERE tenant_id = %(tenant)s AND status = 'pending' AND dispatch_lane = 'high'
+"""
+# Every boost undone between `aging`'s rounds, so that each round finds the backlog as loaded.
+_UNBOOST = """
+UPDATE monitoring_collect_tasks SET dispatch_lane = 'normal', dispatch_priority = 100, aging_boost = 0
+WHERE status = 'pending' AND aging_boost > 0
 """
 # What a collect-now leaves for the high pass: the probe's task of the day, promoted and bound to its client.
 _PROMOTED = """
@@ -430,6 +455,84 @@ async def _inproc(settings: Settings, world: dict[str, Any], *, rounds: int,
     return timings
 
 
+async def _aging(settings: Settings, world: dict[str, Any], *, size: int, rounds: int,
+                 plans_out: str | None) -> dict[str, list[float]]:
+    """Aging rounds at the dispatch pace and at the budget's limit, taking turns, a full pass before each."""
+    await _apply(settings, _INPROC_SETTINGS)
+    timings: dict[str, list[float]] = defaultdict(list)
+    pool = make_pool(settings, name="bench-aging", min_size=2, max_size=4, prepare_threshold=PREPARE_ON_FIRST_USE)
+    plans: list[Plan] = []
+    explained = explaining_pool(settings.database_url, plans)
+    await pool.open(wait=True)
+    await explained.open(wait=True)
+    text: list[str] = []
+    try:
+        async with pool.connection() as conn:
+            pass_settings = await load_settings(conn)
+            await _apply(settings, _CLICK_SETTINGS)
+            aging_settings = await load_settings(conn)
+            await observe_backlog(conn)  # a running leader's census: its first sweep complete
+        ceiling = aging_round_limit(aging_settings)
+        dispatcher, pace = Dispatcher(pool), aging_pace()
+
+        async def dispatch() -> int:
+            async with pool.connection() as conn:
+                # Before the pass, so that the pages the undo dirtied (20,000 rows after a round at the budget's
+                # limit) are not all written out by the next round's reads; and vacuumed, as autovacuum would keep
+                # up in a running system: rounds that rewrite the same oldest tasks twice each (the boost, its undo)
+                # leave the front of ix_collect_tasks_aging full of dead entries (33,000 heap fetches for a batch of
+                # 500 at 10,000 ready tasks after 20 rounds without).
+                await conn.execute(_UNBOOST)
+                await conn.execute("VACUUM monitoring_collect_tasks")
+                await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
+            outcome = await dispatcher.run_pass(pass_settings)
+            async with pool.connection() as conn:
+                await conn.execute(_FINISH_EXECUTIONS)
+            timings["aging: full pass dispatched"].append(outcome.dispatched)
+            return outcome.dispatched - outcome.high_dispatched
+
+        async def one(variant: str, on: AsyncConnectionPool[Conn]) -> AgingRound:
+            dispatched = await dispatch()
+            limit = pace.limit(dispatched, ceiling) if variant == "paced" else None
+            started = time.perf_counter()
+            aged = await run_aging(on, aging_settings, limit=limit)
+            if on is pool:
+                timings[f"aging {variant}"].append((time.perf_counter() - started) * 1000)
+                timings[f"aging {variant} boosted"].append(aged.boosted)
+                timings[f"aging {variant} statements"].append(aged.statements)
+            return aged
+
+        for n in range(rounds + 1):
+            for variant in ("paced", "budget"):
+                await one(variant, pool)
+            if n == 0:  # the first rounds plan every statement on cold connections: not counted
+                timings.clear()
+        for variant in ("paced", "budget"):
+            plans.clear()
+            aged = await one(variant, explained)
+            mine = [p for p in plans if not p.query.startswith("SELECT 1 FROM ONLY")]  # not a trigger's key check
+            timings[f"aging {variant} buffers"].append(sum(p.buffers for p in mine))
+            print(f"  aging {variant} (explained): {aged.boosted:,} boosted, limit {aged.limit:,}, "
+                  f"{aged.statements} statements, {sum(p.buffers for p in mine):,} buffers", flush=True)
+            for plan in mine:
+                if (line := _plan_summary(plan.text)) is not None:
+                    print(f"  aging {variant}: {line[1]}", flush=True)
+            text.append(f"==== {size:,} ready tasks: aging round, {variant}: {len(mine)} statements")
+            text.extend(p.text for p in mine)
+    finally:
+        await explained.close()
+        await pool.close()
+    if plans_out:  # every size's after the last's (`run` empties the file first)
+        await asyncio.to_thread(_append, Path(plans_out), "\n".join(text) + "\n")
+        print(f"  aging plans written to {plans_out}", flush=True)
+    return timings
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a") as out:
+        out.write(text)
+
+
 def _explaining_pool(settings: Settings, plans: list[str]) -> AsyncConnectionPool[Conn]:
     """Connections whose every statement (and every statement of a trigger) sends its EXPLAIN (ANALYZE, BUFFERS)
     back as a notice: auto_explain loaded in these sessions only."""
@@ -450,8 +553,8 @@ def _explaining_pool(settings: Settings, plans: list[str]) -> AsyncConnectionPoo
                                kwargs={"row_factory": dict_row, "application_name": "bench-backlog-explain"})
 
 
-_SCAN_NODE = re.compile(r"((?:Parallel )?(?:Index Only Scan|Index Scan|Bitmap Index Scan|Seq Scan|Bitmap Heap Scan)"
-                        r"(?: Backward)?(?: using| on) \S+)")
+_SCAN_NODE = re.compile(r"((?:Parallel )?(?:Index Only Scan|Index Scan|Bitmap Index Scan|Seq Scan|Bitmap Heap Scan|"
+                        r"Tid Scan)(?: Backward)?(?: using| on) \S+)")
 _ACTUAL_ROWS = re.compile(r"actual time=\S+ rows=(\d+) loops=(\d+)")
 
 
@@ -683,6 +786,15 @@ _ROWS = (
     ("scanner (300 due plans), p50 / p95", "scanner", 95),
     ("aging round, p50 / p95", "aging round", 95),
     ("  tasks boosted by a round, p50 / p95", "aging round boosted", 95),
+    ("aging round at the dispatch pace, p50 / p95", "aging paced", 95),
+    ("  tasks boosted, p50 / p95", "aging paced boosted", 95),
+    ("  statements, p50 / p95", "aging paced statements", 95),
+    ("  buffers (the explained round)", "aging paced buffers", 95),
+    ("aging round at the budget's limit, p50 / p95", "aging budget", 95),
+    ("  tasks boosted, p50 / p95", "aging budget boosted", 95),
+    ("  statements, p50 / p95", "aging budget statements", 95),
+    ("  buffers (the explained round)", "aging budget buffers", 95),
+    ("  tasks dispatched by the full pass before a round, p50 / p95", "aging: full pass dispatched", 95),
 )
 
 
@@ -705,6 +817,8 @@ async def run(args: argparse.Namespace) -> None:
     window_rate = int(os.environ.get("BACKLOG_WINDOW_RATE", "5000"))
     rounds, aging_rounds = (3, 2) if args.quick else (20, 10)
     results: list[tuple[int, int, str, dict[str, list[float]]]] = []
+    if "aging" in parts and os.environ.get("BACKLOG_AGING_PLANS"):
+        await asyncio.to_thread(Path(os.environ["BACKLOG_AGING_PLANS"]).write_text, "")
     for size in sizes:
         load_at_start = os.getloadavg()[0]
         print(f"  {size:,}: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
@@ -720,6 +834,12 @@ async def run(args: argparse.Namespace) -> None:
                     print(f"  {size:,} in-process {name}: " + ", ".join(f"{v:.1f}" for v in values), flush=True)
             if "retention" in parts:
                 await _retention(settings)
+            if "aging" in parts:
+                aged = await _aging(settings, world, size=size, rounds=3 if args.quick else 10,
+                                    plans_out=os.environ.get("BACKLOG_AGING_PLANS"))
+                timings.update(aged)
+                for name, values in sorted(aged.items()):
+                    print(f"  {size:,} {name}: " + ", ".join(f"{v:.1f}" for v in values), flush=True)
             if "clicks" in parts:
                 timings.update(await _clicks(settings, world, clicks))
                 for name in ("click -> socket", "click -> high pass starts"):

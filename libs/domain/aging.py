@@ -3,7 +3,8 @@
 Every `aging_interval_seconds` the oldest `aging_fraction` (10%) of ready normal / normal_boosted
 tasks by enqueued_at get `int(50 * log2(1 + wait_min / 5))` more priority and move to normal_boosted.
 The boost accumulates over rounds in `aging_boost`, never beyond the cap, so a boosted normal task
-always stays below the high range (priority < 5000).
+always stays below the high range (priority < 5000). A round changes at most what `AgingPace` gives: twice what the
+dispatcher took between rounds, not a share of the backlog.
 """
 
 from __future__ import annotations
@@ -34,6 +35,36 @@ def oldest_share(ready_count: int, fraction: float) -> int:
     if ready_count <= 0 or fraction <= 0:
         return 0
     return min(ready_count, max(1, math.ceil(ready_count * fraction)))
+
+
+# The pace: a round boosts twice what the dispatcher took since the last one (or than its recent average, kept as an
+# exponentially weighted moving average with this weight for the newest round), so a burst is still covered a few
+# rounds after it.
+PACE_FACTOR = 2
+PACE_ALPHA = 0.3
+
+
+@dataclass(slots=True)
+class AgingPace:
+    """How many tasks an aging round changes (docs/architecture.md §9.4): PACE_FACTOR times the larger of the
+    dispatches since the last round and their moving average, at least `floor` (one batch), at most the round's
+    `ceiling` (what the cluster budget lets dispatch before the next round, twice). A boost stays, and only the tasks
+    the dispatcher takes before the next round profit from being boosted now: boosting more rewrites rows (index
+    maintenance, ~0.1-0.2 ms a row) whose order cannot matter yet, which grew with the backlog, not with dispatch
+    (docs/benchmarks.md "Aging at the dispatch pace")."""
+
+    floor: int
+    alpha: float = PACE_ALPHA
+    factor: int = PACE_FACTOR
+    average: float | None = None  # dispatches per round; None before the first round
+
+    def limit(self, dispatched: int, ceiling: int) -> int:
+        """Record `dispatched` (since the last round) and give this round's limit."""
+        dispatched = max(0, dispatched)
+        self.average = (float(dispatched) if self.average is None
+                        else self.alpha * dispatched + (1 - self.alpha) * self.average)
+        wanted = math.ceil(self.factor * max(dispatched, self.average))
+        return min(max(self.floor, wanted), max(self.floor, ceiling))
 
 
 @dataclass(frozen=True, slots=True)

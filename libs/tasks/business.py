@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import msgspec
 
 from libs.db.pool import Conn
-from libs.domain.lanes import AGING_LANES_SQL, CLICK_LANE, SCHEDULED_LANE
+from libs.domain.lanes import CLICK_LANE, SCHEDULED_LANE
 from libs.tasks.fragments import (
     ACTIVE_TASK_IDS_SQL,
     CLIENT_GENERATION_SQL,
@@ -194,21 +194,34 @@ async def scan_due_plans(conn: Conn, *, limit: int, zones: Sequence[str], priori
 
 # ---- lanes and bindings ------------------------------------------------------------------------------------------
 
-# Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost.
-_APPLY_AGING = f"""
+# Aging (docs/architecture.md §9): long-waiting normal tasks get their new lane, priority and boost. Each row is
+# found by the ctid its read gave (backlog_reads.aging_candidates, in the same transaction): a Tid Scan, not a second
+# walk of the primary key (the list of ctids, = ANY: the planner does not look rows up by a joined ctid). The WHERE
+# re-checks the rest: the id (a ctid whose row was pruned since may hold another row) and the row's version (xmin),
+# which is the state check: the read found that version ready (pending, in a lane that ages), and any write since (a
+# pass's dispatch count, `count_dispatched`, which leaves the task pending; a collect-now's promotion; a finish) is a
+# newer version that fails it, as does one being written, which the UPDATE waits for and re-checks at its newest
+# version. A task left alone is boosted next round if still ready. No predicate on the state itself: with
+# `status = 'pending'` spelled out the planner may take a partial index of the pending tasks instead of the ctids
+# (all 10,000 of them by ix_collect_tasks_business_date for 500 rows; docs/benchmarks.md "Aging at the dispatch
+# pace"). The UPDATE locks the rows it writes, as before.
+_APPLY_AGING = """
 UPDATE monitoring_collect_tasks t
 SET dispatch_lane = v.lane, dispatch_priority = v.priority, aging_boost = v.boost, updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[], %(boosts)s::int[])
-     AS v(id, lane, priority, boost)
-WHERE t.id = v.id AND t.status = 'pending' AND t.dispatch_lane IN {AGING_LANES_SQL}
+FROM unnest(%(tids)s::tid[], %(versions)s::text[]::xid[], %(ids)s::bigint[], %(lanes)s::text[], %(priorities)s::int[],
+            %(boosts)s::int[]) AS v(tid, version, id, lane, priority, boost)
+WHERE t.ctid = ANY(%(tids)s::tid[]) AND t.ctid = v.tid AND t.xmin = v.version AND t.id = v.id
 """
 
 
-async def apply_aging(conn: Conn, *, ids: Sequence[int], lanes: Sequence[str], priorities: Sequence[int],
-                      boosts: Sequence[int]) -> None:
-    """Aged pending normal tasks get their new lane, priority and boost (ids[i]: lanes[i], ...)."""
-    await conn.execute(_APPLY_AGING, {"ids": list(ids), "lanes": list(lanes), "priorities": list(priorities),
-                                      "boosts": list(boosts)})
+async def apply_aging(conn: Conn, *, tids: Sequence[str], versions: Sequence[str], ids: Sequence[int],
+                      lanes: Sequence[str], priorities: Sequence[int], boosts: Sequence[int]) -> int:
+    """Aged pending normal tasks get their new lane, priority and boost (task ids[i], read at ctid tids[i] as version
+    versions[i]: lanes[i], ...); how many did (a task changed since its read does not: dispatched, promoted)."""
+    cur = await conn.execute(_APPLY_AGING, {"tids": list(tids), "versions": list(versions), "ids": list(ids),
+                                            "lanes": list(lanes), "priorities": list(priorities),
+                                            "boosts": list(boosts)})
+    return cur.rowcount
 
 
 # The reconciler: pending high work bound to a client without a fresh heartbeat (or disabled) is unbound, lane kept.

@@ -381,3 +381,7 @@ dispatch_in_flight_tasks = Gauge(
     "leases (offered, pulled).", ["execution_owner"])
 dispatch_aging_boosted_count = ExactCounter(
     "dispatch_aging_boosted_count", "Ready normal tasks boosted by aging (docs/architecture.md §9.4).")
+dispatch_aging_round_limit = Gauge(
+    "dispatch_aging_round_limit",
+    "The most tasks the last aging round could boost: twice the dispatches between rounds (or their moving average), "
+    "within one batch and the budget's limit (docs/architecture.md §9.4).")

@@ -38,6 +38,8 @@ from libs.telemetry import metrics
 from services.dispatch_coordinator.dispatcher import Dispatcher, PassOutcome, is_transient
 from services.dispatch_coordinator.maintenance import (
     SlowdownState,
+    aging_pace,
+    aging_round_limit,
     measure_signals,
     observe_backlog,
     publish_state,
@@ -185,6 +187,10 @@ class Coordinator:
         self.listening = asyncio.Event()
         self.consuming = asyncio.Event()
         self.dispatched_total = 0
+        # Aging goes at the dispatch pace (docs/architecture.md §9.4): the tasks the full passes took from the lanes
+        # below high since the last round feed the pace that sizes the next.
+        self.aging_pace = aging_pace()
+        self._dispatched_since_aging = 0
         self.lifecycle_batches = 0  # batches of lifecycle events handled (each: at most one wake-up, one ack)
 
     def wake(self) -> None:
@@ -293,6 +299,7 @@ class Coordinator:
                 continue
             metrics.dispatch_pass_duration_ms.observe((time.perf_counter() - started) * 1000)
             self.dispatched_total += outcome.dispatched
+            self._dispatched_since_aging += outcome.dispatched - outcome.high_dispatched
             if outcome.conflicted or outcome.full_batch or outcome.preempted:
                 full_due_at, redo = 0.0, True
                 continue
@@ -355,7 +362,10 @@ class Coordinator:
             self.wake()
         if self._clock.monotonic() - self._last_aging >= max(1, settings.aging_interval_seconds):
             self._last_aging = self._clock.monotonic()
-            if await run_aging(self._pool, settings):
+            aged = await run_aging(self._pool, settings, limit=self.aging_limit(settings))
+            log.debug("aging round", extra={"limit": aged.limit, "boosted": aged.boosted,
+                                            "statements": aged.statements})
+            if aged.boosted:
                 self.wake()
         async with self._pool.connection() as conn:
             await publish_state(conn, "slowdown", {
@@ -364,6 +374,13 @@ class Coordinator:
             await publish_state(conn, "leader", {"instance_id": self._config.instance_id,
                                                  "host": socket.gethostname(), "passes": self.dispatcher.passes,
                                                  "dispatched_total": self.dispatched_total})
+
+    def aging_limit(self, settings: DispatchSettings) -> int:
+        """The next aging round's limit at the dispatch pace (docs/architecture.md §9.4): from what the full passes
+        took from the lanes below high since the last round (counted anew from here), within one batch and
+        `aging_round_limit`."""
+        dispatched, self._dispatched_since_aging = self._dispatched_since_aging, 0
+        return self.aging_pace.limit(dispatched, aging_round_limit(settings))
 
     async def _check_execution_paths(self) -> None:
         """Start-up check of the two execution paths (docs/legacy-path.md): the work in flight on each, and any task

@@ -17,7 +17,7 @@ from psycopg_pool import AsyncConnectionPool
 from libs.db.pool import Conn
 from libs.db.write_health import FRESH_S, FRESH_TOTALS
 from libs.dispatch_settings import DispatchSettings
-from libs.domain.aging import age_task, oldest_share
+from libs.domain.aging import AgingPace, age_task, oldest_share
 from libs.domain.lanes import monitor_lane
 from libs.domain.slowdown import Signals, Thresholds, WriteStats, slowdown_reasons
 from libs.ingest.lag import ingest_lag_ms
@@ -199,41 +199,60 @@ def _set_labelled(gauge: Gauge, label: str, values: dict[str, int], seen: set[st
 
 
 # An aging round's updates go in transactions of this many tasks (each a few tens of ms, so a collect-now promoting
-# one of them waits at most that long), oldest first.
+# one of them waits at most that long), oldest first; and a round changes at least this many (AgingPace's floor).
 AGING_BATCH = 500
 
 
 def aging_round_limit(settings: DispatchSettings) -> int:
-    """The most tasks one aging round changes: twice what the cluster budget lets dispatch before the next round
+    """The most tasks one aging round may change: twice what the cluster budget lets dispatch before the next round
     (a boost stays; the next round boosts the next oldest). More reorders tasks none of which can go before then,
     at ~0.17 ms of index maintenance a task: at 1,000,000 ready tasks a round's share is 100,000 tasks, 17 s of
-    updates every 30 s (docs/benchmarks.md "Cost as the backlog grows")."""
+    updates every 30 s (docs/benchmarks.md "Cost as the backlog grows"). The coordinator's rounds go at the dispatch
+    pace below it (`aging_pace`)."""
     per_round = settings.cluster_dispatch_per_minute * max(1, settings.aging_interval_seconds) / 60
     return max(AGING_BATCH, math.ceil(2 * per_round))
 
 
-async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings) -> int:
+def aging_pace() -> AgingPace:
+    """The coordinator's pace of aging rounds (libs/domain/aging.py): at least one batch a round."""
+    return AgingPace(floor=AGING_BATCH)
+
+
+@dataclass(frozen=True, slots=True)
+class AgingRound:
+    """One aging round: the tasks it boosted (what its UPDATEs changed), the statements it ran and its limit."""
+
+    boosted: int
+    statements: int
+    limit: int
+
+
+async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings, *,
+                    limit: int | None = None) -> AgingRound:
     """One aging round: the oldest `aging_fraction` of ready normal work gets its boost, oldest first, in batches of
-    AGING_BATCH (one transaction each), at most `aging_round_limit` tasks. How many are ready comes from the last
-    complete census of the backlog (counted here only before there is one)."""
+    AGING_BATCH (one transaction each, a read and an UPDATE), at most `limit` tasks (the coordinator's pace;
+    default: `aging_round_limit`). How many are ready comes from the last complete census of the backlog (counted
+    here only before there is one)."""
+    most = aging_round_limit(settings) if limit is None else max(1, limit)
+    statements = 0
     async with pool.connection() as conn:
         totals = census_for(conn).done
         if totals is not None:
             ready = totals.ready_normal
         else:
             ready = await backlog_reads.ready_normal_count(conn)
-        limit = oldest_share(ready, settings.aging_fraction)
-        if limit == 0:
-            return 0
-        boundary = await backlog_reads.aging_boundary(conn, share=limit)
-    last = (boundary.enqueued_at, boundary.id) if boundary else (_END_OF_TIME, _MAX_ID)
+            statements += 1
+    share = oldest_share(ready, settings.aging_fraction)
     after: tuple[datetime, int] = (_START_OF_TIME, 0)
-    boosted, most = 0, aging_round_limit(settings)
-    while boosted < most:
-        batch = min(AGING_BATCH, most - boosted)
+    boosted = written = 0
+    while share > 0 and written < most:
+        batch = min(AGING_BATCH, most - written)
         async with pool.connection() as conn, conn.transaction():
-            rows = await backlog_reads.aging_candidates(conn, cap=settings.aging_cap, after=after, last=last,
+            rows = await backlog_reads.aging_candidates(conn, cap=settings.aging_cap, after=after, share=share,
                                                         batch=batch)
+            statements += 1
+            tids: list[str] = []
+            versions: list[str] = []
             ids: list[int] = []
             lanes: list[str] = []
             priorities: list[int] = []
@@ -242,25 +261,30 @@ async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings)
                 aged = age_task(r.lane, r.priority, r.aging_boost, r.wait_minutes, settings.aging_cap)
                 if aged is None:
                     continue
+                tids.append(r.tid)
+                versions.append(r.version)
                 ids.append(r.id)
                 lanes.append(aged.lane)
                 priorities.append(aged.priority)
                 boosts.append(aged.aging_boost)
             if ids:
-                await business.apply_aging(conn, ids=ids, lanes=lanes, priorities=priorities, boosts=boosts)
-        boosted += len(ids)
-        if len(rows) < batch:
+                boosted += await business.apply_aging(conn, tids=tids, versions=versions, ids=ids, lanes=lanes,
+                                                      priorities=priorities, boosts=boosts)
+                statements += 1
+        written += len(ids)
+        if len(rows) < batch:  # the share's end, or the ready tasks'
             break
         after = (rows[-1].enqueued_at, rows[-1].id)
+        share -= rows[-1].walked
+    metrics.dispatch_aging_round_limit.set(most)
     if boosted:
         metrics.dispatch_aging_boosted_count.inc(boosted)
-        log.info("aging round", extra={"ready": ready, "considered": limit, "boosted": boosted})
-    return boosted
+        log.info("aging round", extra={"ready": ready, "considered": oldest_share(ready, settings.aging_fraction),
+                                       "limit": most, "boosted": boosted, "statements": statements})
+    return AgingRound(boosted=boosted, statements=statements, limit=most)
 
 
 _START_OF_TIME = datetime(1970, 1, 1, tzinfo=UTC)
-_END_OF_TIME = datetime(9999, 12, 31, tzinfo=UTC)
-_MAX_ID = 2**63 - 1
 
 
 @dataclass(slots=True)

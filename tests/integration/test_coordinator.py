@@ -332,7 +332,7 @@ async def test_aging_boosts_the_oldest_tenth_with_the_log_formula(pool: AsyncCon
             "UPDATE monitoring_collect_tasks SET aging_boost = 880, dispatch_lane = 'normal_boosted', "
             "dispatch_priority = 1880 WHERE id = (SELECT max(id) FROM monitoring_collect_tasks)")
         settings = await load_settings(conn)
-    assert await run_aging(pool, settings) == 3
+    assert (await run_aging(pool, settings)).boosted == 3
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT dispatch_lane, dispatch_priority, aging_boost, "
                                  "round(extract(epoch FROM now() - enqueued_at) / 60) AS waited "

@@ -126,7 +126,7 @@ async def test_an_aging_round_takes_its_share_from_the_census_oldest_first_withi
         # The census says 20 are ready (as it would have a few seconds ago): the round takes half of those, 10.
         census.done = replace(census.done, tenant_lanes={(1, "normal"): 20})
     monkeypatch.setattr(maintenance, "AGING_BATCH", 3)
-    assert await run_aging(pool, settings) == 10  # in batches of 3
+    assert (await run_aging(pool, settings)).boosted == 10  # in batches of 3
     # Within a limit of 4 a round: the 4 oldest of the share that are not yet at the cap.
     limited = replace(settings, cluster_dispatch_per_minute=4)
     assert aging_round_limit(limited) == 4
@@ -135,7 +135,7 @@ async def test_an_aging_round_takes_its_share_from_the_census_oldest_first_withi
                            "monitoring_collect_tasks ORDER BY enqueued_at LIMIT 2)")
         cur = await conn.execute("SELECT id, aging_boost FROM monitoring_collect_tasks ORDER BY enqueued_at, id")
         before = await cur.fetchall()
-    assert await run_aging(pool, limited) == 4
+    assert (await run_aging(pool, limited)).boosted == 4
     async with pool.connection() as conn:
         cur = await conn.execute("SELECT id, aging_boost FROM monitoring_collect_tasks ORDER BY enqueued_at, id")
         after = await cur.fetchall()

@@ -115,12 +115,14 @@ async def test_backlog_reads_count_the_ready_backlog_exactly(pool: AsyncConnecti
         assert (paths.desktop_tasks, paths.legacy) == (1, 0)
 
         assert await backlog_reads.ready_normal_count(conn) == 1
-        boundary = await backlog_reads.aging_boundary(conn, share=1)
-        assert boundary is not None and boundary.id == s.ready_normal
-        assert await backlog_reads.aging_boundary(conn, share=2) is None
         aged = await backlog_reads.aging_candidates(conn, cap=10, after=(datetime(1970, 1, 1, tzinfo=UTC), 0),
-                                                    last=(boundary.enqueued_at, boundary.id), batch=10)
-        assert [(a.id, a.lane) for a in aged] == [(s.ready_normal, "normal")] and aged[0].wait_minutes >= 0
+                                                    share=2, batch=10)
+        assert [(a.id, a.lane, a.walked) for a in aged] == [(s.ready_normal, "normal", 1)] and aged[0].wait_minutes >= 0
+        assert await backlog_reads.aging_candidates(conn, cap=0, after=(datetime(1970, 1, 1, tzinfo=UTC), 0),
+                                                    share=2, batch=10) == []  # at the cap
+        cur = await conn.execute("SELECT ctid::text AS tid FROM monitoring_collect_tasks WHERE id = %s",
+                                 (s.ready_normal,))
+        assert aged[0].tid == (await cur.fetchone() or {})["tid"]
 
 
 async def test_consistency_reads_share_the_coordinators_ready_rule(pool: AsyncConnectionPool[Conn]) -> None:

@@ -4,6 +4,7 @@ a fake dispatcher, fixed settings and a clock the test moves)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class _FakeDispatcher:
         self.high_passes = 0
         self.full_passes = 0
         self.full_batch_passes = 0  # how many full passes (the first ones) report a full batch
+        self.full_dispatched = (0, 0)  # what each full pass dispatches: (tasks, of them high)
         self.pending = PendingPairs(None, clock=clock)  # type: ignore[arg-type]  # read by `read_pairs` only
         self.high_waiting: Any = None
         self.slowdown = False
@@ -58,7 +60,8 @@ class _FakeDispatcher:
 
     async def run_pass(self, settings: DispatchSettings) -> PassOutcome:
         self.full_passes += 1
-        return PassOutcome(seconds_to_next_window=60.0, full_batch=self.full_passes <= self.full_batch_passes)
+        return PassOutcome(seconds_to_next_window=60.0, full_batch=self.full_passes <= self.full_batch_passes,
+                           dispatched=self.full_dispatched[0], high_dispatched=self.full_dispatched[1])
 
     async def drain_relays(self, timeout: float) -> None:
         pass
@@ -263,3 +266,22 @@ async def test_clients_coming_online_wake_no_pass_when_their_tenants_have_nothin
         assert fake.full_passes == passes, "a storm of a tenant with nothing pending costs no pass"
         await loop.handle(_Message("client.online", tenant_id=2))
         assert fake.full_passes == passes + 1, "a client of a tenant with pending work may take it"
+
+
+async def test_aging_goes_at_the_pace_of_what_the_full_passes_dispatched_below_high() -> None:
+    async with _running() as loop:
+        fake, coordinator = loop.dispatcher, loop.coordinator
+        settings = DispatchSettings(cluster_dispatch_per_minute=20_000)  # the budget's limit: 20,000 a round
+        await loop.idle()
+        assert coordinator.aging_limit(settings) == 500  # nothing dispatched yet: one batch
+        fake.full_dispatched = (2_100, 100)  # 2,000 of each pass's 2,100 below high
+        for n in range(3):
+            coordinator.wake()
+            await eventually(lambda n=n: fake.full_passes == n + 2, message=f"full pass {n + 2}")  # type: ignore[misc]
+        coordinator.wake_high()  # a click's high pass: not aging's business
+        await eventually(lambda: fake.high_passes == 1, message="the high pass")
+        await loop.idle()
+        assert coordinator.aging_limit(settings) == 2 * 6_000
+        # Nothing since: the moving average (0.7 * (0.3 * 6,000) after the first round's 0) still counts.
+        assert coordinator.aging_limit(settings) == 2 * math.ceil(0.7 * 0.3 * 6_000) == 2_520
+        assert coordinator.aging_limit(DispatchSettings(cluster_dispatch_per_minute=600)) == 600  # the ceiling
