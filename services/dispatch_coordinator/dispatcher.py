@@ -285,10 +285,11 @@ class WindowClients:
             self._add(await self._read(tenants=missing), missing)
 
     async def cover_bound(self, candidates: Iterable[Candidate]) -> None:
-        """Read the clients bound candidates name that are not read yet, when their tenant was not read either (a
-        client of the task's own tenant was read with it, or is not eligible)."""
+        """Read the clients bound candidates name that are not read yet (one statement, none when all were): a client
+        of another tenant than its task's, or one that is not eligible (read again, found not eligible again: a bound
+        task names its client, whatever its tenant, and the read of every client found it)."""
         ids = {c.target_client_id for c in candidates if c.target_client_id is not None
-               and c.target_client_id not in self._known and c.tenant_id not in self._tenants}
+               and c.target_client_id not in self._known}
         if ids:
             self._add(await self._read(ids=ids), set())
 
