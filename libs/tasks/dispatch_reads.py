@@ -287,9 +287,10 @@ WHERE {ELIGIBLE_CLIENT_SQL}
 
 # The clients of some tenants (and some clients by id), eligible, with their monitor load: what a full pass reads of
 # the fleet (docs/architecture.md "Full pass: clients of the window"), _CLIENTS for these clients only. The clients
-# asked for come first (the tenants' by ix_clients_tenant_heartbeat, those by id by the primary key); their load is _CLIENTS' one aggregate, over the active work of these clients only (at worst
-# one read of the outstanding executions, whatever the statistics: a probe of the active work per client, planned on
-# statistics taken while nothing was outstanding, filtered every outstanding execution per client,
+# asked for come first (the tenants' by ix_clients_tenant_heartbeat, those by id by the primary key); their load is
+# _CLIENTS' one aggregate, over the active work of these clients only: at worst one read of the outstanding
+# executions, whatever the statistics (a probe of the active work per client, planned on statistics taken while
+# nothing was outstanding, filtered every outstanding execution per client:
 # tests/integration/test_coordinator_idle_statistics.py); the clients with pending high work as in _CLIENTS.
 _CLIENTS_OF = f"""
 WITH k AS MATERIALIZED (

@@ -221,8 +221,8 @@ async def test_the_indexs_predicate_is_the_codes_blocking_client(pool: AsyncConn
     reports += [{"openai": state} for state in BLOCKING_STATES]
     reports += [{"openai": "healthy", "gemini": state} for state in BLOCKING_STATES]
     async with pool.connection() as conn:
-        cur = await conn.execute("SELECT pg_get_expr(i.indpred, i.indrelid) AS pred FROM pg_index i "
-                                 "JOIN pg_class c ON c.oid = i.indexrelid WHERE c.relname = 'ix_clients_health_blocking'")
+        cur = await conn.execute("SELECT pg_get_expr(i.indpred, i.indrelid) AS pred FROM pg_index i JOIN pg_class c "
+                                 "ON c.oid = i.indexrelid WHERE c.relname = 'ix_clients_health_blocking'")
         row = await cur.fetchone()
         assert row is not None
         predicate = row["pred"]
