@@ -291,7 +291,8 @@ WHERE {ELIGIBLE_CLIENT_SQL}
 # _CLIENTS' one aggregate, over the active work of these clients only: at worst one read of the outstanding
 # executions, whatever the statistics (a probe of the active work per client, planned on statistics taken while
 # nothing was outstanding, filtered every outstanding execution per client:
-# tests/integration/test_coordinator_idle_statistics.py); the clients with pending high work as in _CLIENTS.
+# tests/integration/test_coordinator_idle_statistics.py); the clients with pending high work as in _CLIENTS, of these
+# clients only (ix_collect_tasks_target_client).
 _CLIENTS_OF = f"""
 WITH k AS MATERIALIZED (
     SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
@@ -315,8 +316,8 @@ WITH k AS MATERIALIZED (
 ), high AS MATERIALIZED (
     SELECT coalesce(array_agg(DISTINCT t.target_client_id), '{{}}') AS clients
     FROM monitoring_collect_tasks t
-    WHERE t.dispatch_lane = {_PREEMPTING} AND t.status = 'pending' AND t.target_client_id IS NOT NULL
-      AND {ready.NOT_ACTIVE_HASHED}
+    WHERE t.target_client_id = ANY(ARRAY(SELECT id FROM k)) AND t.dispatch_lane = {_PREEMPTING}
+      AND t.status = 'pending' AND {ready.NOT_ACTIVE_HASHED}
 )
 SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
        c.platform_health, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,

@@ -198,8 +198,8 @@ def health_pauses(read: Sequence[dispatch_reads.HealthPause], overrides: dict[tu
                   ids_by_code: dict[str, int]) -> dict[tuple[int, int], PauseSource]:
     """The pauses `paused_pairs` finds over every eligible client, from the (tenant, platform code) pairs every
     eligible client of the tenant blocks (the store's read of the blocking clients only, migration 070): one
-    `ClientHealth` per such pair stands for the tenant's clients, unknown codes block nothing, the overrides as
-    there."""
+    `ClientHealth` per tenant, blocking those platforms, stands for its clients; unknown codes block nothing; the
+    overrides apply as there."""
     by_tenant: dict[int, set[int]] = defaultdict(set)
     for p in read:
         if p.code in ids_by_code:
@@ -482,16 +482,20 @@ class Dispatcher:
         """The lane's next window of pairs (`pair_read_window`, moving the lane's cursor) and how many pairs it visited.
         With `window_clients`, walked in stretches, the clients of a stretch's tenants read before it is walked (what
         `k_of` asks of them): a stretch of the pairs the rows still wanted would fill at the window's share each,
-        so the clients read follow the window, not the fleet; the stretches pick what one walk would have."""
+        each at least twice the last, so the clients read follow the window, not the fleet; the stretches pick what one
+        walk would have."""
         after = self._read_after.get(lane)
         if window_clients is None:
             whole, self._read_after[lane], n = pair_read_window(pairs, after, budget_rows, k_of, max_visits=max_visits)
             return whole, n
         share = pair_window_share(budget_rows, len(pairs))
         window: list[PairRead] = []
-        visited = rows = 0
+        visited = rows = stretch = 0
         while visited < max_visits and rows < budget_rows:
-            stretch = min(max_visits - visited, max(MIN_STRETCH_PAIRS, math.ceil((budget_rows - rows) / share)))
+            # Twice the last stretch at least: when its pairs had less room than the share (tenants without an
+            # eligible client), the pairs still to visit take a few statements, not one per stretch.
+            stretch = min(max_visits - visited,
+                          max(MIN_STRETCH_PAIRS, math.ceil((budget_rows - rows) / share), 2 * stretch))
             await window_clients.cover(t for t, _ in pairs_after(pairs, after, stretch))
             part, after, n = pair_read_window(pairs, after, budget_rows - rows, k_of, max_visits=stretch, share=share)
             window.extend(part)

@@ -234,3 +234,18 @@ async def test_the_indexs_predicate_is_the_codes_blocking_client(pool: AsyncConn
             assert got is not None
             expected = isinstance(report, dict) and any(s in BLOCKING_STATES for s in report.values())
             assert got["blocks"] == expected, report
+
+
+async def test_pairs_of_tenants_without_an_eligible_client_take_a_few_client_statements(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """The stretches double while their pairs have no room: a window walking 80 pairs of tenants whose clients are all
+    offline reads their clients in 3 statements (16, 32, 32 pairs), not 5 of 16 pairs; three windows, 9."""
+    world = await _world(pool, tenants=200, ready=2_000)
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET online = false WHERE tenant_id = ANY(%(t)s)",
+                           {"t": world.ids[:190]})
+    dispatcher = Dispatcher(pool)
+    outcome = await dispatcher.run_pass(await _settings(pool))
+    assert outcome.dispatched == 0 and outcome.rejections == {"no_eligible_client": 240}, outcome
+    assert dispatcher.client_reads.rows == 0
+    assert dispatcher.client_reads.statements == 9, dispatcher.client_reads
