@@ -494,6 +494,8 @@ class Dispatcher:
         while visited < max_visits and rows < budget_rows:
             # Twice the last stretch at least: when its pairs had less room than the share (tenants without an
             # eligible client), the pairs still to visit take a few statements, not one per stretch.
+            if visited:
+                self._yield_to_high()  # between two reads of the clients, as between two of the candidates
             stretch = min(max_visits - visited,
                           max(MIN_STRETCH_PAIRS, math.ceil((budget_rows - rows) / share), 2 * stretch))
             await window_clients.cover(t for t, _ in pairs_after(pairs, after, stretch))
