@@ -27,7 +27,8 @@ autovacuum would have done in a running system (and so that it does not run duri
 
 - inproc: the coordinator's own calls against that database, one at a time, every client online, 20 rounds (3 with
   --quick) after one on cold connections that is not counted: a full pass
-  (`Dispatcher.run_pass`, budgets out of the way; its executions are finished before the next round), a high pass
+  (`Dispatcher.run_pass`, budgets out of the way; its executions are finished before the next round; with the client
+  rows it read and the CPU this process spent meanwhile), a high pass
   (one promoted task of the probe client), the backlog gauges (`maintenance.observe_backlog`), the budget read, the
   scanner (300 due plans) and, last, 10 aging rounds (2; `maintenance.run_aging`, with the clicks' budgets).
 - clicks: `bench collect_now`'s loaded scenario against the same database (real processes, the 50-client
@@ -382,6 +383,14 @@ async def _apply(settings: Settings, values: dict[str, object]) -> None:
         await conn.close()
 
 
+# What a full pass's snapshot read of every eligible client returned (before it read only its window's clients).
+_ELIGIBLE_CLIENTS = """
+SELECT count(*) AS n FROM desktop_clients c
+WHERE c.online AND c.disabled_at IS NULL
+  AND c.last_heartbeat_at > now() - make_interval(secs => %(heartbeat_timeout_s)s)
+"""
+
+
 async def _timed(timings: dict[str, list[float]], name: str, call: Callable[[], Awaitable[Any]]) -> Any:
     started = time.perf_counter()
     result = await call()
@@ -408,8 +417,19 @@ async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, wo
                      settings: DispatchSettings, timings: dict[str, list[float]], n: int) -> None:
     async with pool.connection() as conn:
         await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
+    cpu = time.process_time()
     outcome = await _timed(timings, "full pass", lambda: dispatcher.run_pass(settings))
+    timings["full pass CPU"].append((time.process_time() - cpu) * 1000)
     timings["full pass dispatched"].append(outcome.dispatched)
+    client_reads = getattr(dispatcher, "client_reads", None)
+    if client_reads is not None:
+        timings["full pass client rows"].append(client_reads.rows)
+    else:  # a dispatcher from before its client reads (A/B runs): its snapshot read every eligible client
+        async with pool.connection() as conn:
+            cur = await conn.execute(_ELIGIBLE_CLIENTS, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
+            row = await cur.fetchone()
+            assert row is not None
+            timings["full pass client rows"].append(row["n"])
     reads = getattr(dispatcher, "candidate_reads", None)  # None: a dispatcher from before the count (A/B runs)
     if reads is not None:
         timings["full pass candidate statements"].append(reads.statements)
@@ -781,6 +801,8 @@ _ROWS = (
     ("  tasks dispatched by a full pass, p50 / p95", "full pass dispatched", 95),
     ("  candidate statements of a full pass, p50 / p95", "full pass candidate statements", 95),
     ("  candidate rows read by a full pass, p50 / p95", "full pass candidate rows", 95),
+    ("  client rows read by a full pass, p50 / p95", "full pass client rows", 95),
+    ("  CPU of a full pass (this process), p50 / p95", "full pass CPU", 95),
     ("budget read, p50 / p95", "budget read", 95),
     ("backlog gauges (one maintenance tick), p50 / p95", "backlog gauges", 95),
     ("scanner (300 due plans), p50 / p95", "scanner", 95),

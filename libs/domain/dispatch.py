@@ -432,6 +432,21 @@ def normal_client_room(clients: Sequence[ClientState]) -> tuple[dict[int, int], 
 CANDIDATE_ROWS_PER_DISPATCH = 2
 
 
+def pair_window_share(budget_rows: int, n_pairs: int) -> int:
+    """The most rows a window of `pair_read_window` reads of one pair: a fair share of the rows over the pairs, plus two
+    to look past a bound task whose client is busy."""
+    return math.ceil(budget_rows / max(1, n_pairs)) + 2
+
+
+def pairs_after(pairs: Sequence[tuple[int, int]], after: tuple[int, int] | None, n: int) -> list[tuple[int, int]]:
+    """The next `n` (at most all) of the sorted `pairs` after the pair `after`, wrapping around: the pairs the next
+    `n` visits of `pair_read_window` would visit."""
+    if not pairs:
+        return []
+    start = bisect_right(pairs, after) if after is not None else 0
+    return [pairs[(start + i) % len(pairs)] for i in range(min(n, len(pairs)))]
+
+
 @dataclass(frozen=True, slots=True)
 class PairRead:
     """How many ready tasks of one (tenant, platform) in one lane a pass reads."""
@@ -442,8 +457,8 @@ class PairRead:
 
 
 def pair_read_window(pairs: Sequence[tuple[int, int]], after: tuple[int, int] | None, budget_rows: int,
-                     k_of: Callable[[int, int], int], *,
-                     max_visits: int | None = None) -> tuple[list[PairRead], tuple[int, int] | None, int]:
+                     k_of: Callable[[int, int], int], *, max_visits: int | None = None,
+                     share: int | None = None) -> tuple[list[PairRead], tuple[int, int] | None, int]:
     """Which pairs of one lane a full pass reads, so that its candidate reads follow what it can dispatch, not how many
     pairs have work: at most about `budget_rows` rows, each pair's k (`k_of`: how many it could use, 0 when none) cut
     to a fair share of them (the rows over the pairs, plus two to look past a bound task whose client is busy),
@@ -453,10 +468,16 @@ def pair_read_window(pairs: Sequence[tuple[int, int]], after: tuple[int, int] | 
     not the number of pairs. Returns the window, the cursor for the next window and how many pairs it visited.
 
     A few pairs (a small system) are all read, up to their k, every pass; thousands (10,000 tenants) are read a window
-    per pass, every pair in turn."""
+    per pass, every pair in turn.
+
+    One window may be walked in stretches (the full pass reads the clients of a stretch's tenants before it walks it):
+    each call continues from the cursor the previous one returned, with the rows still wanted as `budget_rows`, the
+    visits still allowed as `max_visits` and the first call's `share` (`pair_window_share`); the stretches then pick
+    exactly the pairs, and the k, one call would have."""
     if not pairs or budget_rows <= 0:
         return [], after, 0
-    share = math.ceil(budget_rows / len(pairs)) + 2
+    if share is None:
+        share = pair_window_share(budget_rows, len(pairs))
     start = bisect_right(pairs, after) if after is not None else 0
     limit = len(pairs) if max_visits is None else min(len(pairs), max_visits)
     window: list[PairRead] = []

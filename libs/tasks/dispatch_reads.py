@@ -21,7 +21,7 @@ from psycopg import AsyncCursor
 
 from libs.db.pool import Conn
 from libs.domain.lanes import CLICK_LANE, lane_names
-from libs.domain.platform_health import OverrideMode
+from libs.domain.platform_health import BLOCKING_STATES, OverrideMode
 from libs.tasks import business, executions, ready
 from libs.tasks import requests as collect_requests
 from libs.tasks.fragments import interrupt_timeout_ms_sql
@@ -83,14 +83,23 @@ class ClientLoad(msgspec.Struct, frozen=True):
     interrupt_overdue: bool
 
 
+class HealthPause(msgspec.Struct, frozen=True):
+    """A (tenant, platform code) every eligible client of the tenant reports a blocking login state for."""
+
+    tenant_id: int
+    code: str
+
+
 class PassSnapshot(msgspec.Struct, frozen=True):
-    """What a full pass reads before its candidates."""
+    """What a full pass reads before its candidates (`clients`: every eligible client, or none when the pass reads
+    the clients of its candidates' tenants itself, `clients_of`)."""
 
     budget: list[BudgetUse]
     platforms: list[PlatformSetting]
     active: list[PlatformActive]
     clients: list[ClientLoad]
     overrides: list[HealthOverride]
+    health_pauses: list[HealthPause]
 
 
 class HighClientLoad(msgspec.Struct, frozen=True):
@@ -276,6 +285,76 @@ CROSS JOIN LATERAL (SELECT load.by_client -> c.id::text AS l) a
 WHERE {ELIGIBLE_CLIENT_SQL}
 """
 
+# The clients of some tenants (and some clients by id), eligible, with their monitor load: what a full pass reads of
+# the fleet (docs/architecture.md "Full pass: clients of the window"), _CLIENTS for these clients only. The clients
+# asked for come first (the tenants' by ix_clients_tenant_heartbeat, those by id by the primary key); their load is
+# _CLIENTS' one aggregate, over the active work of these clients only: at worst one read of the outstanding
+# executions, whatever the statistics (a probe of the active work per client, planned on statistics taken while
+# nothing was outstanding, filtered every outstanding execution per client:
+# tests/integration/test_coordinator_idle_statistics.py); the clients with pending high work as in _CLIENTS, of these
+# clients only (ix_collect_tasks_target_client).
+_CLIENTS_OF = f"""
+WITH k AS MATERIALIZED (
+    SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
+           c.platform_health
+    FROM desktop_clients c
+    WHERE (c.tenant_id = ANY(%(tenants)s::bigint[]) OR c.id = ANY(%(ids)s::uuid[])) AND {ELIGIBLE_CLIENT_SQL}
+), load AS MATERIALIZED (
+    SELECT coalesce(jsonb_object_agg(a.client_id::text, jsonb_build_array(
+               a.in_progress, a.queued, a.queued_high, a.interrupt_overdue)), '{{}}'::jsonb) AS by_client
+    FROM (SELECT d.target_client_id AS client_id,
+                 count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
+                 count(*) FILTER (WHERE d.status = 'queued') AS queued,
+                 count(*) FILTER (WHERE d.status = 'queued' AND d.lane = {_PREEMPTING}) AS queued_high,
+                 coalesce(bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
+                          AND d.interrupted_at < now() - make_interval(
+                              secs => {interrupt_timeout_ms_sql("soft", "d", "ps", "15000")} / 1000.0)), false)
+                     AS interrupt_overdue
+          FROM {ready.ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
+          WHERE d.target_client_id = ANY(ARRAY(SELECT id FROM k))
+          GROUP BY 1) a
+), high AS MATERIALIZED (
+    SELECT coalesce(array_agg(DISTINCT t.target_client_id), '{{}}') AS clients
+    FROM monitoring_collect_tasks t
+    WHERE t.target_client_id = ANY(ARRAY(SELECT id FROM k)) AND t.dispatch_lane = {_PREEMPTING}
+      AND t.status = 'pending' AND {ready.NOT_ACTIVE_HASHED}
+)
+SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
+       c.platform_health, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
+       coalesce((a.l ->> 2)::int, 0) > 0 OR c.id = ANY(h.clients) AS pending_high,
+       coalesce((a.l ->> 3)::boolean, false) AS interrupt_overdue
+FROM k c
+CROSS JOIN load
+CROSS JOIN high h
+CROSS JOIN LATERAL (SELECT load.by_client -> c.id::text AS l) a
+"""
+
+# A client reporting a blocking login state for some platform (libs.domain.platform_health.BLOCKING_STATES): the
+# predicate of migration 070's partial index ix_clients_health_blocking, spelled as there (the planner uses a partial
+# index only for a query repeating its predicate; tests/unit/test_health_blocking_index.py holds the two together).
+HEALTH_BLOCKING_SQL = ("c.platform_health @? '$.* ? ("
+                       + " || ".join(f'@ == "{state}"' for state in sorted(BLOCKING_STATES)) + ")'")
+_BLOCKING_LIST = ", ".join(f"'{state}'" for state in sorted(BLOCKING_STATES))
+
+# The platform-health pauses (libs.domain.platform_health.paused_pairs, before the operators' overrides): the
+# (tenant, platform code) pairs that every eligible client of the tenant reports a blocking state for. The blocking
+# clients come from ix_clients_health_blocking (only they are in it), their tenants' eligible clients are counted by
+# ix_clients_tenant_heartbeat: the cost follows the clients with a broken login, not the fleet. Every tenant's pause,
+# with or without pending work: the gauge and `explain` show a pause whatever the pass reads.
+_HEALTH_PAUSES = f"""
+WITH b AS MATERIALIZED (
+    SELECT c.tenant_id, h.key AS code, count(*) AS n
+    FROM desktop_clients c
+    CROSS JOIN LATERAL jsonb_each_text(CASE WHEN jsonb_typeof(c.platform_health) = 'object'
+                                            THEN c.platform_health ELSE '{{}}'::jsonb END) h
+    WHERE {HEALTH_BLOCKING_SQL} AND {ELIGIBLE_CLIENT_SQL} AND h.value IN ({_BLOCKING_LIST})
+    GROUP BY 1, 2
+)
+SELECT b.tenant_id, b.code
+FROM b
+WHERE b.n = (SELECT count(*) FROM desktop_clients c WHERE c.tenant_id = b.tenant_id AND {ELIGIBLE_CLIENT_SQL})
+"""
+
 # An operator's per-(tenant, platform) override of the platform-health pause: 'pause' or 'ignore_health'.
 _PLATFORM_HEALTH_OVERRIDES = "SELECT tenant_id, ai_platform_id, mode FROM platform_health_overrides"
 
@@ -350,21 +429,24 @@ FROM w CROSS JOIN (
 """
 
 
-# (tenant, platform) pairs with pending work (either path): a loose index scan, one probe per pair.
+# (tenant, platform, lane) with pending work (either path): a loose index scan of ix_collect_tasks_ready_pair, one
+# probe per (tenant, platform, lane). Per lane, so that a full pass walks, in each lane, the pairs with work in that
+# lane only: over the pairs of every lane, a lane with work in a few pairs (retries) was read pair by pair through
+# the thousands with scheduled work only, a window a pass (docs/architecture.md "Full pass: clients of the window").
 _PENDING_PAIRS = """
 WITH RECURSIVE pairs AS (
-    (SELECT tenant_id, ai_platform_id FROM monitoring_collect_tasks
+    (SELECT tenant_id, ai_platform_id, dispatch_lane FROM monitoring_collect_tasks
      WHERE status = 'pending'
-     ORDER BY tenant_id, ai_platform_id LIMIT 1)
+     ORDER BY tenant_id, ai_platform_id, dispatch_lane LIMIT 1)
     UNION ALL
-    SELECT n.tenant_id, n.ai_platform_id FROM pairs p
+    SELECT n.tenant_id, n.ai_platform_id, n.dispatch_lane FROM pairs p
     CROSS JOIN LATERAL (
-        SELECT tenant_id, ai_platform_id FROM monitoring_collect_tasks
+        SELECT tenant_id, ai_platform_id, dispatch_lane FROM monitoring_collect_tasks
         WHERE status = 'pending'
-          AND (tenant_id, ai_platform_id) > (p.tenant_id, p.ai_platform_id)
-        ORDER BY tenant_id, ai_platform_id LIMIT 1) n
+          AND (tenant_id, ai_platform_id, dispatch_lane) > (p.tenant_id, p.ai_platform_id, p.dispatch_lane)
+        ORDER BY tenant_id, ai_platform_id, dispatch_lane LIMIT 1) n
 )
-SELECT tenant_id, ai_platform_id FROM pairs
+SELECT tenant_id, ai_platform_id, dispatch_lane AS lane FROM pairs
 """
 
 _CANDIDATE_COLUMNS = (
@@ -513,24 +595,43 @@ def _client_load(r: Mapping[str, Any]) -> ClientLoad:
                       interrupt_overdue=r["interrupt_overdue"])
 
 
-async def read_pass_snapshot(conn: Conn, *, window_start: int, window_seconds: int,
-                             heartbeat_timeout_s: int) -> PassSnapshot:
+async def read_pass_snapshot(conn: Conn, *, window_start: int, window_seconds: int, heartbeat_timeout_s: int,
+                             all_clients: bool = True) -> PassSnapshot:
     """A full pass's snapshot in one round trip: the window's budget use (from the ledger when it counts the window,
-    else counted), platform settings, active work per (tenant, platform), eligible clients with their load, and the
-    operators' health overrides."""
+    else counted), platform settings, active work per (tenant, platform), the operators' health overrides, the
+    platform-health pauses and (`all_clients`) every eligible client with its load. A full pass reads the clients of
+    its candidates' tenants instead (`clients_of`); `explain` and the health status read them all."""
+    params = {"heartbeat_timeout_s": heartbeat_timeout_s}
     async with conn.pipeline():
         budget = await conn.execute(_BUDGET_USE, {"window_start": window_start, "window": window_seconds})
         platforms = await conn.execute(_PLATFORM_SETTINGS)
         active = await conn.execute(_PLATFORM_ACTIVE)
-        loads = await conn.execute(_CLIENTS, {"heartbeat_timeout_s": heartbeat_timeout_s})
+        loads = await conn.execute(_CLIENTS, params) if all_clients else None
         overrides = await conn.execute(_PLATFORM_HEALTH_OVERRIDES)
+        pauses = await conn.execute(_HEALTH_PAUSES, params)
         return PassSnapshot(
             budget=[BudgetUse(r["tenant_id"], r["high"], int(r["n"])) for r in await budget.fetchall()],
             platforms=[_platform(r) for r in await platforms.fetchall()],
             active=[PlatformActive(r["tenant_id"], r["ai_platform_id"], int(r["n"])) for r in await active.fetchall()],
-            clients=[_client_load(r) for r in await loads.fetchall()],
+            clients=[_client_load(r) for r in await loads.fetchall()] if loads is not None else [],
             overrides=[HealthOverride(r["tenant_id"], r["ai_platform_id"], r["mode"])
-                       for r in await overrides.fetchall()])
+                       for r in await overrides.fetchall()],
+            health_pauses=[HealthPause(r["tenant_id"], r["code"]) for r in await pauses.fetchall()])
+
+
+async def clients_of(conn: Conn, *, tenants: Sequence[int], ids: Sequence[uuid.UUID] = (),
+                     heartbeat_timeout_s: int) -> list[ClientLoad]:
+    """The eligible clients of `tenants`, and those of `ids`, with their monitor load (what `read_pass_snapshot` reads
+    of every eligible client, for these only)."""
+    cur = await conn.execute(_CLIENTS_OF, {"tenants": sorted(set(tenants)), "ids": sorted(set(ids), key=str),
+                                           "heartbeat_timeout_s": heartbeat_timeout_s})
+    return [_client_load(r) for r in await cur.fetchall()]
+
+
+async def health_pauses(conn: Conn, *, heartbeat_timeout_s: int) -> list[HealthPause]:
+    """The (tenant, platform code) pairs every eligible client of the tenant reports a blocking login state for."""
+    cur = await conn.execute(_HEALTH_PAUSES, {"heartbeat_timeout_s": heartbeat_timeout_s})
+    return [HealthPause(r["tenant_id"], r["code"]) for r in await cur.fetchall()]
 
 
 async def budget_use(conn: Conn, *, window_start: int, window_seconds: int) -> list[BudgetUse]:
@@ -594,8 +695,16 @@ async def claim(conn: Conn, *, client_ids: Sequence[uuid.UUID], task_ids: Sequen
 
 async def pending_pairs(conn: Conn) -> set[tuple[int, int]]:
     """Every (tenant, platform) with a pending task, of any lane and either path."""
+    return {pair for pairs in (await pending_lane_pairs(conn)).values() for pair in pairs}
+
+
+async def pending_lane_pairs(conn: Conn) -> dict[str, set[tuple[int, int]]]:
+    """Per lane, every (tenant, platform) with a pending task of that lane, on either path."""
     cur = await conn.execute(_PENDING_PAIRS)
-    return {(r["tenant_id"], r["ai_platform_id"]) for r in await cur.fetchall()}
+    by_lane: dict[str, set[tuple[int, int]]] = {}
+    for r in await cur.fetchall():
+        by_lane.setdefault(r["lane"], set()).add((r["tenant_id"], r["ai_platform_id"]))
+    return by_lane
 
 
 class RequestsDispatched:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -37,11 +38,15 @@ from libs.domain.dispatch import (
     ClientState,
     Decision,
     Ledger,
+    PairRead,
     PassLimits,
     PassResult,
+    RejectReason,
     normal_client_room,
     pair_fetch_limit,
     pair_read_window,
+    pair_window_share,
+    pairs_after,
     plan_pass,
     retry_allowed,
     window_start,
@@ -75,6 +80,8 @@ WINDOWS_PER_LANE = 3
 VISITS_PER_ROW = 4
 # A full pass reads its normal candidates in statements of about this many rows (see `read_candidates`).
 CANDIDATE_CHUNK_ROWS = 100
+# A full pass reads the clients of at least this many pairs' tenants at a time (see `Dispatcher._pair_window`).
+MIN_STRETCH_PAIRS = 16
 
 
 class WindowRolledOver(Exception):
@@ -104,6 +111,20 @@ class Snapshot:
     platform_codes: dict[int, str] = field(default_factory=dict)
     # (tenant, platform) -> why its scheduled work is held (platform-health pause).
     platform_pauses: dict[tuple[int, int], PauseSource] = field(default_factory=dict)
+    # The operators' health overrides (a client's blocked platforms leave out its tenant's `ignore_health` ones).
+    overrides: dict[tuple[int, int], OverrideMode] = field(default_factory=dict)
+    # The tenants whose eligible clients are all in `clients` (a full pass: those its reads reached, see
+    # `WindowClients`; `read_snapshot(all_clients=True)`: None, every tenant).
+    client_tenants: set[int] | None = None
+
+
+@dataclass(slots=True)
+class ClientReads:
+    """A full pass's reads of the clients (docs/architecture.md "Full pass: clients of the window"): statements and
+    client rows returned."""
+
+    statements: int = 0
+    rows: int = 0
 
 
 @dataclass(slots=True)
@@ -145,8 +166,10 @@ def limits_from(settings: DispatchSettings, *, slowdown: bool) -> PassLimits:
     )
 
 
-async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
-    """Budget use of the current window, platform limits and activity, eligible clients and their load."""
+async def read_snapshot(conn: Conn, settings: DispatchSettings, *, all_clients: bool = True) -> Snapshot:
+    """Budget use of the current window, platform limits and activity, the platform-health pauses and (`all_clients`)
+    every eligible client with its load; a full pass reads only the clients of its candidates' tenants
+    (`WindowClients`)."""
     cur = await conn.execute(q.NOW)
     row = await cur.fetchone()
     assert row is not None
@@ -155,7 +178,8 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
     start = window_start(now, window)
     ledger = Ledger()
     read = await dispatch_reads.read_pass_snapshot(conn, window_start=int(start), window_seconds=window,
-                                                   heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
+                                                   heartbeat_timeout_s=settings.heartbeat_timeout_seconds,
+                                                   all_clients=all_clients)
     _fold_budget(ledger, read.budget)
     codes = _fold_platforms(ledger, read.platforms)
     ledger.platform_active = {(r.tenant_id, r.ai_platform_id): r.n for r in read.active if r.ai_platform_id is not None}
@@ -163,11 +187,25 @@ async def read_snapshot(conn: Conn, settings: DispatchSettings) -> Snapshot:
         (r.tenant_id, r.ai_platform_id): r.mode for r in read.overrides}
     ids_by_code = {code: pid for pid, code in codes.items()}
     clients = [_client_state(r, ids_by_code, overrides) for r in read.clients]
-    pauses = paused_pairs((ClientHealth(c.id, c.tenant_id, c.blocked_platforms) for c in clients), overrides,
-                          codes)
+    pauses = health_pauses(read.health_pauses, overrides, ids_by_code)
     ledger.paused_pairs = frozenset(pauses)
     return Snapshot(now=now, window_start=start, window_seconds=window, ledger=ledger, clients=clients,
-                    platform_codes=codes, platform_pauses=pauses)
+                    platform_codes=codes, platform_pauses=pauses, overrides=overrides,
+                    client_tenants=None if all_clients else set())
+
+
+def health_pauses(read: Sequence[dispatch_reads.HealthPause], overrides: dict[tuple[int, int], OverrideMode],
+                  ids_by_code: dict[str, int]) -> dict[tuple[int, int], PauseSource]:
+    """The pauses `paused_pairs` finds over every eligible client, from the (tenant, platform code) pairs every
+    eligible client of the tenant blocks (the store's read of the blocking clients only, migration 070): one
+    `ClientHealth` per tenant, blocking those platforms, stands for its clients; unknown codes block nothing; the
+    overrides apply as there."""
+    by_tenant: dict[int, set[int]] = defaultdict(set)
+    for p in read:
+        if p.code in ids_by_code:
+            by_tenant[p.tenant_id].add(ids_by_code[p.code])
+    return paused_pairs((ClientHealth(uuid.UUID(int=0), t, frozenset(b)) for t, b in by_tenant.items()), overrides,
+                        sorted({pid for b in by_tenant.values() for pid in b}))
 
 
 def _client_state(r: dispatch_reads.ClientLoad, ids_by_code: dict[str, int],
@@ -221,6 +259,56 @@ def _candidate(r: CandidateRow) -> Candidate:
                      lane=r.lane, priority=r.priority, enqueued_at=r.enqueued_at, target_client_id=r.target_client_id)
 
 
+class WindowClients:
+    """The clients a full pass reads: those of the tenants its candidate reads reach, added to its snapshot as it goes
+    (docs/architecture.md "Full pass: clients of the window"). Every eligible client of a tenant is read at once, so
+    what the planner decides for a tenant (its clients' room, `normal_client_room`; the client an unbound task goes
+    to) is what it decided over the whole fleet; a task bound to a client of another tenant has that client read by
+    id (`cover_bound`)."""
+
+    def __init__(self, conn: Conn, snap: Snapshot, settings: DispatchSettings, reads: ClientReads) -> None:
+        assert snap.client_tenants is not None
+        self._conn = conn
+        self._snap = snap
+        self._tenants = snap.client_tenants
+        self._ids_by_code = {code: pid for pid, code in snap.platform_codes.items()}
+        self._heartbeat_timeout_s = settings.heartbeat_timeout_seconds
+        self._reads = reads
+        self._known = {c.id for c in snap.clients}
+        self.room: dict[int, int] = {}  # normal_client_room over the tenants read
+        self.refused: dict[int, RejectReason] = {}
+
+    async def cover(self, tenants: Iterable[int]) -> None:
+        """Read the clients of those of `tenants` not read yet (one statement, none when all were)."""
+        missing = set(tenants) - self._tenants
+        if missing:
+            self._add(await self._read(tenants=missing), missing)
+
+    async def cover_bound(self, candidates: Iterable[Candidate]) -> None:
+        """Read the clients bound candidates name that are not read yet (one statement, none when all were): a client
+        of another tenant than its task's, or one that is not eligible (read again, found not eligible again: a bound
+        task names its client, whatever its tenant, and the read of every client found it)."""
+        ids = {c.target_client_id for c in candidates if c.target_client_id is not None
+               and c.target_client_id not in self._known}
+        if ids:
+            self._add(await self._read(ids=ids), set())
+
+    async def _read(self, *, tenants: Iterable[int] = (), ids: Iterable[uuid.UUID] = ()) -> list[ClientState]:
+        rows = await dispatch_reads.clients_of(self._conn, tenants=list(tenants), ids=list(ids),
+                                               heartbeat_timeout_s=self._heartbeat_timeout_s)
+        self._reads.statements += 1
+        self._reads.rows += len(rows)
+        return [_client_state(r, self._ids_by_code, self._snap.overrides) for r in rows if r.id not in self._known]
+
+    def _add(self, clients: list[ClientState], tenants: set[int]) -> None:
+        self._snap.clients.extend(clients)
+        self._known.update(c.id for c in clients)
+        self._tenants |= tenants
+        room, refused = normal_client_room([c for c in clients if c.tenant_id in tenants])
+        self.room.update(room)
+        self.refused.update(refused)
+
+
 class Dispatcher:
     """One dispatch pass at a time, high-only or full. Stateful across passes only for fairness rotation
     (`last_served`), the pending-pair cache (`pending`), the relay of its high events (`high_relay`) and write
@@ -256,15 +344,12 @@ class Dispatcher:
         # (`read_candidates`, libs.domain.dispatch.pair_read_window).
         self._read_after: dict[str, tuple[int, int] | None] = {}
         self.candidate_reads = CandidateReads()  # what the last full pass's candidate read cost (the benchmark's)
+        self.client_reads = ClientReads()  # and its reads of the clients
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
         """Every (tenant, platform) with a pending task (services/dispatch_coordinator/pending_pairs.py)."""
         return self.pending.pairs
-
-    @pairs.setter
-    def pairs(self, pairs: set[tuple[int, int]]) -> None:
-        self.pending.pairs = pairs
 
     @property
     def pairs_read_at(self) -> float:
@@ -310,20 +395,30 @@ class Dispatcher:
 
     async def read_candidates(self, conn: Conn, snap: Snapshot, limits: PassLimits, settings: DispatchSettings,
                               blocked: Counter[str] | None = None) -> dict[str, list[Candidate]]:
-        """Ready candidates per lane (a full pass's read, on `conn`, for the pending pairs). Pairs whose tenant has
-        no client able to take non-high work are not read at all (their rejection is counted once per pair in
-        `blocked`). Read in chunks of about `candidate_chunk_rows` rows; before each chunk after the first it
+        """Ready candidates per lane (a full pass's read, on `conn`, for the pending pairs), and into `snap.clients`
+        the clients of the tenants they are of (when `snap` was read without them: `WindowClients`). Pairs whose
+        tenant has no client able to take non-high work are not read at all (their rejection is counted once per pair
+        in `blocked`). Read in chunks of about `candidate_chunk_rows` rows; before each chunk after the first it
         raises Preempted when the pass should yield to waiting high work (see `_yield_to_high`)."""
         batch = max(1, settings.dispatch_batch_size)
         found: dict[str, list[Candidate]] = defaultdict(list)
         self.candidate_reads = CandidateReads()
+        self.client_reads = ClientReads()
+        window_clients = WindowClients(conn, snap, settings, self.client_reads) if snap.client_tenants is not None \
+            else None
         if CLICK_LANE.name not in limits.paused_lanes:
             found[CLICK_LANE.name].extend(
                 _candidate(r) for r in await dispatch_reads.high_candidates(conn, limit=batch))
+        if window_clients is not None:
+            await window_clients.cover(c.tenant_id for c in found[CLICK_LANE.name])
+            client_room, refused = window_clients.room, window_clients.refused
+        else:
+            client_room, refused = normal_client_room(snap.clients)
         if limits.slowdown or snap.ledger.non_high_used >= limits.non_high_cap:
+            if window_clients is not None:
+                await window_clients.cover_bound(found[CLICK_LANE.name])
             return found  # non-high cannot go this pass: no need to read its candidates
         lanes = [lane for lane in LANE_ORDER if lane != CLICK_LANE.name and lane not in limits.paused_lanes]
-        client_room, refused = normal_client_room(snap.clients)
         seen: set[tuple[int, int]] = set()  # pairs whose blocked reason this pass already counted
 
         def pair_k(lane: str, tenant_id: int, platform_id: int) -> int:
@@ -351,22 +446,22 @@ class Dispatcher:
                                     client_room=client_room[tenant_id])
 
         # Candidate rows in lane order, bounded by what the pass may still dispatch: each lane reads windows of its
-        # pairs after the ones the last pass read (libs.domain.dispatch.pair_read_window), at most
-        # WINDOWS_PER_LANE of them while the rows found fall short of the budget (pairs without work in the lane),
-        # each visiting at most VISITS_PER_ROW pairs per budget row (pairs without room are skipped, not read).
+        # pairs (those with work in the lane) after the ones the last pass read (libs.domain.dispatch.pair_read_window),
+        # at most WINDOWS_PER_LANE of them while the rows found fall short of the budget (pairs without room), each
+        # visiting at most VISITS_PER_ROW pairs per budget row (pairs without room are skipped, not read).
         # Not less for the high candidates found: while high has work, normal keeps its background share of the
         # window, which the planner can only give when normal candidates were read.
-        pairs = self.pending.sorted_pairs
         budget_rows = CANDIDATE_ROWS_PER_DISPATCH * batch
         reads = 0
         for lane in lanes:
+            pairs = self.pending.sorted_lane_pairs(lane)
             visited = 0
             for _ in range(WINDOWS_PER_LANE):
                 if budget_rows <= 0 or visited >= len(pairs):
                     break
-                window, self._read_after[lane], n = pair_read_window(
-                    pairs, self._read_after.get(lane), budget_rows, functools.partial(pair_k, lane),
-                    max_visits=min(len(pairs) - visited, VISITS_PER_ROW * budget_rows))
+                window, n = await self._pair_window(pairs, lane, budget_rows, functools.partial(pair_k, lane),
+                                                    min(len(pairs) - visited, VISITS_PER_ROW * budget_rows),
+                                                    window_clients)
                 visited += n
                 if not window:
                     continue
@@ -377,7 +472,39 @@ class Dispatcher:
                 await self._read_pairs(conn, [r.tenant_id for r in window], [r.ai_platform_id for r in window],
                                        [lane] * len(window), [r.k for r in window], found)
                 budget_rows -= len(found[lane]) - before
+        if window_clients is not None:
+            await window_clients.cover_bound(c for tasks in found.values() for c in tasks)
         return found
+
+    async def _pair_window(self, pairs: list[tuple[int, int]], lane: str, budget_rows: int,
+                           k_of: Callable[[int, int], int], max_visits: int,
+                           window_clients: WindowClients | None) -> tuple[list[PairRead], int]:
+        """The lane's next window of pairs (`pair_read_window`, moving the lane's cursor) and how many pairs it visited.
+        With `window_clients`, walked in stretches, the clients of a stretch's tenants read before it is walked (what
+        `k_of` asks of them): a stretch of the pairs the rows still wanted would fill at the window's share each,
+        each at least twice the last, so the clients read follow the window, not the fleet; the stretches pick what one
+        walk would have."""
+        after = self._read_after.get(lane)
+        if window_clients is None:
+            whole, self._read_after[lane], n = pair_read_window(pairs, after, budget_rows, k_of, max_visits=max_visits)
+            return whole, n
+        share = pair_window_share(budget_rows, len(pairs))
+        window: list[PairRead] = []
+        visited = rows = stretch = 0
+        while visited < max_visits and rows < budget_rows:
+            # Twice the last stretch at least: when its pairs had less room than the share (tenants without an
+            # eligible client), the pairs still to visit take a few statements, not one per stretch.
+            if visited:
+                self._yield_to_high()  # between two reads of the clients, as between two of the candidates
+            stretch = min(max_visits - visited,
+                          max(MIN_STRETCH_PAIRS, math.ceil((budget_rows - rows) / share), 2 * stretch))
+            await window_clients.cover(t for t, _ in pairs_after(pairs, after, stretch))
+            part, after, n = pair_read_window(pairs, after, budget_rows - rows, k_of, max_visits=stretch, share=share)
+            window.extend(part)
+            rows += sum(r.k for r in part)
+            visited += n
+        self._read_after[lane] = after
+        return window, visited
 
     async def _read_pairs(self, conn: Conn, tenants: list[int], platforms: list[int], lanes: list[str],
                           ks: list[int], found: dict[str, list[Candidate]]) -> None:
@@ -569,7 +696,7 @@ class Dispatcher:
         """Inside the pass's transaction, under the pass lock: the snapshot, the candidates, the plan, and (in the
         window that was read, else WindowRolledOver) its writes. Yields to waiting high work between the reads."""
         await conn.execute(q.PASS_LOCK)
-        snap = await read_snapshot(conn, settings)
+        snap = await read_snapshot(conn, settings, all_clients=False)
         self._report_pauses(snap)
         self._yield_to_high()
         blocked: Counter[str] = Counter()

@@ -1,5 +1,6 @@
-"""The coordinator's cache of the (tenant, platform) pairs with pending work: what a full pass reads candidates for,
-and what tells a completion whether a pass could serve anything."""
+"""The coordinator's cache of the (tenant, platform) pairs with pending work, per lane: what a full pass reads
+candidates for (in each lane, the pairs with work in that lane), and what tells a completion whether a pass could serve
+anything."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from libs.clock import SYSTEM_CLOCK, Clock
 from libs.db.pool import Conn
+from libs.domain.lanes import SCHEDULED_LANE
 from libs.tasks import dispatch_reads
 
 log = logging.getLogger("dispatch.pass")
@@ -20,15 +22,16 @@ PAIRS_MAX_AGE_S = 1.0
 
 
 class PendingPairs:
-    """Every (tenant, platform) with a pending task, of any lane and either execution path, as of `read_at`, plus
-    what the scanner added since. `clock` dates the reads (`read_at`, `stale`)."""
+    """Every (tenant, platform) with a pending task, per lane and of either execution path, as of `read_at`, plus
+    what the scanner added since (scheduled work). `clock` dates the reads (`read_at`, `stale`)."""
 
     def __init__(self, pool: AsyncConnectionPool[Conn], *, clock: Clock = SYSTEM_CLOCK) -> None:
         self._pool = pool
         self._clock = clock
-        self._pairs: set[tuple[int, int]] = set()
+        self._pairs: set[tuple[int, int]] = set()  # of every lane
+        self._by_lane: dict[str, set[tuple[int, int]]] = {}
         self._tenants: set[int] = set()  # the tenants of `pairs`, for a per-completion lookup
-        self._sorted: list[tuple[int, int]] | None = None  # `pairs` in order, once asked for
+        self._sorted: dict[str, list[tuple[int, int]]] = {}  # a lane's pairs in order, once asked for
         self.read_at = 0.0  # the clock's monotonic time of the last read (0 before the first)
         # A re-read in flight (see `refresh_in_background`), and what `add` added meanwhile.
         self.refreshing: asyncio.Task[None] | None = None
@@ -36,29 +39,37 @@ class PendingPairs:
 
     @property
     def pairs(self) -> set[tuple[int, int]]:
+        """The pairs with pending work of any lane."""
         return self._pairs
 
-    @pairs.setter
-    def pairs(self, pairs: set[tuple[int, int]]) -> None:
-        self._pairs = set(pairs)
-        self._tenants = {tenant for tenant, _ in self._pairs}
-        self._sorted = None
-
     @property
-    def sorted_pairs(self) -> list[tuple[int, int]]:
-        """`pairs` in (tenant, platform) order (sorted once per change: a full pass walks a window of them)."""
-        if self._sorted is None:
-            self._sorted = sorted(self._pairs)
-        return self._sorted
+    def by_lane(self) -> dict[str, set[tuple[int, int]]]:
+        return self._by_lane
+
+    @by_lane.setter
+    def by_lane(self, by_lane: dict[str, set[tuple[int, int]]]) -> None:
+        self._by_lane = {lane: set(pairs) for lane, pairs in by_lane.items()}
+        self._pairs = {pair for pairs in self._by_lane.values() for pair in pairs}
+        self._tenants = {tenant for tenant, _ in self._pairs}
+        self._sorted = {}
+
+    def sorted_lane_pairs(self, lane: str) -> list[tuple[int, int]]:
+        """The pairs with pending work in `lane`, in (tenant, platform) order (sorted once per change: a full pass
+        walks a window of them)."""
+        if lane not in self._sorted:
+            self._sorted[lane] = sorted(self._by_lane.get(lane, ()))
+        return self._sorted[lane]
 
     def has_pending(self, tenant_id: int) -> bool:
         return tenant_id in self._tenants
 
     def add(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """New work the scanner just created (so the pass need not wait for the next refresh)."""
+        """New work the scanner just created, in the scheduled lane (so the pass need not wait for the next
+        refresh)."""
         self._pairs.update(pairs)
+        self._by_lane.setdefault(SCHEDULED_LANE.name, set()).update(pairs)
         self._tenants.update(tenant for tenant, _ in pairs)
-        self._sorted = None
+        self._sorted.pop(SCHEDULED_LANE.name, None)
         self._added.update(pairs)
 
     @property
@@ -67,7 +78,9 @@ class PendingPairs:
 
     async def refresh(self, conn: Conn) -> None:
         self._added = set()
-        self.pairs = await dispatch_reads.pending_pairs(conn) | self._added
+        by_lane = await dispatch_reads.pending_lane_pairs(conn)
+        by_lane.setdefault(SCHEDULED_LANE.name, set()).update(self._added)
+        self.by_lane = by_lane
         self.read_at = self._clock.monotonic()
 
     def refresh_in_background(self) -> None:

@@ -2,7 +2,8 @@
 
 The database is analyzed while idle (every client offline, a history of finished executions, the backlog, nothing
 outstanding), then the clients come online and a first full pass leaves 500 executions outstanding, without ANALYZE:
-a busy system the statistics know nothing of. A full pass and a maintenance tick then run with every statement's
+a busy system the statistics know nothing of. A full pass (with its reads of the clients of its window, of the
+health pauses and of the pending pairs per lane) and a maintenance tick then run with every statement's
 EXPLAIN (ANALYZE, BUFFERS) captured (auto_explain, in these sessions only), and no statement may read more than
 BUFFER_BOUND shared buffers.
 
@@ -62,6 +63,9 @@ async def _idle_then_busy(pool: AsyncConnectionPool[Conn]) -> None:
         await load_ready(conn, tenants, READY)
         await conn.execute("VACUUM ANALYZE")  # idle: every client offline, nothing outstanding
         await set_online(conn, tenants, online=True)
+        # Broken logins the statistics know nothing of either (the health pauses' read, migration 070's index).
+        await conn.execute("UPDATE desktop_clients SET platform_health = '{\"openai\": \"login_required\"}' "
+                           "WHERE tenant_id = ANY(%(t)s)", {"t": tenants.ids[:TENANTS // 3]})
 
 
 async def _pass_and_tick(settings: Settings, session: tuple[str, ...] = ()) -> list[Plan]:
@@ -78,10 +82,15 @@ async def _pass_and_tick(settings: Settings, session: tuple[str, ...] = ()) -> l
         outcome = await dispatcher.run_pass(dispatch_settings)
         assert outcome.dispatched == BATCH, outcome
         async with pool.connection() as conn:
+            await dispatcher.pending.refresh(conn)  # the pending pairs per lane (a pass re-reads them when stale)
             await observe_backlog(conn, BacklogCensus())
     finally:
         await pool.close()
     assert plans, "auto_explain sent no plans"
+    # The full pass's reads of the fleet are among them: the clients of its window, the health pauses (migration
+    # 070's index), the pending pairs per lane.
+    for marker in ("c.tenant_id = ANY", "jsonb_each_text", "ORDER BY tenant_id, ai_platform_id, dispatch_lane"):
+        assert any(marker in " ".join(p.query.split()) for p in plans), marker
     return plans
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from libs.contracts.amqp import LifecycleEvent
 from libs.dispatch_settings import DispatchSettings
+from libs.domain.lanes import SCHEDULED_LANE
 from libs.domain.slowdown import WriteStats
 from libs.mq.topology import Topology
 from services.dispatch_coordinator.coordinator import Coordinator, CoordinatorConfig
@@ -86,13 +87,14 @@ class _PairsConn:
     """The one statement PendingPairs.refresh runs, answered with the given pairs."""
 
     pairs: set[tuple[int, int]]
-    rows: list[dict[str, int]] = field(default_factory=list)
+    rows: list[dict[str, object]] = field(default_factory=list)
 
     async def execute(self, query: str, params: object = None) -> _PairsConn:
-        self.rows = [{"tenant_id": tenant, "ai_platform_id": platform} for tenant, platform in self.pairs]
+        self.rows = [{"tenant_id": tenant, "ai_platform_id": platform, "lane": SCHEDULED_LANE.name}
+                     for tenant, platform in self.pairs]
         return self
 
-    async def fetchall(self) -> list[dict[str, int]]:
+    async def fetchall(self) -> list[dict[str, object]]:
         return self.rows
 
 

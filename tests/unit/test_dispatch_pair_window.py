@@ -1,12 +1,14 @@
 """A full pass's candidate reads follow its budget, not the number of pairs with work: a window of the pairs per pass,
 each pair's read cut to a fair share, the window moving on round-robin from pass to pass, and only the pairs it visits
-asked how much they could use."""
+asked how much they could use; walked in stretches (the pass reads a stretch's clients first), the same window."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from collections.abc import Callable
 
-from libs.domain.dispatch import PairRead, pair_read_window
+from libs.domain.dispatch import PairRead, pair_read_window, pair_window_share, pairs_after
 
 
 def _pairs(tenants: int, platforms: int = 3) -> list[tuple[int, int]]:
@@ -66,3 +68,51 @@ def test_the_window_goes_round_robin_over_every_pair() -> None:
 def test_no_budget_reads_nothing_and_keeps_the_cursor() -> None:
     assert pair_read_window(_pairs(5), (2, 1), 0, _fifty) == ([], (2, 1), 0)
     assert pair_read_window([], (2, 1), 100, _fifty) == ([], (2, 1), 0)
+
+
+def _walk_in_stretches(pairs: list[tuple[int, int]], after: tuple[int, int] | None, budget_rows: int,
+                       k_of: Callable[[int, int], int], max_visits: int, stretch: int,
+                       share: int | None) -> tuple[list[PairRead], tuple[int, int] | None, int]:
+    """A window walked as the full pass walks it (services/dispatch_coordinator/dispatcher.py `_pair_window`):
+    `stretch` pairs at a time, with `share` (None: each stretch its own, the mistake)."""
+    window: list[PairRead] = []
+    visited = rows = 0
+    while visited < max_visits and rows < budget_rows:
+        part, after, n = pair_read_window(pairs, after, budget_rows - rows, k_of,
+                                          max_visits=min(stretch, max_visits - visited), share=share)
+        window.extend(part)
+        rows += sum(r.k for r in part)
+        visited += n
+    return window, after, visited
+
+
+def test_a_window_walked_in_stretches_picks_what_one_walk_picks() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        pairs = _pairs(rng.randint(1, 400), rng.randint(1, 3))
+        ks = {p: rng.choice((0, 0, 1, 3, 5, 50)) for p in pairs}
+        after = rng.choice([None, *pairs, (10_000, 1)])
+        budget = rng.randint(1, 400)
+        visits = min(len(pairs), rng.randint(1, 4 * budget))  # as the pass asks: each pair at most once
+        def k_of(tenant_id: int, platform_id: int, ks: dict[tuple[int, int], int] = ks) -> int:
+            return ks[(tenant_id, platform_id)]
+
+        whole = pair_read_window(pairs, after, budget, k_of, max_visits=visits)
+        share = pair_window_share(budget, len(pairs))
+        stretch = rng.randint(1, 40)
+        assert _walk_in_stretches(pairs, after, budget, k_of, visits, stretch, share) == whole
+
+
+def test_stretches_each_with_their_own_share_pick_another_window() -> None:
+    """The checker above catches the mistake: each stretch recomputing the share from the rows still wanted."""
+    pairs = _pairs(4)
+    whole = pair_read_window(pairs, None, 24, _fifty)
+    assert _walk_in_stretches(pairs, None, 24, _fifty, len(pairs), 2, None) != whole
+
+
+def test_pairs_after_are_the_next_ones_wrapping_around() -> None:
+    pairs = _pairs(3, 1)
+    assert pairs_after(pairs, None, 2) == [(1, 1), (2, 1)]
+    assert pairs_after(pairs, (2, 1), 2) == [(3, 1), (1, 1)]
+    assert pairs_after(pairs, (2, 5), 9) == [(3, 1), (1, 1), (2, 1)]  # a cursor no longer among them; at most all
+    assert pairs_after([], None, 3) == []

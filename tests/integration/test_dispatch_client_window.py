@@ -1,0 +1,251 @@
+"""A full pass reads the clients of the tenants its candidate windows reach, not the fleet (docs/architecture.md
+"Full pass: clients of the window"), on real Postgres: over many tenants it reads a few of their clients, plans what a
+pass over every client plans, and still dispatches a high candidate of a tenant outside its window; the
+platform-health pauses come from the blocking clients alone (migration 070), whatever the tenant's pending work; and a
+lane with work in one pair among hundreds reaches it in the first pass (the pending pairs per lane)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from libs.db.pool import Conn
+from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
+from libs.domain.dispatch import plan_pass
+from libs.domain.lanes import CLICK_LANE, SCHEDULED_LANE, monitor_lane
+from libs.domain.platform_health import BLOCKING_STATES, ClientHealth, paused_pairs
+from libs.tasks import dispatch_reads
+from services.dispatch_coordinator.dispatcher import Dispatcher, limits_from, read_snapshot
+from tests.support.backlog import Tenants, load_outstanding, load_ready, load_tenants
+
+TENANTS = 60
+CLIENTS_PER_TENANT = 2
+BATCH = 10  # a window of ~20 candidate rows: a few of the 180 pairs' tenants a pass
+BOOSTED = monitor_lane(SCHEDULED_LANE.name).ages_into
+
+
+async def _world(pool: AsyncConnectionPool[Conn], *, tenants: int = TENANTS, ready: int = 1_200) -> Tenants:
+    async with pool.connection() as conn:
+        loaded = await load_tenants(conn, tenants=tenants, clients_per_tenant=CLIENTS_PER_TENANT)
+        await load_ready(conn, loaded, ready)
+        await load_outstanding(conn, loaded, 1)  # clients with different loads: the least-loaded choice matters
+        await conn.execute("UPDATE platform_settings SET max_concurrent = 1000")
+        for key, value in {"dispatch_batch_size": BATCH, "cluster_dispatch_per_minute": 1_000_000,
+                           "tenant_dispatch_per_minute": 1_000_000, "cluster_dispatch_per_minute_ceiling": 1_000_000,
+                           "tenant_dispatch_per_minute_ceiling": 1_000_000}.items():
+            await set_setting(conn, key, value)
+    return loaded
+
+
+async def _settings(pool: AsyncConnectionPool[Conn]) -> DispatchSettings:
+    async with pool.connection() as conn:
+        return await load_settings(conn)
+
+
+async def _promote(conn: Conn, task_id: int, lane: str) -> None:
+    await conn.execute("UPDATE monitoring_collect_tasks SET dispatch_lane = %(lane)s, dispatch_priority = %(p)s "
+                       "WHERE id = %(id)s", {"lane": lane, "p": monitor_lane(lane).default_priority, "id": task_id})
+
+
+async def _a_task_of(conn: Conn, tenant_id: int) -> int:
+    """A ready task of the tenant (pending, no execution)."""
+    cur = await conn.execute("SELECT min(t.id) AS id FROM monitoring_collect_tasks t WHERE t.tenant_id = %(t)s "
+                             "AND t.status = 'pending' AND NOT EXISTS (SELECT 1 FROM desktop_tasks d "
+                             "WHERE d.monitor_task_id = t.id)", {"t": tenant_id})
+    row = await cur.fetchone()
+    assert row is not None and row["id"] is not None
+    return int(row["id"])
+
+
+async def _plan(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, settings: DispatchSettings, *,
+                all_clients: bool) -> tuple[list[tuple[int, str]], dict[str, int], set[int]]:
+    """What `dispatcher`'s next full pass would decide (nothing written, its cursors left as they were): the
+    (task, client) decisions, the rejections, and the tenants of the clients it read."""
+    limits = limits_from(settings, slowdown=False)
+    cursors = dict(dispatcher._read_after)
+    async with pool.connection() as conn, conn.transaction(force_rollback=True):
+        if not dispatcher.pending.read_at:
+            await dispatcher.pending.refresh(conn)
+        snap = await read_snapshot(conn, settings, all_clients=all_clients)
+        candidates = await dispatcher.read_candidates(conn, snap, limits, settings)
+    dispatcher._read_after = cursors
+    plan = plan_pass(candidates, snap.clients, snap.ledger, limits, last_served=dispatcher.last_served,
+                     max_dispatches=settings.dispatch_batch_size)
+    return ([(d.task.id, str(d.client_id)) for d in plan.decisions], dict(plan.rejections),
+            {c.tenant_id for c in snap.clients})
+
+
+async def test_a_pass_reads_the_clients_of_its_window_and_plans_what_a_read_of_every_client_plans(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    world = await _world(pool)
+    last = world.ids[-1]
+    async with pool.connection() as conn:
+        # A collect-now of the last tenant (outside the first windows) and a task bound to a client of another tenant
+        # (a client the window's tenants do not have).
+        high_task = await _promote_a_click(conn, last)
+        bound = await _a_task_of(conn, world.ids[0])
+        cur = await conn.execute("SELECT id FROM desktop_clients WHERE tenant_id = %(t)s ORDER BY id LIMIT 1",
+                                 {"t": world.ids[-2]})
+        row = await cur.fetchone()
+        assert row is not None
+        foreign = row["id"]
+        await conn.execute("UPDATE monitoring_collect_tasks SET target_client_id = %(c)s, "
+                           "enqueued_at = now() - interval '1 day' WHERE id = %(id)s",  # first of its pair
+                           {"c": foreign, "id": bound})
+        # A broken login somewhere: the room of that tenant's clients changes, not the comparison.
+        await conn.execute("UPDATE desktop_clients SET platform_health = %(h)s WHERE tenant_id = %(t)s",
+                           {"h": json.dumps({"openai": "login_required"}), "t": world.ids[1]})
+    settings = await _settings(pool)
+    windowed, fleet = Dispatcher(pool), Dispatcher(pool)
+    total_clients = TENANTS * CLIENTS_PER_TENANT
+    for n in range(4):  # the windows move on from pass to pass: each one compared
+        decided, rejected, tenants_read = await _plan(pool, windowed, settings, all_clients=False)
+        # The same dispatcher state (cursors, rotation, pending pairs), reading every client.
+        fleet._read_after, fleet.last_served = dict(windowed._read_after), dict(windowed.last_served)
+        fleet.pending.by_lane, fleet.pending.read_at = windowed.pending.by_lane, windowed.pending.read_at
+        expected, expected_rejected, every_tenant = await _plan(pool, fleet, settings, all_clients=True)
+        assert decided == expected and rejected == expected_rejected, n
+        assert len(decided) == BATCH and len(every_tenant) == TENANTS
+        assert windowed.client_reads.rows < total_clients / 3, windowed.client_reads
+        if n == 0:
+            assert last in tenants_read  # the high candidate's tenant, read for it
+            assert high_task in {task for task, _ in decided}
+            assert (bound, str(foreign)) in decided  # its client read by id, as a read of every client finds it
+        outcome = await windowed.run_pass(settings)  # moves the cursors on as a pass that writes does
+        assert outcome.dispatched == BATCH and outcome.high_dispatched == (1 if n == 0 else 0)
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) AS n FROM desktop_tasks WHERE monitor_task_id = %(id)s",
+                                 {"id": high_task})
+        row = await cur.fetchone()
+        assert row is not None and row["n"] == 1
+
+
+async def _promote_a_click(conn: Conn, tenant_id: int) -> int:
+    task = await _a_task_of(conn, tenant_id)
+    await _promote(conn, task, CLICK_LANE.name)
+    return task
+
+
+async def test_the_tenants_read_are_those_of_the_pairs_the_window_visits(pool: AsyncConnectionPool[Conn]) -> None:
+    world = await _world(pool)
+    settings = await _settings(pool)
+    dispatcher = Dispatcher(pool)
+    async with pool.connection() as conn:
+        await dispatcher.pending.refresh(conn)
+    _, _, tenants_read = await _plan(pool, dispatcher, settings, all_clients=False)
+    # No high work: the first window's stretch, from the first pair on (3 pairs a tenant), and nothing else.
+    first = world.ids[:len(tenants_read)]
+    assert tenants_read == set(first), (sorted(tenants_read), first)
+    assert dispatcher.client_reads.rows == len(tenants_read) * CLIENTS_PER_TENANT
+    assert dispatcher.client_reads.statements >= 1
+
+
+async def test_a_lane_with_work_in_one_pair_among_hundreds_reaches_it_in_the_first_pass(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    world = await _world(pool, tenants=200, ready=2_000)
+    async with pool.connection() as conn:
+        boosted = await _a_task_of(conn, world.ids[-1])
+        await _promote(conn, boosted, BOOSTED)
+        by_lane = await dispatch_reads.pending_lane_pairs(conn)
+    assert len(by_lane[BOOSTED]) == 1 and len(by_lane[SCHEDULED_LANE.name]) == 200 * 3
+    dispatcher = Dispatcher(pool)
+    assert (await dispatcher.run_pass(await _settings(pool))).dispatched == BATCH
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) AS n FROM desktop_tasks WHERE monitor_task_id = %(id)s",
+                                 {"id": boosted})
+        row = await cur.fetchone()
+    assert row is not None and row["n"] == 1
+
+
+async def _pauses_over_every_client(conn: Conn, settings: DispatchSettings) -> dict[tuple[int, int], str]:
+    """`paused_pairs` over every eligible client (what the pass computed before migration 070)."""
+    snap = await read_snapshot(conn, settings, all_clients=True)
+    return dict(paused_pairs((ClientHealth(c.id, c.tenant_id, c.blocked_platforms) for c in snap.clients),
+                             snap.overrides, snap.platform_codes))
+
+
+async def test_the_health_pauses_come_from_the_blocking_clients_and_agree_with_every_clients_reading(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    world = await _world(pool, tenants=6, ready=0)  # no pending work at all: a pause shows all the same
+    settings = await _settings(pool)
+    a, b, c, d, e, f = world.ids
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT id, tenant_id FROM desktop_clients ORDER BY tenant_id, id")
+        clients: dict[int, list[Any]] = {}
+        for r in await cur.fetchall():
+            clients.setdefault(r["tenant_id"], []).append(r["id"])
+
+        async def health(client: Any, report: object) -> None:
+            await conn.execute("UPDATE desktop_clients SET platform_health = %(h)s WHERE id = %(id)s",
+                               {"h": json.dumps(report) if report is not None else None, "id": client})
+
+        for client in clients[a]:  # every client blocks openai: paused
+            await health(client, {"openai": "login_required", "gemini": "healthy"})
+        await health(clients[b][0], {"openai": "captcha"})  # one of two: not paused
+        for client in clients[c]:  # both block, by different states, one also gemini: openai paused only
+            await health(client, {"openai": "rate_limited"})
+        await health(clients[c][0], {"openai": "captcha", "gemini": "login_required"})
+        await health(clients[d][0], {"openai": "login_required"})  # the other one is offline: paused
+        await conn.execute("UPDATE desktop_clients SET online = false WHERE id = %(id)s", {"id": clients[d][1]})
+        for client in clients[e]:  # an unknown platform code and a state that does not block: nothing
+            await health(client, {"nosuch": "login_required", "openai": "degraded"})
+        for client in clients[f]:  # paused by health, lifted by the operator
+            await health(client, {"gemini": "captcha"})
+        await conn.execute("INSERT INTO platform_health_overrides (tenant_id, ai_platform_id, mode, reason) "
+                           "SELECT %(t)s, id, 'ignore_health', 'stale' FROM ai_platforms WHERE code = 'gemini'",
+                           {"t": f})
+        snap = await read_snapshot(conn, settings, all_clients=False)
+        expected = await _pauses_over_every_client(conn, settings)
+        code = {pid: c for pid, c in snap.platform_codes.items()}
+        assert {(t, code[p]): s for (t, p), s in snap.platform_pauses.items()} == {
+            (a, "openai"): "health", (c, "openai"): "health", (d, "openai"): "health"}
+        assert snap.platform_pauses == expected
+        assert snap.clients == []  # the pass read no client for them
+        # The statement reads the blocking clients through the partial index.
+        await conn.execute("SET enable_seqscan = off")  # a 12-client table is read whole otherwise
+        cur = await conn.execute("EXPLAIN (FORMAT JSON) " + dispatch_reads._HEALTH_PAUSES,
+                                 {"heartbeat_timeout_s": 30})
+        row = await cur.fetchone()
+        assert row is not None
+        plan = json.dumps(row["QUERY PLAN"])
+        assert "ix_clients_health_blocking" in plan, plan
+
+
+async def test_the_indexs_predicate_is_the_codes_blocking_client(pool: AsyncConnectionPool[Conn]) -> None:
+    """The database's own reading of migration 070's predicate against libs.domain.platform_health's: a report blocks
+    when one of its states is a blocking one."""
+    reports: list[object] = [None, {}, {"openai": "healthy"}, {"openai": "degraded", "gemini": "unknown"},
+                             ["login_required"], "captcha", {"openai": 1}, {"x": "LOGIN_REQUIRED"}]
+    reports += [{"openai": state} for state in BLOCKING_STATES]
+    reports += [{"openai": "healthy", "gemini": state} for state in BLOCKING_STATES]
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT pg_get_expr(i.indpred, i.indrelid) AS pred FROM pg_index i JOIN pg_class c "
+                                 "ON c.oid = i.indexrelid WHERE c.relname = 'ix_clients_health_blocking'")
+        row = await cur.fetchone()
+        assert row is not None
+        predicate = row["pred"]
+        for report in reports:
+            cur = await conn.execute(f"SELECT coalesce(({predicate}), false) AS blocks "
+                                     "FROM (SELECT %(h)s::jsonb AS platform_health) c",
+                                     {"h": json.dumps(report) if report is not None else None})
+            got = await cur.fetchone()
+            assert got is not None
+            expected = isinstance(report, dict) and any(s in BLOCKING_STATES for s in report.values())
+            assert got["blocks"] == expected, report
+
+
+async def test_pairs_of_tenants_without_an_eligible_client_take_a_few_client_statements(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """The stretches double while their pairs have no room: a window walking 80 pairs of tenants whose clients are all
+    offline reads their clients in 3 statements (16, 32, 32 pairs), not 5 of 16 pairs; three windows, 9."""
+    world = await _world(pool, tenants=200, ready=2_000)
+    async with pool.connection() as conn:
+        await conn.execute("UPDATE desktop_clients SET online = false WHERE tenant_id = ANY(%(t)s)",
+                           {"t": world.ids[:190]})
+    dispatcher = Dispatcher(pool)
+    outcome = await dispatcher.run_pass(await _settings(pool))
+    assert outcome.dispatched == 0 and outcome.rejections == {"no_eligible_client": 240}, outcome
+    assert dispatcher.client_reads.rows == 0
+    assert dispatcher.client_reads.statements == 9, dispatcher.client_reads
