@@ -18,7 +18,7 @@ execution, so every (re)connect carries a replay. Measured, in this order:
 4. reconnect storm: the hub is killed (SIGKILL) and started again; until every client has its new hello and replay.
 
 With `--hubs N` the fleet is spread over N hub replicas by a simulated load balancer (bench/hub_scale_client.py:
-desktop i to hub i % N first, the next hub after a refusal), and it also measures
+desktop i to hub i % N first, a random other hub after a refusal or a drain), and it also measures
 - intake per hub: how many of the fan-out's dispatch events each hub's queue took, against its share of sockets
   (targeted delivery: each hub should take only its own clients' events);
 - rolling restart: each hub in turn SIGTERM'd (it drains: 4503 with a jittered reconnect delay), started again,

@@ -9,11 +9,14 @@ the hub it measured on the benchmark's two cores (the handshakes, and a heartbea
     python -m bench.hub_scale_client CONFIG.json
 
 CONFIG: {"hubs": ["http://127.0.0.1:PORT", ...], "tokens": [...], "offset": N}. A simulated load balancer: desktop i
-of the process goes to hub (offset + i) % len(hubs) first, and to the next hub after a refused connection or
-handshake. A hub that drains (close code 4503) names the delay after which its desktop reconnects; others are
-reconnected with the simulator's backoff. Commands arrive on stdin as JSON lines, answers go to stdout as JSON
-lines; clocks are `time.time()`, so the benchmark compares them across processes on one machine. Commands:
-connect, status, arrivals, arrived, lag (how late this process's event loop ran since the last `lag`), stop.
+of the process goes to hub (offset + i) % len(hubs) first, and after a refused connection or handshake, or a drain,
+to one of the other hubs picked at random, as a Kubernetes Service picks one of its ready endpoints for each new
+connection (always the next hub would pile every drained hub's clients onto one replica during a rolling restart,
+20,000 on the last of four, which no load balancer does). A hub that drains (close code 4503) names the delay after
+which its desktop reconnects; others are reconnected with the simulator's backoff. Commands arrive on stdin as JSON
+lines, answers go to stdout as JSON lines; clocks are `time.time()`, so the benchmark compares them across processes
+on one machine. Commands: connect, status, arrivals, arrived, lag (how late this process's event loop ran since the
+last `lag`), stop.
 """
 
 from __future__ import annotations
@@ -181,6 +184,10 @@ class Socket(asyncio.Protocol):
         self._end("closed" if self.upgraded else type(exc).__name__ if exc else "closed")
 
     def _end(self, why: str) -> None:
+        if self.done.done():
+            # Ended already (a close frame, then the transport's connection_lost): by now the desktop may have its
+            # next socket, ready, whose state this one must not clear (it left desktops "not ready" for good).
+            return
         for timer in (self.handshake_timer, self.beat_timer):
             if timer is not None:
                 timer.cancel()
@@ -213,7 +220,7 @@ class Fleet:
                 _, socket = await loop.create_connection(functools.partial(Socket, self, desktop, host), *address)
             except OSError as exc:
                 self._count(type(exc).__name__)
-                hub = (hub + 1) % len(self.hubs)  # the load balancer tries the next hub
+                hub = self.other_hub(hub)
             else:
                 self.sockets.add(socket)
                 why = await socket.done
@@ -222,10 +229,10 @@ class Fleet:
                     attempt = 0
                     delay = socket.reconnect_after_s
                     if delay is not None:  # drained: the load balancer's next pick is another hub
-                        hub = (hub + 1) % len(self.hubs)
+                        hub = self.other_hub(hub)
                 else:
                     self._count(why)
-                    hub = (hub + 1) % len(self.hubs)
+                    hub = self.other_hub(hub)
             if delay is None:
                 delay = backoff_delay(attempt, base_s=RECONNECT_BASE_S, max_s=RECONNECT_MAX_S, rng=self.rng)
                 attempt += 1
@@ -233,6 +240,14 @@ class Fleet:
                 await asyncio.wait_for(self.stopping.wait(), delay)
             except TimeoutError:
                 pass
+
+    def other_hub(self, hub: int) -> int:
+        """The load balancer's pick for a new connection that `hub` refused or drained: any other hub, at random (the
+        same hub when there is only one)."""
+        if len(self.hubs) < 2:
+            return hub
+        pick = self.rng.randrange(len(self.hubs) - 1)
+        return pick if pick < hub else pick + 1
 
     def _count(self, what: str) -> None:
         self.handshake_errors[what] = self.handshake_errors.get(what, 0) + 1
