@@ -468,8 +468,8 @@ async def _inproc(settings: Settings, world: dict[str, Any], *, rounds: int,
         async with pool.connection() as conn:
             dispatch_settings = await load_settings(conn)
         for _ in range(aging_rounds):
-            boosted = await _timed(timings, "aging round", lambda: run_aging(pool, dispatch_settings))
-            timings["aging round boosted"].append(boosted)
+            aged: AgingRound = await _timed(timings, "aging round", lambda: run_aging(pool, dispatch_settings))
+            timings["aging round boosted"].append(aged.boosted)
     finally:
         await pool.close()
     return timings
