@@ -246,14 +246,10 @@ WHERE NOT EXISTS ({_HIGH_TRACKED}) AND d.kind = 'monitor' AND d.created_at >= to
 GROUP BY 1
 """
 
-# Eligible clients with their monitor load. Set-based: one aggregate over the active work, folded into ONE jsonb
-# object (client id -> [in_progress, queued, queued_high, interrupt_overdue]), and the clients with pending high work
-# as one array, each looked up per eligible client: no join between the clients and the aggregate, so no plan can
-# rescan the aggregate per client. As a join it did when the statistics were taken while no client was online (the
-# planner estimated one client): a nested loop of 1,041 clients over 501 loads, 215 of the pass's 245 ms at 1,000,000
-# ready tasks (docs/benchmarks.md "Backlog scale").
-_CLIENTS = f"""
-WITH load AS MATERIALIZED (
+# What _CLIENTS and _CLIENTS_OF share, so that both answer the row `_client_load` reads: the body of their `load` CTE
+# (the monitor load of the active work, before each one's own WHERE and GROUP BY: of every client, or of the clients
+# asked for), and the row per client, looked up in that load and in the clients with pending high work.
+_LOAD_BY_CLIENT = f"""\
     SELECT coalesce(jsonb_object_agg(a.client_id::text, jsonb_build_array(
                a.in_progress, a.queued, a.queued_high, a.interrupt_overdue)), '{{}}'::jsonb) AS by_client
     FROM (SELECT d.target_client_id AS client_id,
@@ -266,7 +262,28 @@ WITH load AS MATERIALIZED (
                               secs => {interrupt_timeout_ms_sql("soft", "d", "ps", "15000")} / 1000.0)), false)
                      AS interrupt_overdue
           FROM {ready.ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
-          GROUP BY 1) a
+"""
+_CLIENT_WITH_LOAD = """\
+SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
+       c.platform_health, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
+       coalesce((a.l ->> 2)::int, 0) > 0 OR c.id = ANY(h.clients) AS pending_high,
+       coalesce((a.l ->> 3)::boolean, false) AS interrupt_overdue
+"""
+_LOAD_JOINS = """\
+CROSS JOIN load
+CROSS JOIN high h
+CROSS JOIN LATERAL (SELECT load.by_client -> c.id::text AS l) a
+"""
+
+# Eligible clients with their monitor load. Set-based: one aggregate over the active work, folded into ONE jsonb
+# object (client id -> [in_progress, queued, queued_high, interrupt_overdue]), and the clients with pending high work
+# as one array, each looked up per eligible client: no join between the clients and the aggregate, so no plan can
+# rescan the aggregate per client. As a join it did when the statistics were taken while no client was online (the
+# planner estimated one client): a nested loop of 1,041 clients over 501 loads, 215 of the pass's 245 ms at 1,000,000
+# ready tasks (docs/benchmarks.md "Backlog scale").
+_CLIENTS = f"""
+WITH load AS MATERIALIZED (
+{_LOAD_BY_CLIENT}          GROUP BY 1) a
 ), high AS MATERIALIZED (
     -- Clients with pending high business work not yet running (its ready-list index, lane = {_PREEMPTING}).
     SELECT coalesce(array_agg(DISTINCT t.target_client_id), '{{}}') AS clients
@@ -274,15 +291,8 @@ WITH load AS MATERIALIZED (
     WHERE t.dispatch_lane = {_PREEMPTING} AND t.status = 'pending' AND t.target_client_id IS NOT NULL
       AND {ready.NOT_ACTIVE_HASHED}
 )
-SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-       c.platform_health, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
-       coalesce((a.l ->> 2)::int, 0) > 0 OR c.id = ANY(h.clients) AS pending_high,
-       coalesce((a.l ->> 3)::boolean, false) AS interrupt_overdue
-FROM desktop_clients c
-CROSS JOIN load
-CROSS JOIN high h
-CROSS JOIN LATERAL (SELECT load.by_client -> c.id::text AS l) a
-WHERE {ELIGIBLE_CLIENT_SQL}
+{_CLIENT_WITH_LOAD}FROM desktop_clients c
+{_LOAD_JOINS}WHERE {ELIGIBLE_CLIENT_SQL}
 """
 
 # The clients of some tenants (and some clients by id), eligible, with their monitor load: what a full pass reads of
@@ -300,18 +310,7 @@ WITH k AS MATERIALIZED (
     FROM desktop_clients c
     WHERE (c.tenant_id = ANY(%(tenants)s::bigint[]) OR c.id = ANY(%(ids)s::uuid[])) AND {ELIGIBLE_CLIENT_SQL}
 ), load AS MATERIALIZED (
-    SELECT coalesce(jsonb_object_agg(a.client_id::text, jsonb_build_array(
-               a.in_progress, a.queued, a.queued_high, a.interrupt_overdue)), '{{}}'::jsonb) AS by_client
-    FROM (SELECT d.target_client_id AS client_id,
-                 count(*) FILTER (WHERE d.status = 'in_progress') AS in_progress,
-                 count(*) FILTER (WHERE d.status = 'queued') AS queued,
-                 count(*) FILTER (WHERE d.status = 'queued' AND d.lane = {_PREEMPTING}) AS queued_high,
-                 coalesce(bool_or(d.status = 'in_progress' AND (d.control_flags ->> 'interrupt_requested') = 'true'
-                          AND d.interrupted_at < now() - make_interval(
-                              secs => {interrupt_timeout_ms_sql("soft", "d", "ps", "15000")} / 1000.0)), false)
-                     AS interrupt_overdue
-          FROM {ready.ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
-          WHERE d.target_client_id = ANY(ARRAY(SELECT id FROM k))
+{_LOAD_BY_CLIENT}          WHERE d.target_client_id = ANY(ARRAY(SELECT id FROM k))
           GROUP BY 1) a
 ), high AS MATERIALIZED (
     SELECT coalesce(array_agg(DISTINCT t.target_client_id), '{{}}') AS clients
@@ -319,15 +318,8 @@ WITH k AS MATERIALIZED (
     WHERE t.target_client_id = ANY(ARRAY(SELECT id FROM k)) AND t.dispatch_lane = {_PREEMPTING}
       AND t.status = 'pending' AND {ready.NOT_ACTIVE_HASHED}
 )
-SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-       c.platform_health, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
-       coalesce((a.l ->> 2)::int, 0) > 0 OR c.id = ANY(h.clients) AS pending_high,
-       coalesce((a.l ->> 3)::boolean, false) AS interrupt_overdue
-FROM k c
-CROSS JOIN load
-CROSS JOIN high h
-CROSS JOIN LATERAL (SELECT load.by_client -> c.id::text AS l) a
-"""
+{_CLIENT_WITH_LOAD}FROM k c
+{_LOAD_JOINS}"""
 
 # A client reporting a blocking login state for some platform (libs.domain.platform_health.BLOCKING_STATES): the
 # predicate of migration 070's partial index ix_clients_health_blocking, spelled as there (the planner uses a partial
