@@ -620,12 +620,6 @@ async def clients_of(conn: Conn, *, tenants: Sequence[int], ids: Sequence[uuid.U
     return [_client_load(r) for r in await cur.fetchall()]
 
 
-async def health_pauses(conn: Conn, *, heartbeat_timeout_s: int) -> list[HealthPause]:
-    """The (tenant, platform code) pairs every eligible client of the tenant reports a blocking login state for."""
-    cur = await conn.execute(_HEALTH_PAUSES, {"heartbeat_timeout_s": heartbeat_timeout_s})
-    return [HealthPause(r["tenant_id"], r["code"]) for r in await cur.fetchall()]
-
-
 async def budget_use(conn: Conn, *, window_start: int, window_seconds: int) -> list[BudgetUse]:
     """A window's budget use per tenant and lane class (the full pass's reading of it)."""
     cur = await conn.execute(_BUDGET_USE, {"window_start": window_start, "window": window_seconds})

@@ -242,7 +242,7 @@ async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings,
         else:
             ready = await backlog_reads.ready_normal_count(conn)
             statements += 1
-    share = oldest_share(ready, settings.aging_fraction)
+    considered = share = oldest_share(ready, settings.aging_fraction)
     after: tuple[datetime, int] = (_START_OF_TIME, 0)
     boosted = written = 0
     while share > 0 and written < most:
@@ -279,7 +279,7 @@ async def run_aging(pool: AsyncConnectionPool[Conn], settings: DispatchSettings,
     metrics.dispatch_aging_round_limit.set(most)
     if boosted:
         metrics.dispatch_aging_boosted_count.inc(boosted)
-        log.info("aging round", extra={"ready": ready, "considered": oldest_share(ready, settings.aging_fraction),
+        log.info("aging round", extra={"ready": ready, "considered": considered,
                                        "limit": most, "boosted": boosted, "statements": statements})
     return AgingRound(boosted=boosted, statements=statements, limit=most)
 
