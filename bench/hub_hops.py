@@ -40,14 +40,19 @@ HOPS: tuple[tuple[str, str, str], ...] = (
 Marks = Mapping[str, float | None]
 
 
+def span_ms(marks: Marks, start: str, end: str) -> float | None:
+    """Milliseconds from the mark `start` to the mark `end` (None without both)."""
+    a, b = marks.get(start), marks.get(end)
+    return None if a is None or b is None else (b - a) * 1000
+
+
 def hop_spans(clicks: Sequence[Marks]) -> dict[str, list[float]]:
     """Per hop (in HOPS order), the milliseconds of each click that has both of its marks."""
     spans: dict[str, list[float]] = {label: [] for label, _, _ in HOPS}
     for marks in clicks:
         for label, start, end in HOPS:
-            a, b = marks.get(start), marks.get(end)
-            if a is not None and b is not None:
-                spans[label].append((b - a) * 1000)
+            if (ms := span_ms(marks, start, end)) is not None:
+                spans[label].append(ms)
     return spans
 
 
@@ -57,8 +62,7 @@ def complete(marks: Marks) -> bool:
 
 def total_ms(marks: Marks) -> float | None:
     """Click -> lease in hand, milliseconds (None without both ends)."""
-    a, b = marks.get("clicked"), marks.get("leased")
-    return None if a is None or b is None else (b - a) * 1000
+    return span_ms(marks, "clicked", "leased")
 
 
 def hop_rows(clicks: Sequence[Marks]) -> list[tuple[str, int, float, float]]:
@@ -82,14 +86,7 @@ def shares(clicks: Sequence[Marks]) -> list[tuple[str, float]]:
 def slowest(clicks: Sequence[Marks], n: int = 3) -> list[tuple[float, list[float | None]]]:
     """The n slowest clicks (click -> lease ms, largest first) with each hop's ms (None: a mark missing)."""
     ranked = sorted(((t, m) for m in clicks if (t := total_ms(m)) is not None), key=lambda tm: -tm[0])[:n]
-    out = []
-    for t, marks in ranked:
-        hops: list[float | None] = []
-        for _, start, end in HOPS:
-            a, b = marks.get(start), marks.get(end)
-            hops.append(None if a is None or b is None else (b - a) * 1000)
-        out.append((t, hops))
-    return out
+    return [(t, [span_ms(marks, start, end) for _, start, end in HOPS]) for t, marks in ranked]
 
 
 def lag_summary(samples_ms: Sequence[float]) -> dict[str, float]:
