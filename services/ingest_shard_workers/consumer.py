@@ -79,6 +79,8 @@ DB_OUTAGE_POOL_WAIT_S = 1.0
 # Pauses between attempts to dead-letter one message before it is given back to the queue.
 DEAD_LETTER_RETRIES = (0.2, 1.0)
 BROKER_ERRORS = (AMQPError, ChannelInvalidStateError, ConnectionError, asyncio.TimeoutError)
+# How long a start-up step the broker or database interrupted waits before it is tried again (`IngestWorker._start`).
+START_RETRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -545,16 +547,14 @@ class IngestWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         self._stop = stop
-        async with self.pool.connection() as conn:
-            self.routing = await self.routing_store.state(conn)
-        await self._sync_consumers()
-        await self.broker_dead_letters.subscribe()
-        # Join only once subscribed everywhere: peers yield shards to members that can take them.
-        await self._heartbeat()
-        self.subscribed.set()
-        housekeeping = asyncio.create_task(self._housekeeping(stop), name="ingest-housekeeping")
-        lag = asyncio.create_task(self._refresh_lag(stop), name="ingest-lag")
+        started: list[asyncio.Task[None]] = []
         try:
+            if not await self._start(stop):
+                return
+            self.subscribed.set()
+            housekeeping = asyncio.create_task(self._housekeeping(stop), name="ingest-housekeeping")
+            lag = asyncio.create_task(self._refresh_lag(stop), name="ingest-lag")
+            started = [housekeeping, lag]
             while not stop.is_set():
                 watched = [*self._loops.values(), housekeeping, lag]
                 done, _ = await asyncio.wait(watched, timeout=1.0, return_when=asyncio.FIRST_EXCEPTION)
@@ -565,7 +565,7 @@ class IngestWorker:
                     break
         finally:
             stop.set()
-            await asyncio.gather(*self._loops.values(), housekeeping, lag, return_exceptions=True)
+            await asyncio.gather(*self._loops.values(), *started, return_exceptions=True)
             for shard in self.consumers.values():
                 await shard.close()
             if self._forwarder is not None:
@@ -577,6 +577,31 @@ class IngestWorker:
                 async with self.pool.connection() as conn:
                     await conn.execute(q.LEAVE_MEMBERS, {"instance_id": self.config.instance_id})
             log.info("ingest worker stopped", extra={"instance_id": self.config.instance_id})
+
+    async def _start(self, stop: asyncio.Event) -> bool:
+        """The routing state, a consumer on every shard this replica may take, the broker's dead letters, then the
+        membership (joined only once subscribed everywhere: peers yield shards to members that can take them). A
+        broker or database that drops the connection meanwhile (a broker restart while a replica starts) is waited
+        for and the start carried on, as housekeeping does later: every step is a no-op where it was done. False:
+        stopped first."""
+        while not stop.is_set():
+            try:
+                async with self.pool.connection() as conn:
+                    self.routing = await self.routing_store.state(conn)
+                await self._sync_consumers()
+                if self.broker_dead_letters.channel is None:
+                    await self.broker_dead_letters.subscribe()
+                await self._heartbeat()
+                return True
+            except (psycopg.Error, OSError, *BROKER_ERRORS, RuntimeError) as exc:
+                # aio-pika's RuntimeError("Connection was not opened"): a channel asked for while the robust
+                # connection reconnects. Any other RuntimeError is a bug and stops the service.
+                if isinstance(exc, RuntimeError) and self.connection.connected.is_set():
+                    raise
+                log.warning("ingest start-up interrupted; carrying on", extra={"error": str(exc)[:300]})
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=START_RETRY_S)
+        return False
 
     def _consumer(self, epoch: int, shard: int) -> ShardConsumer:
         key = (epoch, shard)
