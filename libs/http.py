@@ -230,13 +230,23 @@ async def readyz(request: web.Request) -> web.Response:
     return json_response({"status": "ok" if ok else "unavailable", "checks": results}, status=200 if ok else 503)
 
 
-async def metrics_handler(_: web.Request) -> web.Response:
-    return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+# One rendering at a time. Rendering is Python over every series (the leader's per-client and per-tenant gauges:
+# 10,000+ series with a fleet of 10,000), which on the event loop held a click's NOTIFY and high pass for
+# 100-700 ms a scrape (docs/benchmarks.md, "What held the coordinator's event loop"). In a worker thread the loop
+# gets the interpreter back every switch interval (5 ms) while a scrape renders.
+_METRICS_RENDERING = web.AppKey("metrics_rendering", asyncio.Lock)
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    async with request.app[_METRICS_RENDERING]:
+        body = await asyncio.to_thread(exposition)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 def add_ops_routes(app: web.Application) -> None:
     """`/healthz` (alive), `/readyz` (dependencies reachable), `/metrics` (Prometheus)."""
     app.setdefault(READINESS_CHECKS, {})  # type: ignore[arg-type]
+    app[_METRICS_RENDERING] = asyncio.Lock()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)

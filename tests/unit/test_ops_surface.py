@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
+from prometheus_client import REGISTRY, Metric
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from libs.config import ConfigError, Settings
 from libs.http import ApiError, add_readiness_check, json_errors, make_app, readyz
@@ -89,3 +96,41 @@ async def test_a_json_405_keeps_the_allow_header() -> None:
     assert isinstance(resp, web.Response) and resp.status == 405 and isinstance(resp.body, bytes)
     assert set(resp.headers["Allow"].split(",")) == {"GET", "HEAD"}
     assert resp.content_type == "application/problem+json" and json.loads(resp.body)["error"] == "method_not_allowed"
+
+
+class _ThreadRecorder(Collector):
+    """A collector that notes which thread collects it and how many collections overlap (a scrape renders every
+    registered collector); each collection takes a while, as 10,000 series do."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+        self.active = self.most_active = 0
+        self._lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            self.threads.append(threading.current_thread())
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+        time.sleep(0.05)  # the rendering's work, during which another scrape could start
+        with self._lock:
+            self.active -= 1
+        yield GaugeMetricFamily("ops_surface_render_probe", "A test gauge.", value=1.0)
+
+
+async def test_metrics_are_rendered_off_the_event_loop_one_scrape_at_a_time() -> None:
+    """A scrape renders in a worker thread: rendering the leader's 10,000+ series on the event loop held a click's
+    NOTIFY and high pass (docs/benchmarks.md, "What held the coordinator's event loop")."""
+    recorder = _ThreadRecorder()
+    REGISTRY.register(recorder)
+    recorder.threads.clear()  # registering described it, on this thread
+    try:
+        async with TestClient(TestServer(make_app())) as client:
+            answers = await asyncio.gather(*(client.get("/metrics") for _ in range(3)))
+            bodies = [await answer.text() for answer in answers]
+    finally:
+        REGISTRY.unregister(recorder)
+    assert all("ops_surface_render_probe 1.0" in body for body in bodies)
+    assert len(recorder.threads) == 3
+    assert threading.main_thread() not in recorder.threads
+    assert recorder.most_active == 1
