@@ -165,7 +165,11 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
     # autoping off: pings and pongs reach this loop, so both count as heartbeats.
     # aiohttp refuses a message of max_msg_size bytes or more (1009); the cap is "at most MAX_WS_FRAME", hence + 1.
     # The chosen subprotocol is echoed in the 101 (none when the client offered none).
-    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_FRAME + 1,
+    # compress off: permessage-deflate is declined (docs/desktop-protocol.md, Connecting). Node's `ws`, which the
+    # TypeScript SDK uses, offers it by default, and aiohttp accepts an offer unless told not to: each socket
+    # would then hold a zlib compressor (~256 KiB: gigabytes over a hub's 10,000 sockets) and every event would
+    # be compressed on the event loop, for frames of a few hundred bytes that barely shrink.
+    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_FRAME + 1, compress=False,
                                protocols=(protocol.subprotocol,) if protocol.subprotocol else ())
     try:
         await ws.prepare(request)

@@ -208,6 +208,18 @@ async def test_heartbeats_malformed_messages_and_pings(
     await ws.close()
 
 
+async def test_permessage_deflate_is_declined(hub: TestServer, http: aiohttp.ClientSession,
+                                              seed: dict[str, Any]) -> None:
+    """A client offering compression (as Node's `ws`, the TypeScript SDK's socket, does by default) gets a plain
+    socket: no extension in the 101, uncompressed frames."""
+    token = seed["tenants"][0]["clients"][0]["token"]
+    ws = await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers={"Authorization": f"Bearer {token}"},
+                               compress=15)
+    assert ws.compress == 0
+    assert (await receive(ws))["type"] == "hello"
+    await ws.close()
+
+
 async def test_unauthenticated_socket_is_refused(hub: TestServer, http: aiohttp.ClientSession) -> None:
     with pytest.raises(aiohttp.WSServerHandshakeError) as info:
         await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers={"Authorization": "Bearer nope"})
