@@ -1,6 +1,6 @@
-"""One desktop socket: an outbound queue drained by its own writer task, so a slow client never
-blocks the broker consumer or other clients; events that arrive before the hello + replay are
-held back and sent right after them, so the client sees hello first and loses nothing.
+"""One desktop socket: an outbound queue drained by its own writer (started eagerly: a task only while a send
+waits for a slow socket), so a slow client never blocks the broker consumer or other clients; events that arrive
+before the hello + replay are held back and sent right after them, so the client sees hello first and loses nothing.
 
 The writer task runs only while there is something to send: an idle socket holds an empty deque (0.6 KB), not
 an `asyncio.Queue` (3.3 KB) and a parked task (1.1 KB), ~38 MB less on a hub of 10,000 sockets.
@@ -22,6 +22,7 @@ from collections import deque
 from aiohttp import web
 
 from libs.contracts.wire import HUB_DRAINING_CLOSE
+from libs.eager import start_eagerly
 from libs.telemetry import metrics
 from services.dispatch_hub.auth import ClientPrincipal
 
@@ -39,6 +40,7 @@ TOO_SLOW_CLOSE = 1013
 NORMAL_CLOSES = frozenset({1000, 1001, 4401, 4403, 4409, HUB_DRAINING_CLOSE})
 ABNORMAL_CODES = frozenset({1002, 1003, 1006, 1007, 1008, 1009, 1010, 1011, TOO_SLOW_CLOSE, 4408})
 DROPPED = 1006  # no close frame: the connection was lost
+_SENT_TEXT = metrics.websocket_messages_total.bound(direction="out", kind="text")  # counted a frame sent
 
 
 class Connection:
@@ -55,7 +57,11 @@ class Connection:
         self._outbound: deque[tuple[str, float]] = deque()
         self._hello_pending = True
         self._max_outbound = max_outbound
+        # The writer task while a send waits for the socket to drain; `_writing` while the write loop runs at all
+        # (eagerly, in the caller's turn, or in that task).
         self._writer: asyncio.Task[None] | None = None
+        self._writing = False
+        self._send_failed = False  # a send failed: the socket is closing, nothing more is sent to it
         self._stopped = False
         self.overflowed = False
         # Set once the hub decided to close it (replaced, revoked, silent): it no longer counts against the
@@ -72,8 +78,8 @@ class Connection:
 
     @property
     def writing(self) -> bool:
-        """Is a writer task sending the queue (it starts with the first message to send, ends when it is empty)?"""
-        return self._writer is not None
+        """Is a writer sending the queue (it starts with the first message to send, ends when it is empty)?"""
+        return self._writing
 
     def start(self) -> None:
         """Sending may begin (the writer task itself starts with the first message to send)."""
@@ -100,6 +106,8 @@ class Connection:
         self._kick()
 
     def _put(self, text: str, arrived: float) -> None:
+        if self._send_failed:
+            return  # the socket is gone (its handler cleans up); the client's replay on reconnect has it
         if len(self._outbound) >= self._max_outbound:
             # A client this far behind reconnects and gets a replay from the database instead.
             if not self.overflowed:
@@ -112,11 +120,14 @@ class Connection:
         self._kick()
 
     def _kick(self) -> None:
-        if self._writer is None and self._outbound and not self._stopped:
-            self._writer = asyncio.create_task(self._write_loop(), name=f"ws-writer-{self.client_id}")
+        if not self._writing and self._outbound and not self._stopped:
+            # Started eagerly: the queue goes out now, and a writer task exists only while a send waits for the
+            # socket to drain (a fan-out's frame fits the send buffer: no task a socket; libs/eager.py).
+            self._writer = start_eagerly(self._write_loop(), name="ws-writer")
 
     async def _write_loop(self) -> None:
         """Until the queue is empty (one writer at a time, so the order is the queue's)."""
+        self._writing = True
         try:
             while self._outbound:
                 text, arrived = self._outbound.popleft()
@@ -125,8 +136,9 @@ class Connection:
                 except (ConnectionError, RuntimeError):
                     metrics.desktop_ws_send_failures_total.inc()
                     self._outbound.clear()
+                    self._send_failed = True
                     return  # closing or closed: the handler's receive loop ends and cleans up
-                metrics.websocket_messages_total.inc(direction="out", kind="text")
+                _SENT_TEXT.inc()
                 if arrived:
                     metrics.desktop_ws_delivery_seconds.observe(time.monotonic() - arrived)
                 elif self._hello_pending:  # the first frame of a socket is its hello
@@ -134,6 +146,7 @@ class Connection:
                     metrics.desktop_ws_hello_seconds.observe(time.monotonic() - self.opened_at)
         finally:
             self._writer = None
+            self._writing = False
 
     async def stop(self) -> None:
         """No new sends; what is queued goes out within 2 s, or is dropped."""

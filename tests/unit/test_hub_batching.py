@@ -130,6 +130,23 @@ async def test_a_socket_sends_hello_and_replay_then_what_was_held_back_then_live
     await eventually(lambda: ws.sent[-1:] == ["later"], message="a new writer for a new event")
 
 
+async def test_a_frame_the_socket_takes_at_once_is_written_in_the_callers_turn_without_a_task() -> None:
+    """A fan-out's event to a socket whose send buffer has room goes out before `deliver` returns: no task a
+    socket (libs/eager.py); only a send that waits leaves a writer task behind, which carries the rest in order."""
+    ws = FakeSocket()
+    conn = connection(ws)
+    conn.go_live(["hello"])
+    conn.deliver("live")
+    assert ws.sent == ["hello", "live"] and not conn.writing
+    ws.gate.clear()  # the socket's send buffer is full: its next send waits
+    conn.deliver("waits")
+    conn.deliver("queued behind it")
+    assert conn.writing and ws.sent == ["hello", "live"]
+    ws.gate.set()
+    await eventually(lambda: not conn.writing, message="the writer task carried the rest")
+    assert ws.sent == ["hello", "live", "waits", "queued behind it"]
+
+
 async def test_a_replay_larger_than_the_bound_goes_out_but_a_reader_that_far_behind_on_live_events_is_closed(
         ) -> None:
     ws = FakeSocket()
