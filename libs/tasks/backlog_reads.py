@@ -187,23 +187,18 @@ _OWNER_COUNTS = """
 SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending' GROUP BY 1
 """
 
-# The queued executions counted once per client, looked up per online client in one JSON object: linear whatever the
-# statistics say. The join it replaces was planned as a nested loop over every queued execution per client once
-# `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500 queued executions). The
-# answer is one JSON object too (client id -> queued executions), decoded by msgspec: a row per online client was
-# 10,000 rows a tick at 10,000 clients.
+# The online clients (their ids, one comma-separated text) and the queued executions per client (one JSON object,
+# client id -> queued), as two independent aggregates: client_queue_depths gives each online client its count, 0 when
+# it has none. No join for the planner to get wrong: joined, the queue was planned as a nested loop over every queued
+# execution per client once `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500
+# queued executions), and as a lookup per client in one JSON object (what this replaced) it still built a row, then a
+# JSON entry, per online client: 22 ms at 10,000 online clients against 13 ms now, a row per online client before that
+# (docs/benchmarks.md "The maintenance tick and the aging round at 10,000 tenants and 1,000,000 tasks").
 _CLIENT_QUEUE_DEPTH = f"""
-WITH q AS MATERIALIZED (
-    -- Materialized: computed once. As a plain subquery, statistics taken while no client was online made the planner
-    -- rescan the aggregate for every online client (1.5 s a tick at 1,000,000 ready tasks; docs/benchmarks.md
-    -- "Backlog scale").
-    SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{{}}'::jsonb) AS depths
-    FROM (SELECT w.target_client_id, count(*) AS n FROM {ready.ACTIVE_WORK} w
-          WHERE w.status = 'queued' GROUP BY 1) d
-)
-SELECT coalesce(json_object_agg(c.id, coalesce((q.depths ->> c.id::text)::int, 0)), '{{}}')::text AS depths
-FROM desktop_clients c CROSS JOIN q
-WHERE c.online
+SELECT (SELECT coalesce(string_agg(c.id::text, ','), '') FROM desktop_clients c WHERE c.online) AS online,
+       (SELECT coalesce(json_object_agg(d.target_client_id, d.n), '{{}}')
+        FROM (SELECT w.target_client_id, count(*) AS n FROM {ready.ACTIVE_WORK} w
+              WHERE w.status = 'queued' AND w.target_client_id IS NOT NULL GROUP BY 1) d)::text AS queued
 """
 
 # The rollout as stored (libs.tasks.fragments.ROLLOUT_OWNER_SQL's reading, with the settings' default) and the work
@@ -268,8 +263,12 @@ async def client_queue_depths(conn: Conn) -> dict[str, int]:
     """Every online client's queued monitor work, by client id (text)."""
     cur = await conn.execute(_CLIENT_QUEUE_DEPTH)
     row = await cur.fetchone()
-    assert row is not None  # an aggregate: always one row
-    return _DEPTHS_DECODER.decode(row["depths"])
+    assert row is not None  # two aggregates: always one row
+    depths = dict.fromkeys(row["online"].split(","), 0) if row["online"] else {}
+    for client, queued in _DEPTHS_DECODER.decode(row["queued"]).items():
+        if client in depths:  # an offline client's queue is not shown
+            depths[client] = queued
+    return depths
 
 
 async def paths_in_flight(conn: Conn, *, default_rollout: int) -> PathsInFlight:

@@ -98,11 +98,12 @@ async def test_a_tick_writes_the_labels_that_changed_and_removes_the_vanished(
         written = _labels_written(monkeypatch)
         await observe_backlog(conn, census)
         assert written == []  # nothing changed: no label written
-        # The first tenant's task done, the second's queued on its client, the third's client offline.
+        # The first tenant's task done, the second's client given queued work, the third's too but gone offline.
         await conn.execute("UPDATE monitoring_collect_tasks SET status = 'completed' WHERE tenant_id = %s",
                            (tenants[0]["tenant_id"],))
-        await dispatch_execution(conn, tenant=tenants[1], platform_id=platform,
-                                 client_id=tenants[1]["clients"][0]["client_id"], question_index=1)
+        for tenant in tenants[1:]:
+            await dispatch_execution(conn, tenant=tenant, platform_id=platform,
+                                     client_id=tenant["clients"][0]["client_id"], question_index=1)
         await conn.execute("UPDATE desktop_clients SET online = false WHERE id = %s",
                            (tenants[2]["clients"][0]["client_id"],))
         await observe_backlog(conn, census)
