@@ -9,7 +9,6 @@ msgspec Structs. The whole-backlog ones read READY through its hashed form (READ
 
 from __future__ import annotations
 
-import uuid
 from datetime import datetime
 
 import msgspec
@@ -28,20 +27,14 @@ class HighBacklog(msgspec.Struct, frozen=True):
     oldest_ms: float
 
 
-class CensusRow(msgspec.Struct, frozen=True):
-    """One grouping of a census slice: ready non-high tasks of a (tenant, lane) (`by_lane`), pending tasks of an
-    execution path (`by_owner`), ready normal tasks of a wait bucket (`by_bucket`), or the slice as a whole (none of
-    them: `pending` is its size, `last_id` its last task)."""
+class CensusSlice(msgspec.Struct, frozen=True):
+    """A census slice, counted: ready non-high tasks per lane and tenant (`lanes`: lane -> tenant -> tasks), pending
+    tasks per execution path (`owners`), ready normal tasks per wait bucket (`waits`), the slice's size (`pending`)
+    and its last task (`last_id`). Counts of zero are left out."""
 
-    by_lane: bool
-    by_owner: bool
-    by_bucket: bool
-    tenant_id: int | None
-    lane: str | None
-    owner: str | None
-    bucket: int | None
-    ready: int
-    ready_normal: int
+    lanes: dict[str, dict[int, int]]
+    owners: dict[str, int]
+    waits: dict[int, int]
     pending: int
     last_id: int | None
 
@@ -53,13 +46,6 @@ class LaneBacklog(msgspec.Struct, frozen=True):
     lane: str
     n: int
     oldest_ms: float
-
-
-class ClientQueue(msgspec.Struct, frozen=True):
-    """An online client's queued monitor work, on both paths."""
-
-    id: uuid.UUID
-    queued: int
 
 
 class PathsInFlight(msgspec.Struct, frozen=True):
@@ -146,23 +132,37 @@ WHERE t.dispatch_lane = {_CLICK} AND {ready.READY_BACKLOG}
 # every tick (4.9 s at 1,000,000 ready tasks). Per slice, in one aggregation (grouping sets): ready non-high tasks per
 # tenant and lane, pending tasks per execution path, the ready normal tasks' waits in logarithmic buckets (64 a factor
 # e: 1.6% wide) measured at %(reference)s (epoch seconds) so that the slices of a sweep add up, and the slice's size
-# and last id (the empty grouping set).
+# and last id (the empty grouping set). The groupings come back as one row of JSON objects (decoded by msgspec into
+# CensusSlice): a row per (tenant, lane) was 10,000 rows a tick at 10,000 tenants, whose decoding into dicts and
+# Structs took more of the tick than the statement did (docs/benchmarks.md "The maintenance tick and the aging round
+# at 10,000 tenants and 1,000,000 tasks").
 _CENSUS_SLICE = f"""
-SELECT grouping(s.tenant_id, s.lane) = 0 AS by_lane, grouping(s.owner) = 0 AS by_owner,
-       grouping(s.bucket) = 0 AS by_bucket, s.tenant_id, s.lane, s.owner, s.bucket,
-       count(*) FILTER (WHERE s.ready AND s.lane <> {_CLICK}) AS ready,
-       count(*) FILTER (WHERE s.ready AND s.lane IN {NORMAL_BACKLOG_SQL}) AS ready_normal,
-       count(*) AS pending, max(s.id) AS last_id
-FROM (SELECT r.*, CASE WHEN r.ready AND r.lane IN {NORMAL_BACKLOG_SQL} THEN
-                      floor(ln(1 + greatest(0, %(reference)s::float8 - extract(epoch FROM r.enqueued_at)::float8)) * 64)
-                  END::int AS bucket
-      FROM (SELECT t.id, t.tenant_id, t.dispatch_lane AS lane, t.execution_owner AS owner, t.enqueued_at,
-                   coalesce({ready.READY_BACKLOG}, false) AS ready
-            FROM monitoring_collect_tasks t
-            WHERE t.status = 'pending' AND t.id > %(after)s
-            ORDER BY t.id
-            LIMIT %(rows)s) r) s
-GROUP BY GROUPING SETS ((s.tenant_id, s.lane), (s.owner), (s.bucket), ())
+WITH g AS (
+    SELECT grouping(s.tenant_id, s.lane) = 0 AS by_lane, grouping(s.owner) = 0 AS by_owner,
+           grouping(s.bucket) = 0 AS by_bucket, s.tenant_id, s.lane, s.owner, s.bucket,
+           count(*) FILTER (WHERE s.ready AND s.lane <> {_CLICK}) AS ready,
+           count(*) FILTER (WHERE s.ready AND s.lane IN {NORMAL_BACKLOG_SQL}) AS ready_normal,
+           count(*) AS pending, max(s.id) AS last_id
+    FROM (SELECT r.*, CASE WHEN r.ready AND r.lane IN {NORMAL_BACKLOG_SQL} THEN
+                          floor(ln(1 + greatest(0, %(reference)s::float8
+                                                   - extract(epoch FROM r.enqueued_at)::float8)) * 64)
+                      END::int AS bucket
+          FROM (SELECT t.id, t.tenant_id, t.dispatch_lane AS lane, t.execution_owner AS owner, t.enqueued_at,
+                       coalesce({ready.READY_BACKLOG}, false) AS ready
+                FROM monitoring_collect_tasks t
+                WHERE t.status = 'pending' AND t.id > %(after)s
+                ORDER BY t.id
+                LIMIT %(rows)s) r) s
+    GROUP BY GROUPING SETS ((s.tenant_id, s.lane), (s.owner), (s.bucket), ())
+)
+SELECT (SELECT coalesce(json_object_agg(l.lane, l.tenants), '{{}}')
+        FROM (SELECT g.lane, json_object_agg(g.tenant_id, g.ready) AS tenants
+              FROM g WHERE g.by_lane AND g.ready > 0 GROUP BY g.lane) l)::text AS lanes,
+       (SELECT coalesce(json_object_agg(g.owner, g.pending), '{{}}') FROM g WHERE g.by_owner)::text AS owners,
+       (SELECT coalesce(json_object_agg(g.bucket, g.ready_normal), '{{}}')
+        FROM g WHERE g.by_bucket AND g.ready_normal > 0)::text AS waits,
+       g.pending, g.last_id
+FROM g WHERE NOT (g.by_lane OR g.by_owner OR g.by_bucket)
 """
 
 # The same counts exactly, each in one statement over the whole backlog: what the census is tested against.
@@ -187,21 +187,18 @@ _OWNER_COUNTS = """
 SELECT execution_owner, count(*) AS n FROM monitoring_collect_tasks WHERE status = 'pending' GROUP BY 1
 """
 
-# The queued executions counted once per client, looked up per online client in one JSON object: linear whatever the
-# statistics say. The join it replaces was planned as a nested loop over every queued execution per client once
-# `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500 queued executions).
+# The online clients (their ids, one comma-separated text) and the queued executions per client (one JSON object,
+# client id -> queued), as two independent aggregates: client_queue_depths gives each online client its count, 0 when
+# it has none. No join for the planner to get wrong: joined, the queue was planned as a nested loop over every queued
+# execution per client once `online` or the queue had changed since the last ANALYZE (286 ms for 1,041 clients and 500
+# queued executions), and as a lookup per client in one JSON object (what this replaced) it still built a row, then a
+# JSON entry, per online client: 22 ms at 10,000 online clients against 13 ms now, a row per online client before that
+# (docs/benchmarks.md "The maintenance tick and the aging round at 10,000 tenants and 1,000,000 tasks").
 _CLIENT_QUEUE_DEPTH = f"""
-WITH q AS MATERIALIZED (
-    -- Materialized: computed once. As a plain subquery, statistics taken while no client was online made the planner
-    -- rescan the aggregate for every online client (1.5 s a tick at 1,000,000 ready tasks; docs/benchmarks.md
-    -- "Backlog scale").
-    SELECT coalesce(jsonb_object_agg(d.target_client_id::text, d.n), '{{}}'::jsonb) AS depths
-    FROM (SELECT w.target_client_id, count(*) AS n FROM {ready.ACTIVE_WORK} w
-          WHERE w.status = 'queued' GROUP BY 1) d
-)
-SELECT c.id, coalesce((q.depths ->> c.id::text)::int, 0) AS queued
-FROM desktop_clients c CROSS JOIN q
-WHERE c.online
+SELECT (SELECT coalesce(string_agg(c.id::text, ','), '') FROM desktop_clients c WHERE c.online) AS online,
+       (SELECT coalesce(json_object_agg(d.target_client_id, d.n), '{{}}')
+        FROM (SELECT w.target_client_id, count(*) AS n FROM {ready.ACTIVE_WORK} w
+              WHERE w.status = 'queued' AND w.target_client_id IS NOT NULL GROUP BY 1) d)::text AS queued
 """
 
 # The rollout as stored (libs.tasks.fragments.ROLLOUT_OWNER_SQL's reading, with the settings' default) and the work
@@ -225,15 +222,21 @@ async def high_backlog(conn: Conn) -> HighBacklog:
     return HighBacklog(int(row["n"]), float(row["oldest_ms"] or 0))
 
 
-async def census_slice(conn: Conn, *, after_id: int, rows: int, reference: float) -> list[CensusRow]:
-    """The next `rows` pending tasks after `after_id` in id order, counted (see CensusRow); waits measured at
+# The census slice's and the client queues' JSON objects (their keys are text in JSON: msgspec reads them as ints).
+_SLICE_LANES = msgspec.json.Decoder(dict[str, dict[int, int]])
+_SLICE_OWNERS = msgspec.json.Decoder(dict[str, int])
+_SLICE_WAITS = msgspec.json.Decoder(dict[int, int])
+_DEPTHS_DECODER = msgspec.json.Decoder(dict[str, int])
+
+
+async def census_slice(conn: Conn, *, after_id: int, rows: int, reference: float) -> CensusSlice:
+    """The next `rows` pending tasks after `after_id` in id order, counted (see CensusSlice); waits measured at
     `reference` (epoch seconds), so that the slices of a sweep add up."""
     cur = await conn.execute(_CENSUS_SLICE, {"after": after_id, "rows": rows, "reference": reference})
-    return [CensusRow(by_lane=r["by_lane"], by_owner=r["by_owner"], by_bucket=r["by_bucket"],
-                      tenant_id=r["tenant_id"], lane=r["lane"], owner=r["owner"], bucket=r["bucket"],
-                      ready=int(r["ready"]), ready_normal=int(r["ready_normal"]), pending=int(r["pending"]),
-                      last_id=r["last_id"])
-            for r in await cur.fetchall()]
+    row = await cur.fetchone()
+    assert row is not None  # the empty grouping set: always one row
+    return CensusSlice(lanes=_SLICE_LANES.decode(row["lanes"]), owners=_SLICE_OWNERS.decode(row["owners"]),
+                       waits=_SLICE_WAITS.decode(row["waits"]), pending=int(row["pending"]), last_id=row["last_id"])
 
 
 async def backlog_exact(conn: Conn) -> list[LaneBacklog]:
@@ -256,10 +259,16 @@ async def pending_by_owner(conn: Conn) -> dict[str, int]:
     return {r["execution_owner"]: int(r["n"]) for r in await cur.fetchall()}
 
 
-async def client_queue_depths(conn: Conn) -> list[ClientQueue]:
-    """Every online client's queued monitor work."""
+async def client_queue_depths(conn: Conn) -> dict[str, int]:
+    """Every online client's queued monitor work, by client id (text)."""
     cur = await conn.execute(_CLIENT_QUEUE_DEPTH)
-    return [ClientQueue(r["id"], int(r["queued"])) for r in await cur.fetchall()]
+    row = await cur.fetchone()
+    assert row is not None  # two aggregates: always one row
+    depths = dict.fromkeys(row["online"].split(","), 0) if row["online"] else {}
+    for client, queued in _DEPTHS_DECODER.decode(row["queued"]).items():
+        if client in depths:  # an offline client's queue is not shown
+            depths[client] = queued
+    return depths
 
 
 async def paths_in_flight(conn: Conn, *, default_rollout: int) -> PathsInFlight:

@@ -6,13 +6,16 @@ from __future__ import annotations
 from datetime import date
 from typing import Any
 
+import pytest
+from prometheus_client import REGISTRY
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.domain.shard import ingest_shard_key
 from libs.tasks import backlog_reads
-from services.dispatch_coordinator.maintenance import observe_backlog
+from libs.telemetry import metrics
+from services.dispatch_coordinator.maintenance import BacklogCensus, observe_backlog
 from tests.support.desktop import dispatch_execution
 
 _PENDING = """
@@ -54,6 +57,61 @@ async def test_backlog_counts_ready_tasks_only(pool: AsyncConnectionPool[Conn]) 
     assert (backlog.normal, backlog.high, backlog.retry) == (4, 1, 0)
     assert backlog.tenant_normal == {first["tenant_id"]: 3, second["tenant_id"]: 1}
     assert 25_000 < backlog.high_oldest_ms < 60_000
+
+
+def _labels_written(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The label values the per-tenant and per-client gauges are written or removed at from now on."""
+    written: list[str] = []
+    for gauge in (metrics.tenant_monitor_normal_backlog, metrics.desktop_client_monitor_queue_depth):
+        labels, remove = gauge.labels, gauge.remove
+
+        def counted_labels(labels: Any = labels, **kwargs: str) -> Any:
+            written.extend(kwargs.values())
+            return labels(**kwargs)
+
+        def counted_remove(*values: str, remove: Any = remove) -> None:
+            written.extend(values)
+            remove(*values)
+
+        monkeypatch.setattr(gauge, "labels", counted_labels)
+        monkeypatch.setattr(gauge, "remove", counted_remove)
+    return written
+
+
+async def test_a_tick_writes_the_labels_that_changed_and_removes_the_vanished(
+        pool: AsyncConnectionPool[Conn], monkeypatch: pytest.MonkeyPatch) -> None:
+    async with pool.connection() as conn:
+        seed = await seed_demo(conn, tenants=3, questions=2, clients=1, platforms=("openai",), due=False)
+        tenants = seed["tenants"]
+        platform = seed["platforms"][0]["ai_platform_id"]
+        for tenant in tenants:
+            await _pending(conn, tenant, platform, 0)
+        await conn.execute("UPDATE desktop_clients SET online = true")
+        census = BacklogCensus()
+        await observe_backlog(conn, census)
+        ids = [str(t["tenant_id"]) for t in tenants]
+        clients = [str(t["clients"][0]["client_id"]) for t in tenants]
+        for tenant_id in ids:
+            assert REGISTRY.get_sample_value("tenant_monitor_normal_backlog", {"tenant_id": tenant_id}) == 1
+        for client in clients:  # online without queued work: zero, not absent
+            assert REGISTRY.get_sample_value("desktop_client_monitor_queue_depth", {"client_id": client}) == 0
+        written = _labels_written(monkeypatch)
+        await observe_backlog(conn, census)
+        assert written == []  # nothing changed: no label written
+        # The first tenant's task done, the second's client given queued work, the third's too but gone offline.
+        await conn.execute("UPDATE monitoring_collect_tasks SET status = 'completed' WHERE tenant_id = %s",
+                           (tenants[0]["tenant_id"],))
+        for tenant in tenants[1:]:
+            await dispatch_execution(conn, tenant=tenant, platform_id=platform,
+                                     client_id=tenant["clients"][0]["client_id"], question_index=1)
+        await conn.execute("UPDATE desktop_clients SET online = false WHERE id = %s",
+                           (tenants[2]["clients"][0]["client_id"],))
+        await observe_backlog(conn, census)
+    assert sorted(written) == sorted([ids[0], clients[1], clients[2]])
+    assert REGISTRY.get_sample_value("tenant_monitor_normal_backlog", {"tenant_id": ids[0]}) is None  # removed
+    assert [REGISTRY.get_sample_value("tenant_monitor_normal_backlog", {"tenant_id": t}) for t in ids[1:]] == [1, 1]
+    assert [REGISTRY.get_sample_value("desktop_client_monitor_queue_depth", {"client_id": c}) for c in clients] == [
+        0, 1, None]
 
 
 async def test_a_promoted_task_ages_in_the_high_lane_from_its_promotion(pool: AsyncConnectionPool[Conn]) -> None:

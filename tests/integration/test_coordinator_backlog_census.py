@@ -124,7 +124,7 @@ async def test_an_aging_round_takes_its_share_from_the_census_oldest_first_withi
         await census.advance(conn)
         assert census.done is not None and census.done.ready_normal == 30
         # The census says 20 are ready (as it would have a few seconds ago): the round takes half of those, 10.
-        census.done = replace(census.done, tenant_lanes={(1, "normal"): 20})
+        census.done = replace(census.done, lanes={"normal": {1: 20}})
     monkeypatch.setattr(maintenance, "AGING_BATCH", 3)
     assert (await run_aging(pool, settings)).boosted == 10  # in batches of 3
     # Within a limit of 4 a round: the 4 oldest of the share that are not yet at the cap.
