@@ -184,9 +184,15 @@ class LabelledGauge(Generic[LabelKey]):
         if values == published:
             return 0
         gone = published.keys() - values.keys()
-        for key in gone:
-            self.gauge.remove(str(key))
         written = len(gone)
+        if len(gone) > len(values):
+            # Most labels went (a fleet gone offline): one clear and the rest written anew, rather than a `remove`
+            # each (10,000 removes held the leader's event loop ~190 ms in the 10,000-client probe).
+            self.gauge.clear()
+            published = {}
+        else:
+            for key in gone:
+                self.gauge.remove(str(key))
         for key, value in values.items():
             if published.get(key) != value:
                 self.gauge.labels(**{self.label: str(key)}).set(value)

@@ -82,3 +82,17 @@ def test_the_published_values_are_a_copy(monkeypatch: pytest.MonkeyPatch) -> Non
     values["a"] = 2
     assert published.publish(values) == 1
     assert _exposed(registry) == {"a": 2.0}
+
+
+def test_when_most_labels_go_the_gauge_is_cleared_and_the_rest_written_anew(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet gone offline: one clear instead of a `remove` per label, and what stays is still shown right."""
+    registry = CollectorRegistry()
+    gauge = Gauge("client_depth_mass_test", "test", ["tenant_id"], registry=registry)
+    published: LabelledGauge[int] = LabelledGauge(gauge, "tenant_id")
+    published.publish({n: 1 for n in range(1, 10_001)})
+    counted = _Counted(gauge, monkeypatch)
+    assert published.publish({3: 1, 4: 9}) == 9_998 + 2
+    assert counted.removed == [] and sorted(counted.labelled) == ["3", "4"]
+    assert _exposed(registry) == {"3": 1.0, "4": 9.0}
+    counted.reset()
+    assert published.publish({3: 1, 4: 9}) == 0 and counted.labelled == []
