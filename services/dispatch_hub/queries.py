@@ -29,7 +29,7 @@ CLIENTS_ONLINE = """
 UPDATE desktop_clients c
 SET online = true, connected_hub = %(hub)s, last_heartbeat_at = now(), offline_since = NULL, updated_at = now()
 FROM (SELECT id, online AS was_online FROM desktop_clients
-      WHERE id = ANY(%(ids)s) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
+      WHERE id = ANY(%(ids)s::uuid[]) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
 WHERE c.id = p.id
 RETURNING c.id, c.tenant_id, c.interrupt_generation, p.was_online
 """
@@ -55,7 +55,7 @@ WITH beat AS (
     SET last_heartbeat_at = now(), online = true, offline_since = NULL,
         connected_hub = CASE WHEN p.was_online THEN coalesce(c.connected_hub, %(hub)s) ELSE %(hub)s END
     FROM (SELECT id, online AS was_online FROM desktop_clients
-          WHERE id = ANY(%(ids)s) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
+          WHERE id = ANY(%(ids)s::uuid[]) AND disabled_at IS NULL ORDER BY id FOR UPDATE) p
     WHERE c.id = p.id
     RETURNING c.id, c.tenant_id, p.was_online
 )
