@@ -11,6 +11,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
+from libs.config import Settings
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
 from libs.domain.dispatch import plan_pass
@@ -19,6 +20,7 @@ from libs.domain.platform_health import BLOCKING_STATES, ClientHealth, paused_pa
 from libs.tasks import dispatch_reads
 from services.dispatch_coordinator.dispatcher import Dispatcher, limits_from, read_snapshot
 from tests.support.backlog import Tenants, load_outstanding, load_ready, load_tenants
+from tests.support.explain import Plan, explaining_pool
 
 TENANTS = 60
 CLIENTS_PER_TENANT = 2
@@ -306,3 +308,33 @@ async def test_pairs_of_tenants_without_an_eligible_client_take_a_few_client_sta
     assert outcome.dispatched == 0 and outcome.rejections == {"no_eligible_client": 240}, outcome
     assert dispatcher.client_reads.rows == 0
     assert dispatcher.client_reads.statements == 9, dispatcher.client_reads
+
+
+_LEDGER_OF_MANY_TENANTS = """
+INSERT INTO dispatch_budget_ledger (window_start, window_seconds, tenant_id, high, source, used)
+SELECT %(ws)s, 60, g, false, 0, 1 FROM generate_series(1, %(tenants)s) g
+"""
+
+
+async def test_the_budget_use_of_some_tenants_is_a_probe_per_tenant_whatever_the_statistics(
+        pool: AsyncConnectionPool[Conn], settings: Settings) -> None:
+    """The ledger analyzed while it held nothing of the window (the planner estimates one row for it), then 5,000
+    tenants' use in it: the use of 20 of them reads their rows, not every tenant's (the tenants as a filter over the
+    window's rows read all 5,000 and threw 4,980 away)."""
+    async with pool.connection() as conn:
+        await conn.execute("INSERT INTO dispatch_budget_ledger_tracking (window_seconds, since_window_start) "
+                           "VALUES (60, 0)")
+        await conn.execute("ANALYZE dispatch_budget_ledger")
+        await conn.execute(_LEDGER_OF_MANY_TENANTS, {"ws": 600, "tenants": 5_000})
+    plans: list[Plan] = []
+    explained = explaining_pool(settings.database_url, plans)
+    await explained.open(wait=True)
+    try:
+        async with explained.connection() as conn:
+            read = await dispatch_reads.clients_of(conn, tenants=list(range(100, 2_100, 100)), window_start=600,
+                                                   window_seconds=60, heartbeat_timeout_s=30)
+    finally:
+        await explained.close()
+    assert sorted((u.tenant_id, u.n) for u in read.budget) == [(t, 1) for t in range(100, 2_100, 100)]
+    (budget,) = [p for p in plans if "FROM dispatch_budget_ledger l" in p.query]
+    assert budget.filtered == 0 and budget.buffers < 200, budget.text
