@@ -331,10 +331,14 @@ WITH load AS MATERIALIZED (
 
 # The clients of some tenants (and some clients by id), eligible, with their monitor load: what a full pass reads of
 # the fleet (docs/architecture.md "Full pass: clients of the window"), _CLIENTS for these clients only. The clients
-# asked for come first (the tenants' by ix_clients_tenant_heartbeat, those by id by the primary key); their load is
-# _CLIENTS' one aggregate, over the active work of these clients only: at worst one read of the outstanding
-# executions, whatever the statistics (a probe of the active work per client, planned on statistics taken while
-# nothing was outstanding, filtered every outstanding execution per client:
+# asked for come first: a probe of ix_clients_tenant_heartbeat per tenant (LATERAL .. OFFSET 0, eligibility tested
+# above it, so no estimate of the last heartbeats can pick ix_clients_online_heartbeat: on statistics older than them,
+# a row or so estimated, that walked every online client and compared each with every tenant asked for: 159 ms for a
+# pass's three at 10,041 clients, docs/benchmarks.md "The full pass at 10,000 tenants"), those by id by the primary key.
+# Their load is _CLIENTS' one aggregate over the active work of these clients only, their ids a hashed subplan (NOT ..
+# NOT IN: a prepared statement's `= ANY(ARRAY(..))` compared every outstanding execution with every client read): at
+# worst one read of the outstanding executions, whatever the statistics (a probe of the active work per client,
+# planned on statistics taken while nothing was outstanding, filtered every outstanding execution per client:
 # tests/integration/test_coordinator_idle_statistics.py); the clients with pending high work as in _CLIENTS, of these
 # clients only (ix_collect_tasks_target_client).
 _CLIENT_OF_COLUMNS = ("c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, "
