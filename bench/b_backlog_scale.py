@@ -400,7 +400,9 @@ async def _timed(timings: dict[str, list[float]], name: str, call: Callable[[], 
 
 
 async def _budget_read(conn: Conn, settings: DispatchSettings) -> None:
-    """What a pass reads of the budget window (both passes read the same data)."""
+    """Every tenant's use of the budget window: what a full pass's snapshot read until it read the window's totals and
+    its tenants' use with their clients (the "tenant budget rows" of the table); a pass that reads no non-high
+    candidate still reads it."""
     window = max(1, settings.budget_window_seconds)
     await dispatch_reads.budget_use(conn, window_start=int(time.time() // window * window), window_seconds=window)
 
@@ -425,6 +427,8 @@ async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, wo
     client_reads = getattr(dispatcher, "client_reads", None)
     if client_reads is not None:
         timings["full pass client rows"].append(client_reads.rows)
+        if hasattr(client_reads, "budget_rows"):  # not before (A/B runs): its snapshot read every tenant's
+            timings["full pass budget rows"].append(client_reads.budget_rows)
     else:  # a dispatcher from before its client reads (A/B runs): its snapshot read every eligible client
         async with pool.connection() as conn:
             cur = await conn.execute(_ELIGIBLE_CLIENTS, {"heartbeat_timeout_s": settings.heartbeat_timeout_seconds})
@@ -809,6 +813,7 @@ _ROWS = (
     ("  candidate statements of a full pass, p50 / p95", "full pass candidate statements", 95),
     ("  candidate rows read by a full pass, p50 / p95", "full pass candidate rows", 95),
     ("  client rows read by a full pass, p50 / p95", "full pass client rows", 95),
+    ("  tenant budget rows read by a full pass (with its clients), p50 / p95", "full pass budget rows", 95),
     ("  CPU of a full pass (this process), p50 / p95", "full pass CPU", 95),
     ("budget read, p50 / p95", "budget read", 95),
     ("backlog gauges (one maintenance tick), p50 / p95", "backlog gauges", 95),

@@ -31,9 +31,10 @@ from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 
 class BudgetUse(msgspec.Struct, frozen=True):
-    """A window's budget use of one tenant and lane class (high or not)."""
+    """A window's budget use of one tenant and lane class (high or not); `tenant_id` None: of every tenant (the
+    window's totals)."""
 
-    tenant_id: int
+    tenant_id: int | None
     high: bool
     n: int
 
@@ -92,7 +93,8 @@ class HealthPause(msgspec.Struct, frozen=True):
 
 class PassSnapshot(msgspec.Struct, frozen=True):
     """What a full pass reads before its candidates (`clients`: every eligible client, or none when the pass reads
-    the clients of its candidates' tenants itself, `clients_of`)."""
+    the clients of its candidates' tenants itself, `clients_of`; `budget`: per tenant with every client, else the
+    window's totals, the tenants' use read with their clients)."""
 
     budget: list[BudgetUse]
     platforms: list[PlatformSetting]
@@ -216,19 +218,51 @@ def _ledger_tracks(ws: str) -> str:
             f"WHERE k.window_seconds = %(window)s AND k.since_window_start <= {ws}")
 
 
-_BUDGET_USE = f"""
+def _budget_use(ledger_rows: str, counted_tenants: str = "") -> str:
+    """The window's budget use per tenant and lane class, the ledger's rows from `ledger_rows` (aliased `l`), the
+    count's restricted by `counted_tenants` (a condition on `d`, or "")."""
+    return f"""
 SELECT l.tenant_id, l.high, sum(l.used) AS n
-FROM dispatch_budget_ledger l
-WHERE l.window_start = %(window_start)s AND l.window_seconds = %(window)s
-  AND EXISTS ({_ledger_tracks("%(window_start)s")})
+FROM {ledger_rows}
+WHERE EXISTS ({_ledger_tracks("%(window_start)s")})
 GROUP BY 1, 2
 UNION ALL
 SELECT d.tenant_id, d.lane = {_BUDGET_EXEMPT}, count(*)
 FROM dispatch_budget_rows d
-WHERE NOT EXISTS ({_ledger_tracks("%(window_start)s")}) AND d.kind = 'monitor'
+WHERE NOT EXISTS ({_ledger_tracks("%(window_start)s")}) AND d.kind = 'monitor' {counted_tenants}
   AND d.created_at >= to_timestamp(%(window_start)s) AND d.created_at < to_timestamp(%(window_start)s + %(window)s)
   AND {_COUNTS_AGAINST_BUDGET}
 GROUP BY 1, 2
+"""
+
+
+_WINDOW_LEDGER = "l.window_start = %(window_start)s AND l.window_seconds = %(window)s"
+_BUDGET_USE = _budget_use(f"(SELECT * FROM dispatch_budget_ledger l WHERE {_WINDOW_LEDGER}) l")
+# The same for some tenants only: what a full pass reads of the tenant budgets, for the tenants its window reaches
+# (`clients_of`). A probe of dispatch_budget_ledger_pkey per tenant (LATERAL .. OFFSET 0): with the tenants as a
+# filter the planner, estimating one row for the window (statistics older than the window), read every tenant's
+# rows of it and threw away the others' (4,842 of 4,985 rows, 4,937 buffers, 27 ms a statement at 10,000 tenants);
+# every tenant's rows were what the snapshot read before (docs/benchmarks.md "The full pass at 10,000 tenants").
+_TENANTS_BUDGET_USE = _budget_use(
+    "unnest(%(tenants)s::bigint[]) AS w(tenant_id) CROSS JOIN LATERAL ("
+    f"SELECT l.tenant_id, l.high, l.used FROM dispatch_budget_ledger l WHERE {_WINDOW_LEDGER} "
+    "AND l.tenant_id = w.tenant_id OFFSET 0) l",
+    "AND d.tenant_id = ANY(%(tenants)s::bigint[])")
+# The window's use per lane class (a full pass's cluster budget): from the totals (at most 64 rows, whatever the number
+# of tenants), else counted.
+_BUDGET_TOTALS = f"""
+SELECT t.high, sum(t.used) AS n
+FROM dispatch_budget_totals t
+WHERE t.window_start = %(window_start)s AND t.window_seconds = %(window)s
+  AND EXISTS ({_ledger_tracks("%(window_start)s")})
+GROUP BY 1
+UNION ALL
+SELECT d.lane = {_BUDGET_EXEMPT}, count(*)
+FROM dispatch_budget_rows d
+WHERE NOT EXISTS ({_ledger_tracks("%(window_start)s")}) AND d.kind = 'monitor'
+  AND d.created_at >= to_timestamp(%(window_start)s) AND d.created_at < to_timestamp(%(window_start)s + %(window)s)
+  AND {_COUNTS_AGAINST_BUDGET}
+GROUP BY 1
 """
 # The high pass needs the window's use per lane class only: from the totals (at most 64 rows, whatever the number of
 # tenants), else counted. For the window of its clock (its `w` row).
@@ -297,20 +331,31 @@ WITH load AS MATERIALIZED (
 
 # The clients of some tenants (and some clients by id), eligible, with their monitor load: what a full pass reads of
 # the fleet (docs/architecture.md "Full pass: clients of the window"), _CLIENTS for these clients only. The clients
-# asked for come first (the tenants' by ix_clients_tenant_heartbeat, those by id by the primary key); their load is
-# _CLIENTS' one aggregate, over the active work of these clients only: at worst one read of the outstanding
-# executions, whatever the statistics (a probe of the active work per client, planned on statistics taken while
-# nothing was outstanding, filtered every outstanding execution per client:
+# asked for come first: a probe of ix_clients_tenant_heartbeat per tenant (LATERAL .. OFFSET 0, eligibility tested
+# above it, so no estimate of the last heartbeats can pick ix_clients_online_heartbeat: on statistics older than them,
+# a row or so estimated, that walked every online client and compared each with every tenant asked for: 159 ms for a
+# pass's three at 10,041 clients, docs/benchmarks.md "The full pass at 10,000 tenants"), those by id by the primary key.
+# Their load is _CLIENTS' one aggregate over the active work of these clients only, their ids a hashed subplan (NOT ..
+# NOT IN: a prepared statement's `= ANY(ARRAY(..))` compared every outstanding execution with every client read): at
+# worst one read of the outstanding executions, whatever the statistics (a probe of the active work per client,
+# planned on statistics taken while nothing was outstanding, filtered every outstanding execution per client:
 # tests/integration/test_coordinator_idle_statistics.py); the clients with pending high work as in _CLIENTS, of these
 # clients only (ix_collect_tasks_target_client).
+_CLIENT_OF_COLUMNS = ("c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, "
+                      "c.interrupt_generation, c.platform_health, c.online, c.disabled_at, c.last_heartbeat_at")
 _CLIENTS_OF = f"""
 WITH k AS MATERIALIZED (
-    SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-           c.platform_health
-    FROM desktop_clients c
-    WHERE (c.tenant_id = ANY(%(tenants)s::bigint[]) OR c.id = ANY(%(ids)s::uuid[])) AND {ELIGIBLE_CLIENT_SQL}
+    SELECT DISTINCT ON (c.id) c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth,
+           c.interrupt_generation, c.platform_health
+    FROM (SELECT s.* FROM unnest(%(tenants)s::bigint[]) AS w(tenant_id)
+          CROSS JOIN LATERAL (SELECT {_CLIENT_OF_COLUMNS} FROM desktop_clients c WHERE c.tenant_id = w.tenant_id
+                              OFFSET 0) s
+          UNION ALL
+          SELECT {_CLIENT_OF_COLUMNS} FROM desktop_clients c WHERE c.id = ANY(%(ids)s::uuid[])
+          OFFSET 0) c
+    WHERE {ELIGIBLE_CLIENT_SQL}
 ), load AS MATERIALIZED (
-{_LOAD_BY_CLIENT}          WHERE d.target_client_id = ANY(ARRAY(SELECT id FROM k))
+{_LOAD_BY_CLIENT}          WHERE NOT (d.target_client_id NOT IN (SELECT id FROM k))
           GROUP BY 1) a
 ), high AS MATERIALIZED (
     SELECT coalesce(array_agg(DISTINCT t.target_client_id), '{{}}') AS clients
@@ -425,6 +470,9 @@ FROM w CROSS JOIN (
 # probe per (tenant, platform, lane). Per lane, so that a full pass walks, in each lane, the pairs with work in that
 # lane only: over the pairs of every lane, a lane with work in a few pairs (retries) was read pair by pair through
 # the thousands with scheduled work only, a window a pass (docs/architecture.md "Full pass: clients of the window").
+# A row per lane with its pairs as two arrays: a row per pair took ~30 ms of the coordinator's CPU to decode at 10,000
+# tenants (the re-read runs beside the passes, on their event loop), the arrays ~7 (docs/benchmarks.md "The full pass at
+# 10,000 tenants").
 _PENDING_PAIRS = """
 WITH RECURSIVE pairs AS (
     (SELECT tenant_id, ai_platform_id, dispatch_lane FROM monitoring_collect_tasks
@@ -438,7 +486,8 @@ WITH RECURSIVE pairs AS (
           AND (tenant_id, ai_platform_id, dispatch_lane) > (p.tenant_id, p.ai_platform_id, p.dispatch_lane)
         ORDER BY tenant_id, ai_platform_id, dispatch_lane LIMIT 1) n
 )
-SELECT tenant_id, ai_platform_id, dispatch_lane AS lane FROM pairs
+SELECT dispatch_lane AS lane, array_agg(tenant_id) AS tenants, array_agg(ai_platform_id) AS platforms
+FROM pairs GROUP BY 1
 """
 
 _CANDIDATE_COLUMNS = (
@@ -594,15 +643,17 @@ async def read_pass_snapshot(conn: Conn, *, window_start: int, window_seconds: i
     platform-health pauses and (`all_clients`) every eligible client with its load. A full pass reads the clients of
     its candidates' tenants instead (`clients_of`); `explain` and the health status read them all."""
     params = {"heartbeat_timeout_s": heartbeat_timeout_s}
+    window = {"window_start": window_start, "window": window_seconds}
     async with conn.pipeline():
-        budget = await conn.execute(_BUDGET_USE, {"window_start": window_start, "window": window_seconds})
+        budget = await conn.execute(_BUDGET_USE if all_clients else _BUDGET_TOTALS, window)
         platforms = await conn.execute(_PLATFORM_SETTINGS)
         active = await conn.execute(_PLATFORM_ACTIVE)
         loads = await conn.execute(_CLIENTS, params) if all_clients else None
         overrides = await conn.execute(_PLATFORM_HEALTH_OVERRIDES)
         pauses = await conn.execute(_HEALTH_PAUSES, params)
         return PassSnapshot(
-            budget=[BudgetUse(r["tenant_id"], r["high"], int(r["n"])) for r in await budget.fetchall()],
+            budget=[BudgetUse(r["tenant_id"] if all_clients else None, r["high"], int(r["n"]))
+                    for r in await budget.fetchall()],
             platforms=[_platform(r) for r in await platforms.fetchall()],
             active=[PlatformActive(r["tenant_id"], r["ai_platform_id"], int(r["n"])) for r in await active.fetchall()],
             clients=[_client_load(r) for r in await loads.fetchall()] if loads is not None else [],
@@ -611,13 +662,30 @@ async def read_pass_snapshot(conn: Conn, *, window_start: int, window_seconds: i
             health_pauses=[HealthPause(r["tenant_id"], r["code"]) for r in await pauses.fetchall()])
 
 
+class TenantsRead(msgspec.Struct, frozen=True):
+    """What a full pass reads of some tenants: their eligible clients (and some by id) with their load, and (when
+    asked for a window) the tenants' budget use in it."""
+
+    clients: list[ClientLoad]
+    budget: list[BudgetUse]
+
+
 async def clients_of(conn: Conn, *, tenants: Sequence[int], ids: Sequence[uuid.UUID] = (),
-                     heartbeat_timeout_s: int) -> list[ClientLoad]:
+                     heartbeat_timeout_s: int, window_start: int | None = None,
+                     window_seconds: int = 60) -> TenantsRead:
     """The eligible clients of `tenants`, and those of `ids`, with their monitor load (what `read_pass_snapshot` reads
-    of every eligible client, for these only)."""
-    cur = await conn.execute(_CLIENTS_OF, {"tenants": sorted(set(tenants)), "ids": sorted(set(ids), key=str),
-                                           "heartbeat_timeout_s": heartbeat_timeout_s})
-    return [_client_load(r) for r in await cur.fetchall()]
+    of every eligible client, for these only) and, with `window_start`, the budget use of `tenants` in that window (what
+    `budget_use` reads of every tenant): one round trip."""
+    params = {"tenants": sorted(set(tenants)), "ids": sorted(set(ids), key=str),
+              "heartbeat_timeout_s": heartbeat_timeout_s, "window_start": window_start, "window": window_seconds}
+    async with conn.pipeline():
+        cur = await conn.execute(_CLIENTS_OF, params)
+        budget = (await conn.execute(_TENANTS_BUDGET_USE, params)
+                  if window_start is not None and params["tenants"] else None)
+        return TenantsRead(
+            clients=[_client_load(r) for r in await cur.fetchall()],
+            budget=[BudgetUse(r["tenant_id"], r["high"], int(r["n"])) for r in await budget.fetchall()]
+            if budget is not None else [])
 
 
 async def budget_use(conn: Conn, *, window_start: int, window_seconds: int) -> list[BudgetUse]:
@@ -687,10 +755,7 @@ async def pending_pairs(conn: Conn) -> set[tuple[int, int]]:
 async def pending_lane_pairs(conn: Conn) -> dict[str, set[tuple[int, int]]]:
     """Per lane, every (tenant, platform) with a pending task of that lane, on either path."""
     cur = await conn.execute(_PENDING_PAIRS)
-    by_lane: dict[str, set[tuple[int, int]]] = {}
-    for r in await cur.fetchall():
-        by_lane.setdefault(r["lane"], set()).add((r["tenant_id"], r["ai_platform_id"]))
-    return by_lane
+    return {r["lane"]: set(zip(r["tenants"], r["platforms"], strict=True)) for r in await cur.fetchall()}
 
 
 class RequestsDispatched:

@@ -120,11 +120,12 @@ class Snapshot:
 
 @dataclass(slots=True)
 class ClientReads:
-    """A full pass's reads of the clients (docs/architecture.md "Full pass: clients of the window"): statements and
-    client rows returned."""
+    """A full pass's reads of the clients (docs/architecture.md "Full pass: clients of the window"): statements, client
+    rows returned and the budget rows of their tenants."""
 
     statements: int = 0
     rows: int = 0
+    budget_rows: int = 0  # the tenants' budget use read with them (rows of dispatch_budget_ledger's sums)
 
 
 @dataclass(slots=True)
@@ -219,10 +220,19 @@ def _client_state(r: dispatch_reads.ClientLoad, ids_by_code: dict[str, int],
 
 
 def _fold_budget(ledger: Ledger, rows: list[dispatch_reads.BudgetUse]) -> None:
+    """The window's use into the ledger: per tenant (each row also counts against the cluster budget) or the totals
+    (`tenant_id` None: a full pass's snapshot, whose `WindowClients` adds its tenants' own, `_fold_tenant_budget`)."""
     for r in rows:
         ledger.cluster_used += r.n
         if not r.high:
             ledger.non_high_used += r.n
+    _fold_tenant_budget(ledger, rows)
+
+
+def _fold_tenant_budget(ledger: Ledger, rows: list[dispatch_reads.BudgetUse]) -> None:
+    """Some tenants' use (read with their clients, after the snapshot's totals): their own budgets only."""
+    for r in rows:
+        if r.tenant_id is not None and not r.high:
             ledger.tenant_used[r.tenant_id] = ledger.tenant_used.get(r.tenant_id, 0) + r.n
 
 
@@ -294,11 +304,18 @@ class WindowClients:
             self._add(await self._read(ids=ids), set())
 
     async def _read(self, *, tenants: Iterable[int] = (), ids: Iterable[uuid.UUID] = ()) -> list[ClientState]:
-        rows = await dispatch_reads.clients_of(self._conn, tenants=list(tenants), ids=list(ids),
-                                               heartbeat_timeout_s=self._heartbeat_timeout_s)
+        tenants = list(tenants)
+        read = await dispatch_reads.clients_of(self._conn, tenants=tenants, ids=list(ids),
+                                               heartbeat_timeout_s=self._heartbeat_timeout_s,
+                                               window_start=int(self._snap.window_start),
+                                               window_seconds=self._snap.window_seconds)
+        # The tenants' budget use, read with their clients: the snapshot has the window's totals only.
+        _fold_tenant_budget(self._snap.ledger, read.budget)
         self._reads.statements += 1
-        self._reads.rows += len(rows)
-        return [_client_state(r, self._ids_by_code, self._snap.overrides) for r in rows if r.id not in self._known]
+        self._reads.rows += len(read.clients)
+        self._reads.budget_rows += len(read.budget)
+        return [_client_state(r, self._ids_by_code, self._snap.overrides) for r in read.clients
+                if r.id not in self._known]
 
     def _add(self, clients: list[ClientState], tenants: set[int]) -> None:
         self._snap.clients.extend(clients)
@@ -707,6 +724,7 @@ class Dispatcher:
                          cluster_high_backlog=self.cluster_high_backlog,
                          tenant_normal_backlog=self.tenant_normal_backlog,
                          max_dispatches=max(1, settings.dispatch_batch_size))
+        await self._read_other_budgets(conn, snap, limits, candidates)
         self._count_blocked_without_candidates(plan, snap, limits, candidates)
         plan.rejections.update(blocked)
         outcome.seconds_to_next_window = snap.window_start + snap.window_seconds - snap.now
@@ -731,6 +749,23 @@ class Dispatcher:
             return  # nothing but high to write: writing it is the fastest way
         self._preempted_in_a_row += 1
         raise Preempted
+
+    async def _read_other_budgets(self, conn: Conn, snap: Snapshot, limits: PassLimits,
+                                  candidates: dict[str, list[Candidate]]) -> None:
+        """When `_count_blocked_without_candidates` will tell a spent tenant budget from a full platform over every
+        pending pair: the budget use of the tenants the pass's reads did not reach (its snapshot read the window's
+        totals, `WindowClients` its tenants' use). Every tenant's, as the snapshot read it before; only in a pass that
+        read no non-high candidate."""
+        if snap.client_tenants is None or not self.pairs or limits.slowdown \
+                or snap.ledger.non_high_used >= limits.non_high_cap \
+                or any(candidates.get(lane) for lane in LANE_ORDER if lane != CLICK_LANE.name):
+            return
+        used: dict[int, int] = defaultdict(int)
+        for r in await dispatch_reads.budget_use(conn, window_start=int(snap.window_start),
+                                                 window_seconds=snap.window_seconds):
+            if r.tenant_id is not None and not r.high and r.tenant_id not in snap.client_tenants:
+                used[r.tenant_id] += r.n
+        snap.ledger.tenant_used.update(used)
 
     def _count_blocked_without_candidates(self, plan: PassResult, snap: Snapshot, limits: PassLimits,
                                           candidates: dict[str, list[Candidate]]) -> None:

@@ -111,6 +111,15 @@ async def assert_pass_reads_the_count(pool: AsyncConnectionPool[Conn], settings:
     async with pool.connection() as conn, conn.transaction():
         await conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         snap = await read_snapshot(conn, settings)
+        # A full pass's reading: the window's totals, and the use of the tenants its windows reach with their clients.
+        windowed = await read_snapshot(conn, settings, all_clients=False)
+        cur = await conn.execute("SELECT id FROM tenants")
+        scoped = await dispatch_reads.clients_of(
+            conn, tenants=[r["id"] for r in await cur.fetchall()], window_start=int(windowed.window_start),
+            window_seconds=windowed.window_seconds, heartbeat_timeout_s=settings.heartbeat_timeout_seconds)
+        cur = await conn.execute(q.BUDGET_USED, {"window_start": windowed.window_start,
+                                                 "window_end": windowed.window_start + windowed.window_seconds})
+        windowed_rows = await cur.fetchall()
         cur = await conn.execute(q.BUDGET_USED, {"window_start": snap.window_start,
                                                  "window_end": snap.window_start + snap.window_seconds})
         rows = await cur.fetchall()
@@ -130,6 +139,19 @@ async def assert_pass_reads_the_count(pool: AsyncConnectionPool[Conn], settings:
         if not r["high"]:
             tenants[r["tenant_id"]] = tenants.get(r["tenant_id"], 0) + r["n"]
     assert {t: n for t, n in snap.ledger.tenant_used.items() if n} == tenants
+    assert not windowed.ledger.tenant_used
+    assert (windowed.ledger.cluster_used, windowed.ledger.non_high_used) == (
+        sum(r["n"] for r in windowed_rows), sum(r["n"] for r in windowed_rows if not r["high"]))
+    scoped_used: dict[int, int] = {}
+    expected_scoped: dict[int, int] = {}
+    for u in scoped.budget:
+        assert u.tenant_id is not None
+        if not u.high:
+            scoped_used[u.tenant_id] = scoped_used.get(u.tenant_id, 0) + u.n
+    for r in windowed_rows:
+        if not r["high"]:
+            expected_scoped[r["tenant_id"]] = expected_scoped.get(r["tenant_id"], 0) + r["n"]
+    assert {t: n for t, n in scoped_used.items() if n} == expected_scoped
 
 
 async def _step(pool: AsyncConnectionPool[Conn], rng: random.Random, seeded: Seeded, state: dict[str, Any]) -> str:

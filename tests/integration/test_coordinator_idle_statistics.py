@@ -87,9 +87,10 @@ async def _pass_and_tick(settings: Settings, session: tuple[str, ...] = ()) -> l
     finally:
         await pool.close()
     assert plans, "auto_explain sent no plans"
-    # The full pass's reads of the fleet are among them: the clients of its window, the health pauses (migration
-    # 070's index), the pending pairs per lane.
-    for marker in ("c.tenant_id = ANY", "jsonb_each_text", "ORDER BY tenant_id, ai_platform_id, dispatch_lane"):
+    # The full pass's reads of the fleet are among them: the clients of its window and their tenants' budget use, the
+    # health pauses (migration 070's index), the pending pairs per lane.
+    for marker in ("c.tenant_id = w.tenant_id", "l.tenant_id = w.tenant_id", "jsonb_each_text",
+                   "ORDER BY tenant_id, ai_platform_id, dispatch_lane"):
         assert any(marker in " ".join(p.query.split()) for p in plans), marker
     return plans
 

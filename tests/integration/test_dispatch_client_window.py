@@ -11,6 +11,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
+from libs.config import Settings
 from libs.db.pool import Conn
 from libs.dispatch_settings import DispatchSettings, load_settings, set_setting
 from libs.domain.dispatch import plan_pass
@@ -19,6 +20,7 @@ from libs.domain.platform_health import BLOCKING_STATES, ClientHealth, paused_pa
 from libs.tasks import dispatch_reads
 from services.dispatch_coordinator.dispatcher import Dispatcher, limits_from, read_snapshot
 from tests.support.backlog import Tenants, load_outstanding, load_ready, load_tenants
+from tests.support.explain import Plan, explaining_pool
 
 TENANTS = 60
 CLIENTS_PER_TENANT = 2
@@ -142,6 +144,63 @@ async def test_the_tenants_read_are_those_of_the_pairs_the_window_visits(pool: A
     assert dispatcher.client_reads.statements >= 1
 
 
+async def _budgets_that_bite(pool: AsyncConnectionPool[Conn], per_tenant: int) -> None:
+    """A tenant budget of `per_tenant` in an hour's window (no rollover between two reads a test compares)."""
+    async with pool.connection() as conn:
+        for key, value in {"tenant_dispatch_per_minute": per_tenant, "tenant_dispatch_per_minute_ceiling": per_tenant,
+                           "budget_window_seconds": 3600}.items():
+            await set_setting(conn, key, value)
+
+
+async def _ledger_tenants(pool: AsyncConnectionPool[Conn], settings: DispatchSettings) -> int:
+    """How many tenants have budget use in the current window (what a read of every tenant's use returns)."""
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT extract(epoch FROM now())::bigint AS now")
+        row = await cur.fetchone()
+        assert row is not None
+        window = settings.budget_window_seconds
+        use = await dispatch_reads.budget_use(conn, window_start=row["now"] // window * window,
+                                              window_seconds=window)
+    return len({r.tenant_id for r in use})
+
+
+async def test_a_pass_reads_the_budget_use_of_its_windows_tenants_and_plans_what_every_tenants_reading_plans(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    await _world(pool)
+    await _budgets_that_bite(pool, 2)  # each tenant's outstanding execution already counts: one more a window
+    settings = await _settings(pool)
+    windowed, fleet = Dispatcher(pool), Dispatcher(pool)
+    rejected_for_budget = 0
+    for n in range(6):
+        decided, rejected, tenants_read = await _plan(pool, windowed, settings, all_clients=False)
+        fleet._read_after, fleet.last_served = dict(windowed._read_after), dict(windowed.last_served)
+        fleet.pending.by_lane, fleet.pending.read_at = windowed.pending.by_lane, windowed.pending.read_at
+        expected, expected_rejected, _ = await _plan(pool, fleet, settings, all_clients=True)
+        assert decided == expected and rejected == expected_rejected, n
+        rejected_for_budget += rejected.get("tenant_budget", 0)
+        # The budget rows read are those of the tenants read (a row per lane class with use), not every tenant's.
+        assert windowed.client_reads.budget_rows <= 2 * len(tenants_read), windowed.client_reads
+        assert len(tenants_read) < TENANTS / 2
+        assert (await windowed.run_pass(settings)).dispatched == len(decided)
+    assert rejected_for_budget > 0  # the budgets did bite: the comparison covered them
+    assert await _ledger_tenants(pool, settings) == TENANTS
+
+
+async def test_a_pass_with_every_tenant_budget_spent_counts_each_pairs_rejection(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """No non-high candidate is read: the rejection of every pending pair is told from every tenant's use, as the
+    snapshot's read of it told it before."""
+    await _world(pool, tenants=200, ready=2_000)  # more pairs than a pass's windows visit
+    await _budgets_that_bite(pool, 1)  # spent by each tenant's outstanding execution
+    settings = await _settings(pool)
+    dispatcher = Dispatcher(pool)
+    outcome = await dispatcher.run_pass(settings)
+    assert outcome.dispatched == 0
+    assert outcome.rejections == {"tenant_budget": len(dispatcher.pairs)}, outcome.rejections
+    assert len(dispatcher.pairs) == 200 * 3
+    assert dispatcher.client_reads.rows < 200 * CLIENTS_PER_TENANT  # the windows reached some tenants only
+
+
 async def test_a_lane_with_work_in_one_pair_among_hundreds_reaches_it_in_the_first_pass(
         pool: AsyncConnectionPool[Conn]) -> None:
     world = await _world(pool, tenants=200, ready=2_000)
@@ -249,3 +308,33 @@ async def test_pairs_of_tenants_without_an_eligible_client_take_a_few_client_sta
     assert outcome.dispatched == 0 and outcome.rejections == {"no_eligible_client": 240}, outcome
     assert dispatcher.client_reads.rows == 0
     assert dispatcher.client_reads.statements == 9, dispatcher.client_reads
+
+
+_LEDGER_OF_MANY_TENANTS = """
+INSERT INTO dispatch_budget_ledger (window_start, window_seconds, tenant_id, high, source, used)
+SELECT %(ws)s, 60, g, false, 0, 1 FROM generate_series(1, %(tenants)s) g
+"""
+
+
+async def test_the_budget_use_of_some_tenants_is_a_probe_per_tenant_whatever_the_statistics(
+        pool: AsyncConnectionPool[Conn], settings: Settings) -> None:
+    """The ledger analyzed while it held nothing of the window (the planner estimates one row for it), then 5,000
+    tenants' use in it: the use of 20 of them reads their rows, not every tenant's (the tenants as a filter over the
+    window's rows read all 5,000 and threw 4,980 away)."""
+    async with pool.connection() as conn:
+        await conn.execute("INSERT INTO dispatch_budget_ledger_tracking (window_seconds, since_window_start) "
+                           "VALUES (60, 0)")
+        await conn.execute("ANALYZE dispatch_budget_ledger")
+        await conn.execute(_LEDGER_OF_MANY_TENANTS, {"ws": 600, "tenants": 5_000})
+    plans: list[Plan] = []
+    explained = explaining_pool(settings.database_url, plans)
+    await explained.open(wait=True)
+    try:
+        async with explained.connection() as conn:
+            read = await dispatch_reads.clients_of(conn, tenants=list(range(100, 2_100, 100)), window_start=600,
+                                                   window_seconds=60, heartbeat_timeout_s=30)
+    finally:
+        await explained.close()
+    assert sorted((u.tenant_id, u.n) for u in read.budget) == [(t, 1) for t in range(100, 2_100, 100)]
+    (budget,) = [p for p in plans if "FROM dispatch_budget_ledger l" in p.query]
+    assert budget.filtered == 0 and budget.buffers < 200, budget.text

@@ -90,8 +90,9 @@ class _PairsConn:
     rows: list[dict[str, object]] = field(default_factory=list)
 
     async def execute(self, query: str, params: object = None) -> _PairsConn:
-        self.rows = [{"tenant_id": tenant, "ai_platform_id": platform, "lane": SCHEDULED_LANE.name}
-                     for tenant, platform in self.pairs]
+        pairs = sorted(self.pairs)  # a row per lane, its pairs as two arrays (dispatch_reads._PENDING_PAIRS)
+        self.rows = [{"lane": SCHEDULED_LANE.name, "tenants": [t for t, _ in pairs], "platforms": [p for _, p in pairs]}
+                     ] if pairs else []
         return self
 
     async def fetchall(self) -> list[dict[str, object]]:

@@ -16,13 +16,18 @@ NORMAL, RETRY = SCHEDULED_LANE.name, RETRY_LANE.name
 
 @dataclass
 class _LanePairsConn:
-    """The one statement PendingPairs.refresh runs, answered with (tenant, platform, lane) rows."""
+    """The one statement PendingPairs.refresh runs, answered as it answers: a row per lane, its (tenant, platform)
+    pairs as two arrays."""
 
     rows: list[tuple[int, int, str]]
     answered: list[dict[str, object]] = field(default_factory=list)
 
     async def execute(self, query: str, params: object = None) -> _LanePairsConn:
-        self.answered = [{"tenant_id": t, "ai_platform_id": p, "lane": lane} for t, p, lane in self.rows]
+        lanes: dict[str, list[tuple[int, int]]] = {}
+        for t, p, lane in self.rows:
+            lanes.setdefault(lane, []).append((t, p))
+        self.answered = [{"lane": lane, "tenants": [t for t, _ in pairs], "platforms": [p for _, p in pairs]}
+                         for lane, pairs in lanes.items()]
         return self
 
     async def fetchall(self) -> list[dict[str, object]]:
