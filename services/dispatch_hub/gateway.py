@@ -35,6 +35,7 @@ from libs.contracts.wire import (
     draining_close_reason,
     requested_capabilities,
 )
+from libs.db.arrays import array_literal
 from libs.db.pool import Conn
 from libs.db.tx import pipelined_transaction
 from libs.db.write_health import WriterHealth
@@ -321,15 +322,15 @@ class Gateway:
         principals = list(dict.fromkeys(s.principal for s in sockets))
         async with self._pool.connection() as db:
             async with pipelined_transaction(db) as pipe:
-                cur = await db.execute(q.CLIENTS_ONLINE, {"ids": [p.client_id for p in principals],
+                cur = await db.execute(q.CLIENTS_ONLINE, {"ids": array_literal(p.client_id for p in principals),
                                                           "hub": self.hub_id})
                 await db.execute(q.SOCKETS_OPENED, {
-                    "socket_ids": [s.socket_id for s in sockets], "hub": self.hub_id,
-                    "client_ids": [s.principal.client_id for s in sockets],
-                    "tenant_ids": [s.principal.tenant_id for s in sockets]})
+                    "socket_ids": array_literal(s.socket_id for s in sockets), "hub": self.hub_id,
+                    "client_ids": array_literal(s.principal.client_id for s in sockets),
+                    "tenant_ids": array_literal(s.principal.tenant_id for s in sockets)})
                 beyond = await db.execute(q.SOCKETS_BEYOND_CAP, {
-                    "client_ids": [p.client_id for p in principals], "tenant_ids": [p.tenant_id for p in principals],
-                    "cap": self.max_sockets_per_client})
+                    "client_ids": array_literal(p.client_id for p in principals),
+                    "tenant_ids": array_literal(p.tenant_id for p in principals), "cap": self.max_sockets_per_client})
                 await push_leases.record_capability(db, {s.principal.client_id: s.push_lease for s in sockets})
                 await pipe.sync()
                 rows = await cur.fetchall()
@@ -355,7 +356,7 @@ class Gateway:
 
     async def _forget_batch(self, socket_ids: list[uuid.UUID]) -> dict[uuid.UUID, None]:
         async with self._pool.connection() as db:
-            await db.execute(q.SOCKETS_CLOSED, {"socket_ids": socket_ids, "hub": self.hub_id})
+            await db.execute(q.SOCKETS_CLOSED, {"socket_ids": array_literal(socket_ids), "hub": self.hub_id})
         return {}
 
     async def fleet_sweep(self) -> None:
@@ -436,7 +437,8 @@ class Gateway:
         """Offline (one statement; a client this hub still held gets its `client.offline` event) for a batch of
         clients whose last socket here closed."""
         async with self._pool.connection() as db, pipelined_transaction(db) as pipe:
-            cur = await db.execute(q.CLIENTS_OFFLINE, {"ids": [p.client_id for p in principals], "hub": self.hub_id})
+            cur = await db.execute(q.CLIENTS_OFFLINE, {"ids": array_literal(p.client_id for p in principals),
+                                                       "hub": self.hub_id})
             await pipe.sync()
             await _lifecycle(db, "client.offline", await cur.fetchall())
         return {}
@@ -491,8 +493,8 @@ class Gateway:
         if self._sweep_params[0] != self._sockets_changed:
             principals = [c.principal for c in self.all_connections()]
             self._sweep_params = (self._sockets_changed, [
-                {"ids": _array_literal(str(p.client_id) for p in principals[start:start + REVOCATION_CHUNK]),
-                 "token_hashes": _array_literal(p.token_hash for p in principals[start:start + REVOCATION_CHUNK])}
+                {"ids": array_literal(str(p.client_id) for p in principals[start:start + REVOCATION_CHUNK]),
+                 "token_hashes": array_literal(p.token_hash for p in principals[start:start + REVOCATION_CHUNK])}
                 for start in range(0, len(principals), REVOCATION_CHUNK)])
         return self._sweep_params[1]
 
@@ -570,11 +572,6 @@ async def _finished(submitted: Coroutine[Any, Any, V]) -> V:
         with contextlib.suppress(Exception):
             await task
         raise
-
-
-def _array_literal(values: Iterable[str]) -> str:
-    """A Postgres array literal of UUIDs or hex digests (nothing in them to escape), sent as one text parameter."""
-    return "{" + ",".join(f'"{value}"' for value in values) + "}"
 
 
 async def _lifecycle(db: Conn, event: LifecycleKind, rows: list[dict[str, Any]]) -> None:

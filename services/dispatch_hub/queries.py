@@ -39,7 +39,7 @@ CLIENTS_OFFLINE = """
 UPDATE desktop_clients c
 SET online = false, offline_since = now(), updated_at = now()
 FROM (SELECT id FROM desktop_clients
-      WHERE id = ANY(%(ids)s) AND connected_hub = %(hub)s AND online ORDER BY id FOR UPDATE) p
+      WHERE id = ANY(%(ids)s::uuid[]) AND connected_hub = %(hub)s AND online ORDER BY id FOR UPDATE) p
 WHERE c.id = p.id
 RETURNING c.id, c.tenant_id
 """
