@@ -190,6 +190,11 @@ class Settings:
     # reconnects (to another hub); close handshakes still open after the deadline are abandoned.
     hub_drain_reconnect_spread_ms: int = 10_000
     hub_drain_deadline_s: float = 5.0
+    # WebSocket handshakes (authentication, upgrade, attach, hello + replay) a hub runs at once; the rest wait their
+    # turn in arrival order. In a reconnect storm an unbounded number shared the event loop with the live sockets'
+    # events and lease calls, which waited behind thousands of half-done handshakes (docs/benchmarks.md, "What held
+    # the coordinator's event loop, and the hub's").
+    hub_handshake_concurrency: int = 64
     # ingest-shard-workers
     # Results per ingest transaction (at most) and unacked deliveries per shard channel. Measured: 200/400
     # -> ~3,700-4,200 results/s with 2 workers, 500/1000 -> ~4,200-5,000 (fewer commits and round trips).
@@ -256,6 +261,8 @@ class Settings:
             raise ConfigError("PUSH_LEASE_TTL_SECONDS must be from 5 to LEASE_TTL_SECONDS")
         if settings.hub_max_sockets_per_client < 1:
             raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")
+        if not 1 <= settings.hub_handshake_concurrency <= 10_000:
+            raise ConfigError("HUB_HANDSHAKE_CONCURRENCY must be from 1 to 10000")
         if not 0 <= settings.hub_drain_reconnect_spread_ms <= 600_000:
             raise ConfigError("HUB_DRAIN_RECONNECT_SPREAD_MS must be from 0 to 600000")
         if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:

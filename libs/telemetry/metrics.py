@@ -239,6 +239,9 @@ monitor_tenant_platform_paused = Gauge(
     "(source=health) or an operator paused it (source=operator).", ["tenant_id", "platform", "source"])
 desktop_websocket_connections = Gauge(
     "desktop_websocket_connections", "Open desktop WebSocket connections on this hub instance.")
+desktop_ws_handshakes_waiting = Gauge(
+    "desktop_ws_handshakes_waiting", "WebSocket upgrades on this hub waiting for one of its HUB_HANDSHAKE_CONCURRENCY "
+    "handshake slots (a reconnect storm's queue).")
 # RED metrics of every HTTP API (and WebSocket upgrades), by route template: libs/http.py's middleware.
 http_requests_total = ExactCounter(
     "http_requests_total", "HTTP requests answered, by service, route template, method and status.",

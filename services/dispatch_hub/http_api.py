@@ -33,7 +33,14 @@ from services.dispatch_hub.auth import ClientAuthenticator, ClientPrincipal
 from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.gateway import Gateway
 from services.dispatch_hub.leases import HubContext
-from services.dispatch_hub.logic import IPNetwork, TokenBuckets, address_bucket, choose_protocol, client_address
+from services.dispatch_hub.logic import (
+    IPNetwork,
+    ProtocolChoice,
+    TokenBuckets,
+    address_bucket,
+    choose_protocol,
+    client_address,
+)
 from services.dispatch_hub.openapi import openapi_document
 
 log = logging.getLogger("hub.http")
@@ -77,6 +84,7 @@ class UpgradeLimits:
 
 
 UPGRADE_LIMITS = web.AppKey("upgrade_limits", UpgradeLimits)
+HANDSHAKES = web.AppKey("handshakes", asyncio.Semaphore)  # HUB_HANDSHAKE_CONCURRENCY
 _KINDS = {WSMsgType.TEXT: "text", WSMsgType.BINARY: "binary", WSMsgType.PING: "ping", WSMsgType.PONG: "pong"}
 
 
@@ -157,34 +165,31 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "unsupported_protocol_version", "this hub speaks the desktop protocol as the WebSocket "
                        f"subprotocol(s) {', '.join(map(subprotocol, SUPPORTED_MAJORS))}; offer one of them (or none: "
                        "major 1)", field="Sec-WebSocket-Protocol")
-    principal = await _principal(request)  # 401 JSON before the upgrade
-    limits.check(limits.by_client, str(principal.client_id), "client")
-    gateway = request.app[GATEWAY]
-    if gateway.closing:
-        raise ApiError(503, "shutting_down", "this hub is shutting down; reconnect")
-    # autoping off: pings and pongs reach this loop, so both count as heartbeats.
-    # aiohttp refuses a message of max_msg_size bytes or more (1009); the cap is "at most MAX_WS_FRAME", hence + 1.
-    # The chosen subprotocol is echoed in the 101 (none when the client offered none).
-    # compress off: permessage-deflate is declined (docs/desktop-protocol.md, Connecting). Node's `ws`, which the
-    # TypeScript SDK uses, offers it by default, and aiohttp accepts an offer unless told not to: each socket
-    # would then hold a zlib compressor (~256 KiB: gigabytes over a hub's 10,000 sockets) and every event would
-    # be compressed on the event loop, for frames of a few hundred bytes that barely shrink.
-    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_FRAME + 1, compress=False,
-                               protocols=(protocol.subprotocol,) if protocol.subprotocol else ())
+    # One of HUB_HANDSHAKE_CONCURRENCY handshakes at a time, until the hello and replay are queued (a storm's
+    # handshakes in turn, not all at once in front of the live sockets' events and lease calls).
+    handshakes = request.app[HANDSHAKES]
+    metrics.desktop_ws_handshakes_waiting.inc()
     try:
-        await ws.prepare(request)
-    except ConnectionResetError:
-        # The client gave up before its upgrade was answered (its handshake timeout, at a reconnect storm): as
-        # when aiohttp cancels a handler whose client went away, a 499, not a 500 with a traceback to log.
-        raise asyncio.CancelledError from None
-    mark_upgraded()
-    conn = Connection(ws, principal, capabilities=gateway.grant(
-        [*request.headers.getall(CAPABILITIES_HEADER, ()), *request.query.getall(CAPABILITIES_QUERY, ())]))
-    conn.start()
+        await handshakes.acquire()
+    finally:
+        metrics.desktop_ws_handshakes_waiting.dec()
+    handshaking = True
+    try:
+        principal = await _principal(request)  # 401 JSON before the upgrade
+        limits.check(limits.by_client, str(principal.client_id), "client")
+        gateway = request.app[GATEWAY]
+        if gateway.closing:
+            raise ApiError(503, "shutting_down", "this hub is shutting down; reconnect")
+        ws, conn = await _upgrade(request, protocol, principal, gateway)
+    except BaseException:
+        handshakes.release()
+        raise
     client_id = principal.client_id
     try:
         first = await gateway.attach(conn)
         conn.go_live(first)
+        handshakes.release()
+        handshaking = False
         async for msg in ws:
             conn.touch()
             metrics.websocket_messages_total.inc(direction="in", kind=_KINDS.get(msg.type, "other"))
@@ -215,10 +220,37 @@ async def websocket_handler(request: web.Request) -> web.StreamResponse:
                 log.info("websocket error", extra={"client_id": str(client_id), "error": str(ws.exception())})
                 break
     finally:
+        if handshaking:
+            handshakes.release()
         # aiohttp cancels the handler when the peer goes away: the cleanup runs as its own task so
         # unbinding and marking offline always complete (shutdown waits for it before closing the pool).
         await asyncio.shield(gateway.spawn_cleanup(_close_and_detach(gateway, conn)))
     return ws
+
+
+async def _upgrade(request: web.Request, protocol: ProtocolChoice, principal: ClientPrincipal,
+                   gateway: Gateway) -> tuple[web.WebSocketResponse, Connection]:
+    """The 101 and the socket's Connection (not yet attached)."""
+    # autoping off: pings and pongs reach this loop, so both count as heartbeats.
+    # aiohttp refuses a message of max_msg_size bytes or more (1009); the cap is "at most MAX_WS_FRAME", hence + 1.
+    # The chosen subprotocol is echoed in the 101 (none when the client offered none).
+    # compress off: permessage-deflate is declined (docs/desktop-protocol.md, Connecting). Node's `ws`, which the
+    # TypeScript SDK uses, offers it by default, and aiohttp accepts an offer unless told not to: each socket
+    # would then hold a zlib compressor (~256 KiB: gigabytes over a hub's 10,000 sockets) and every event would
+    # be compressed on the event loop, for frames of a few hundred bytes that barely shrink.
+    ws = web.WebSocketResponse(autoping=False, max_msg_size=MAX_WS_FRAME + 1, compress=False,
+                               protocols=(protocol.subprotocol,) if protocol.subprotocol else ())
+    try:
+        await ws.prepare(request)
+    except ConnectionResetError:
+        # The client gave up before its upgrade was answered (its handshake timeout, at a reconnect storm): as
+        # when aiohttp cancels a handler whose client went away, a 499, not a 500 with a traceback to log.
+        raise asyncio.CancelledError from None
+    mark_upgraded()
+    conn = Connection(ws, principal, capabilities=gateway.grant(
+        [*request.headers.getall(CAPABILITIES_HEADER, ()), *request.query.getall(CAPABILITIES_QUERY, ())]))
+    conn.start()
+    return ws, conn
 
 
 async def _close_and_detach(gateway: Gateway, conn: Connection) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 from aio_pika.abc import AbstractRobustConnection
@@ -21,6 +22,7 @@ from services.dispatch_hub.http_api import (
     AUTH,
     CONTEXT,
     GATEWAY,
+    HANDSHAKES,
     MAX_BODY,
     UPGRADE_LIMITS,
     UpgradeLimits,
@@ -39,6 +41,7 @@ def build(settings: Settings) -> web.Application:
     app = SERVICE.app(settings, _start, http=make_app(max_body_bytes=settings.max_body_bytes))
     app[MAX_BODY] = settings.max_body_bytes
     app[UPGRADE_LIMITS] = _upgrade_limits(settings)
+    app[HANDSHAKES] = asyncio.Semaphore(settings.hub_handshake_concurrency)
     add_routes(app)
     app.on_shutdown.append(_close_sockets)
     _run_loops(app)

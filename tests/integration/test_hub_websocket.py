@@ -220,6 +220,45 @@ async def test_permessage_deflate_is_declined(hub: TestServer, http: aiohttp.Cli
     await ws.close()
 
 
+async def test_handshakes_beyond_the_concurrency_wait_their_turn(
+        settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
+        pool: AsyncConnectionPool[Conn], seed: dict[str, Any]) -> None:
+    """HUB_HANDSHAKE_CONCURRENCY=1: while one client's attach is held (its row locked by another transaction), a
+    second client's upgrade waits at the gate, counted in desktop_ws_handshakes_waiting, and goes through once the
+    first is attached."""
+    from prometheus_client import REGISTRY
+
+    def waiting() -> float:
+        return REGISTRY.get_sample_value("desktop_ws_handshakes_waiting") or 0.0
+
+    first, second = (seed["tenants"][n]["clients"][0] for n in (0, 1))
+    async with running_hub(settings, heartbeat_timeout_seconds=30, hub_handshake_concurrency=1) as hub, \
+            pool.connection() as blocker:
+        url = str(hub.make_url("/api/desktop/ws"))
+        await blocker.execute("BEGIN")
+        await blocker.execute("SELECT 1 FROM desktop_clients WHERE id = %s FOR UPDATE", (first["client_id"],))
+        held = asyncio.create_task(http.ws_connect(url, headers={"Authorization": f"Bearer {first['token']}"}))
+        await eventually(lambda: _attach_waits_for_lock(pool), message="the first attach waiting for its row")
+        before = waiting()
+        queued = asyncio.create_task(http.ws_connect(url, headers={"Authorization": f"Bearer {second['token']}"}))
+        await eventually(lambda: waiting() == before + 1, message="the second upgrade waiting at the gate")
+        assert not queued.done()
+        await blocker.execute("ROLLBACK")
+        sockets = await asyncio.wait_for(asyncio.gather(held, queued), 10)
+        for ws in sockets:
+            assert (await receive(ws))["type"] == "hello"
+            await ws.close()
+        assert waiting() == before
+
+
+async def _attach_waits_for_lock(pool: AsyncConnectionPool[Conn]) -> bool:
+    async with pool.connection() as conn:
+        cur = await conn.execute("SELECT count(*) AS n FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                                 "AND datname = current_database()")
+        row = await cur.fetchone()
+    return row is not None and row["n"] > 0
+
+
 async def test_unauthenticated_socket_is_refused(hub: TestServer, http: aiohttp.ClientSession) -> None:
     with pytest.raises(aiohttp.WSServerHandshakeError) as info:
         await http.ws_connect(str(hub.make_url("/api/desktop/ws")), headers={"Authorization": "Bearer nope"})
