@@ -232,8 +232,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 # One rendering at a time. Rendering is Python over every series (the leader's per-client and per-tenant gauges:
 # 10,000+ series with a fleet of 10,000), which on the event loop held a click's NOTIFY and high pass for
-# 100-700 ms a scrape (docs/benchmarks.md, "What held the coordinator's event loop"). In a worker thread the loop
-# gets the interpreter back every switch interval (5 ms) while a scrape renders.
+# 250-950 ms a scrape (docs/benchmarks.md, "What held the coordinator's event loop, and the hub's"). In a worker
+# thread the loop gets the interpreter back every switch interval (5 ms) while a scrape renders.
 _METRICS_RENDERING = web.AppKey("metrics_rendering", asyncio.Lock)
 
 

@@ -120,7 +120,7 @@ class _ThreadRecorder(Collector):
 
 async def test_metrics_are_rendered_off_the_event_loop_one_scrape_at_a_time() -> None:
     """A scrape renders in a worker thread: rendering the leader's 10,000+ series on the event loop held a click's
-    NOTIFY and high pass (docs/benchmarks.md, "What held the coordinator's event loop")."""
+    NOTIFY and high pass (docs/benchmarks.md, "What held the coordinator's event loop, and the hub's")."""
     recorder = _ThreadRecorder()
     REGISTRY.register(recorder)
     recorder.threads.clear()  # registering described it, on this thread
