@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -24,6 +23,7 @@ from libs.config import ConfigError, Settings
 from libs.db.migrate import load_migrations
 from libs.db.pool import DEFAULT_PREPARE_THRESHOLD, Conn, WarmUp, make_pool
 from libs.db.write_health import WriterHealth, publishing
+from libs.gc_control import freeze_after_startup, watch_gc_pauses
 from libs.http import add_readiness_check, make_app
 from libs.mq.connection import connect as mq_connect
 from libs.telemetry import metrics
@@ -155,20 +155,6 @@ def add_broker_check(app: web.Application, ready: Callable[[], bool],
     add_readiness_check(app, "rabbitmq", check)
 
 
-def freeze_after_startup(app: web.Application) -> None:
-    """Once the app has started (call it after every other startup hook is registered), move everything
-    allocated so far, the imported modules, the app, its pools and clients, out of the garbage collector's
-    reach (`gc.freeze`). A full collection then walks only what requests allocate: under the collect-now
-    benchmark's load it took 29-41 ms in every service (once or twice a minute, stalling whatever request or
-    click was in flight: the p99) and 1-3 ms frozen."""
-
-    async def freeze(_: web.Application) -> None:
-        gc.collect()
-        gc.freeze()
-
-    app.on_startup.append(freeze)
-
-
 def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
     """Entry point for every service: configure, build the app, serve until SIGTERM/SIGINT."""
     try:
@@ -187,6 +173,7 @@ def serve(service: str, build: Callable[[Settings], web.Application]) -> None:
         log.critical("refusing to start: %s", exc, extra={"error": str(exc)})
         raise SystemExit(2) from None
     freeze_after_startup(app)
+    watch_gc_pauses()
     log.info("starting", extra={"port": settings.http_port, "instance_id": settings.instance_id})
     web.run_app(
         app,

@@ -255,6 +255,10 @@ websocket_messages_total = ExactCounter(
     labelnames=("direction", "kind"))
 # WebSocket RED beside the message counts (services/dispatch_hub/connections.py): latency and errors of the sockets.
 WS_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+python_gc_pause_seconds = Histogram(
+    "python_gc_pause_seconds",
+    "A garbage collection's duration, by generation, seconds: it runs on the event loop, which waits meanwhile "
+    "(libs/gc_control.py watch_gc_pauses).", ["generation"], buckets=WS_SECONDS_BUCKETS)
 desktop_ws_delivery_seconds = Histogram(
     "desktop_ws_delivery_seconds",
     "A dispatch event's arrival at the hub's broker consumer to its frame written on a client's socket, seconds "

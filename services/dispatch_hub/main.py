@@ -13,6 +13,7 @@ from libs.config import Settings
 from libs.db.pool import Conn
 from libs.db.write_health import WriterHealth, publishing, writer_health
 from libs.dispatch_settings import SettingsCache
+from libs.gc_control import LongLivedFreezer
 from libs.http import make_app
 from libs.mq.topology import Topology
 from libs.runtime import SETTINGS, Lifetime, Service, add_broker_check, background
@@ -123,6 +124,11 @@ def _run_loops(app: web.Application) -> None:
     background(app, "revocation-sweep", lambda stop: app[GATEWAY].run_revocation_sweep(stop))
     background(app, "safe-point-flush", lambda stop: app[CONTEXT].safe_points.run(
         app[CONTEXT].pool, stop, app[SETTINGS].hub_safe_point_flush_s))
+    settings = app[SETTINGS]
+    if settings.hub_gc_freeze_s:  # the sockets' objects out of the automatic collections' walk
+        freezer = LongLivedFreezer(freeze_s=settings.hub_gc_freeze_s, sweep_s=settings.hub_gc_sweep_s,
+                                   calm=lambda: not app[HANDSHAKES].locked())
+        background(app, "gc-freezer", freezer.run)
 
 
 def main() -> None:
