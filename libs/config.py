@@ -195,10 +195,9 @@ class Settings:
     # events and lease calls, which waited behind thousands of half-done handshakes (docs/benchmarks.md, "What held
     # the coordinator's event loop, and the hub's").
     hub_handshake_concurrency: int = 64
-    # The hub freezes what survived the last interval out of the automatic garbage collections (0: off) and sweeps
-    # the frozen set (one full collection) when calm, at most every HUB_GC_SWEEP_S (libs/gc_control.py).
-    hub_gc_freeze_s: float = 1.0
-    hub_gc_sweep_s: float = 600.0
+    # The hub runs its full garbage collections itself, one every this many seconds when no storm is on (0: CPython's
+    # automatic ones, which walked every socket's objects again and again through a storm; libs/gc_control.py).
+    hub_gc_full_collection_s: float = 600.0
     # ingest-shard-workers
     # Results per ingest transaction (at most) and unacked deliveries per shard channel. Measured: 200/400
     # -> ~3,700-4,200 results/s with 2 workers, 500/1000 -> ~4,200-5,000 (fewer commits and round trips).
@@ -267,10 +266,9 @@ class Settings:
             raise ConfigError("HUB_MAX_SOCKETS_PER_CLIENT must be at least 1")
         if not 1 <= settings.hub_handshake_concurrency <= 10_000:
             raise ConfigError("HUB_HANDSHAKE_CONCURRENCY must be from 1 to 10000")
-        if not (settings.hub_gc_freeze_s == 0 or 0.05 <= settings.hub_gc_freeze_s <= 60):
-            raise ConfigError("HUB_GC_FREEZE_S must be 0 (off) or from 0.05 to 60")
-        if not 10 <= settings.hub_gc_sweep_s <= 86_400:
-            raise ConfigError("HUB_GC_SWEEP_S must be from 10 to 86400")
+        if not (settings.hub_gc_full_collection_s == 0 or 5 <= settings.hub_gc_full_collection_s <= 3600):
+            raise ConfigError("HUB_GC_FULL_COLLECTION_S must be 0 (CPython's automatic full collections) or from 5 "
+                              "to 3600")
         if not 0 <= settings.hub_drain_reconnect_spread_ms <= 600_000:
             raise ConfigError("HUB_DRAIN_RECONNECT_SPREAD_MS must be from 0 to 600000")
         if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:

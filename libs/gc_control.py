@@ -1,8 +1,7 @@
 """The garbage collector in a service whose event loop is everything: a collection runs on it, so every socket's
 events and every request wait while it walks. What startup allocated is frozen (`freeze_after_startup`), every
-collection is timed (`watch_gc_pauses`), and a process that holds many long-lived objects (the hub's sockets)
-freezes them as they settle and sweeps the frozen set only when it is calm (`LongLivedFreezer`);
-docs/benchmarks.md, "Clicks on another hub during a reconnect storm"."""
+collection is timed (`watch_gc_pauses`), and a process that holds many long-lived objects (the hub's sockets) runs
+its full collections itself, rarely and when it is calm (`CalmFullCollections`)."""
 
 from __future__ import annotations
 
@@ -41,11 +40,11 @@ def watch_gc_pauses() -> Callable[[str, dict[str, int]], None]:
     """Time every garbage collection into `python_gc_pause_seconds{generation}` and log those over GC_PAUSE_LOG_S:
     a collection runs on the event loop, so its length is how long everything else waited. Returns the callback
     (installed in `gc.callbacks`)."""
-    started: list[float] = [0.0]
+    started: list[float] = [0.0, 0.0]
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            started[0] = time.perf_counter()
+            started[:] = time.perf_counter(), time.thread_time()
             return
         took = time.perf_counter() - started[0]
         generation = info.get("generation", -1)
@@ -53,63 +52,69 @@ def watch_gc_pauses() -> Callable[[str, dict[str, int]], None]:
         if took > GC_PAUSE_LOG_S:
             log.warning("garbage collection held the event loop",
                         extra={"generation": generation, "pause_ms": round(took * 1000, 1),
+                               # the collector's own CPU: below the pause when the machine's other work took turns
+                               "cpu_ms": round((time.thread_time() - started[1]) * 1000, 1),
                                "collected": info.get("collected", 0)})
 
     gc.callbacks.append(on_gc)
     return on_gc
 
 
-class LongLivedFreezer:
-    """Keeps objects that live for minutes out of the automatic collections, which otherwise walk them all.
+# gen-1 collections between two automatic full ones while `CalmFullCollections` runs: about 7 * 10^9 allocations
+# (the default is 10), so in practice only its own collections are full ones.
+AUTOMATIC_FULL_THRESHOLD = 1_000_000
 
-    A hub's sockets are a few hundred objects each, allocated after startup's freeze. CPython's full collection
-    walks every tracked object and runs whenever the survivors grew by a quarter since the last one: in a
-    reconnect storm, while thousands of sockets attach, that is a collection after every few hundred sockets,
-    each walking all of them (0.8-1.7 s on the benchmark's loaded box, every socket's events and every click
-    waiting). `freeze()` (every `freeze_s`; `gc.freeze` is a constant-time list splice) moves whatever survived
-    so far out of their reach, so an automatic collection walks only what the last interval allocated.
 
-    What the frozen set holds and later drops is freed by reference counting as usual; only reference cycles
-    among frozen objects wait for `sweep()`: unfreeze, one full collection, freeze again. It runs every `sweep_s`
-    when `calm()` says the process is not in a storm (the hub: a handshake slot is free), and no later than twice that
-    whatever the load, so memory held by dead cycles stays bounded. The sweep is the one long pause, at a
-    moment of the process's choosing; it is logged with what it freed."""
+class CalmFullCollections:
+    """A process that holds many long-lived objects (the hub's sockets, a few hundred objects each) runs its full
+    garbage collections itself, rarely and when it is calm, instead of CPython deciding in the middle of a storm.
 
-    def __init__(self, *, freeze_s: float, sweep_s: float, calm: Callable[[], bool] = lambda: True) -> None:
-        self.freeze_s = freeze_s
-        self.sweep_s = sweep_s
+    CPython runs a full collection, which walks every tracked object the startup freeze did not take, each time the
+    survivors grew by a quarter since the last one. In a reconnect storm that is while thousands of sockets attach:
+    a collection after every few hundred sockets, each walking all of them and every pending handshake's coroutines,
+    futures and contexts (38 collections of 0.8-1.7 s in four hubs during a 20,000-client storm on the benchmark's
+    box, every socket's events and every click on the hub waiting; docs/benchmarks.md, "Clicks on another hub
+    during a reconnect storm"). Here the young generations are collected as usual (short-lived cycles die there),
+    automatic full collections are pushed out of reach (`AUTOMATIC_FULL_THRESHOLD`), and one runs every `every_s`
+    once `calm()` (asked every `check_s`) says no storm is on, and after twice that whatever the load, freeing the
+    dead cycles of old objects (a closed socket's), so the memory they hold stays bounded.
+
+    Freezing what a collection kept would make the next one walk only what arrived since, but every collection would
+    then have to unfreeze and walk it all anyway to find the frozen objects that died in a cycle; one walk every
+    `every_s` is the same work. Each collection is logged with its pause and what it freed."""
+
+    def __init__(self, *, every_s: float, calm: Callable[[], bool] = lambda: True, check_s: float = 1.0) -> None:
+        self.every_s = every_s
+        self.check_s = check_s
         self._calm = calm
-        self._last_sweep = time.monotonic()
-        self.sweeps = 0
+        self._last = time.monotonic()
+        self.collections = 0
 
-    def freeze(self) -> None:
-        gc.freeze()
-
-    def sweep(self) -> int:
-        """One full collection over everything, frozen included, then freeze the survivors; returns the objects
-        it freed (the dead cycles the frozen set held)."""
+    def collect(self) -> int:
+        """One full collection; returns the objects it freed."""
         started = time.perf_counter()
-        gc.unfreeze()
         freed = gc.collect()
-        gc.freeze()
         took = time.perf_counter() - started
-        self._last_sweep = time.monotonic()
-        self.sweeps += 1
-        log.info("swept the frozen objects", extra={"freed": freed, "pause_ms": round(took * 1000, 1)})
+        self._last = time.monotonic()
+        self.collections += 1
+        log.info("full garbage collection while calm", extra={"freed": freed, "pause_ms": round(took * 1000, 1)})
         return freed
 
-    def due(self, now: float | None = None) -> bool:
-        """A sweep is due once `sweep_s` passed and the process is calm, or once twice that passed regardless."""
-        waited = (time.monotonic() if now is None else now) - self._last_sweep
-        return waited >= 2 * self.sweep_s or (waited >= self.sweep_s and self._calm())
+    def due(self, now: float, *, calm: bool) -> bool:
+        """Due once `every_s` passed and the process is calm, or once twice that passed regardless."""
+        waited = now - self._last
+        return waited >= 2 * self.every_s or (waited >= self.every_s and calm)
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.freeze_s)
-            if stop.is_set():
-                return
-            if self.due():
-                self.sweep()
-            else:
-                self.freeze()
+        """Take over full collections until `stop`; CPython's own thresholds come back on the way out."""
+        thresholds = gc.get_threshold()
+        gc.set_threshold(thresholds[0], thresholds[1], AUTOMATIC_FULL_THRESHOLD)
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.check_s)
+                calm = self._calm()  # every tick: a predicate may measure the churn since its last call
+                if not stop.is_set() and self.due(time.monotonic(), calm=calm):
+                    self.collect()
+        finally:
+            gc.set_threshold(*thresholds)

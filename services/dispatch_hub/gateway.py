@@ -278,6 +278,11 @@ class Gateway:
     def connection_count(self) -> int:
         return sum(len(c) for c in self._sockets.values())
 
+    @property
+    def sockets_changed(self) -> int:
+        """Sockets registered or removed since the gateway started (a rate of churn, read twice)."""
+        return self._sockets_changed
+
     def all_connections(self) -> list[Connection]:
         return [c for conns in self._sockets.values() for c in conns]
 

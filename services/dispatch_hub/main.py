@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from aio_pika.abc import AbstractRobustConnection
 from aiohttp import web
@@ -13,7 +14,7 @@ from libs.config import Settings
 from libs.db.pool import Conn
 from libs.db.write_health import WriterHealth, publishing, writer_health
 from libs.dispatch_settings import SettingsCache
-from libs.gc_control import LongLivedFreezer
+from libs.gc_control import CalmFullCollections
 from libs.http import make_app
 from libs.mq.topology import Topology
 from libs.runtime import SETTINGS, Lifetime, Service, add_broker_check, background
@@ -35,6 +36,9 @@ from services.dispatch_hub.results import AmqpResultPublisher, RoutingTableRoute
 
 SERVICE = Service("dispatch-hub")
 POOL_MAX = 6
+# The hub is calm (its full garbage collection may run) with no handshake waiting for a slot and at most this many
+# sockets opened or closed since the last look (a second before).
+CALM_SOCKET_CHANGES = 20
 
 
 def build(settings: Settings) -> web.Application:
@@ -125,10 +129,23 @@ def _run_loops(app: web.Application) -> None:
     background(app, "safe-point-flush", lambda stop: app[CONTEXT].safe_points.run(
         app[CONTEXT].pool, stop, app[SETTINGS].hub_safe_point_flush_s))
     settings = app[SETTINGS]
-    if settings.hub_gc_freeze_s:  # the sockets' objects out of the automatic collections' walk
-        freezer = LongLivedFreezer(freeze_s=settings.hub_gc_freeze_s, sweep_s=settings.hub_gc_sweep_s,
-                                   calm=lambda: not app[HANDSHAKES].locked())
-        background(app, "gc-freezer", freezer.run)
+    if settings.hub_gc_full_collection_s:  # no full collection over every socket's objects in the middle of a storm
+        collections = CalmFullCollections(every_s=settings.hub_gc_full_collection_s, calm=_calm(app))
+        background(app, "gc-full-collections", collections.run)
+
+
+def _calm(app: web.Application) -> Callable[[], bool]:
+    """Whether no storm is on: no handshake waits for a slot and few sockets came or went since the last call."""
+    seen = [-1]
+
+    def calm() -> bool:
+        gateway = app.get(GATEWAY)
+        if gateway is None:  # still starting
+            return False
+        changed, seen[0] = gateway.sockets_changed - seen[0], gateway.sockets_changed
+        return changed <= CALM_SOCKET_CHANGES and not app[HANDSHAKES].locked()
+
+    return calm
 
 
 def main() -> None:

@@ -1,16 +1,13 @@
-"""libs.gc_control: collections are timed, long-lived objects leave the automatic collections' walk, and the sweep
-frees the dead cycles the frozen set held."""
+"""libs.gc_control: collections are timed, and a process can take its full collections over, running them when it is
+calm and no less often than twice its interval."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import weakref
-from collections.abc import Iterator
 
-import pytest
-
-from libs.gc_control import LongLivedFreezer, watch_gc_pauses
+from libs.gc_control import AUTOMATIC_FULL_THRESHOLD, CalmFullCollections, watch_gc_pauses
 from libs.telemetry import metrics
 from tests.support.wait import eventually
 
@@ -18,19 +15,6 @@ from tests.support.wait import eventually
 class Node:
     def __init__(self) -> None:
         self.peer: Node | None = None
-
-
-def _cycle() -> weakref.ref[Node]:
-    a, b = Node(), Node()
-    a.peer, b.peer = b, a
-    return weakref.ref(a)
-
-
-@pytest.fixture(autouse=True)
-def unfrozen() -> Iterator[None]:
-    gc.unfreeze()
-    yield
-    gc.unfreeze()
 
 
 def _count(generation: str) -> float:
@@ -49,42 +33,46 @@ def test_every_collection_is_timed_by_generation() -> None:
         gc.callbacks.remove(callback)
 
 
-def test_a_frozen_cycle_outlives_the_automatic_collections_and_the_sweep_frees_it() -> None:
-    freezer = LongLivedFreezer(freeze_s=1.0, sweep_s=600.0)
-    holder = [_cycle()]
-    node = holder[0]()
-    assert node is not None
-    freezer.freeze()
-    assert not any(o is node for o in gc.get_objects())  # out of every generation the collector walks
-    ref = holder.pop()
-    del node  # the cycle is now garbage, frozen
-    gc.collect()
-    assert ref() is not None, "a full collection walked the frozen set"
-    assert freezer.sweep() >= 2
+def test_a_collection_frees_a_dead_cycle_of_old_objects() -> None:
+    collections = CalmFullCollections(every_s=60)
+    holder = [Node(), Node()]
+    holder[0].peer, holder[1].peer = holder[1], holder[0]
+    gc.collect(1)
+    gc.collect(1)  # in the oldest generation, where only a full collection looks
+    ref = weakref.ref(holder[0])
+    holder.clear()
+    assert ref() is not None
+    assert collections.collect() >= 2
     assert ref() is None
-    assert gc.get_freeze_count() > 0  # the survivors are frozen again
+    assert collections.collections == 1
 
 
-def test_the_sweep_waits_for_calm_but_not_forever() -> None:
-    calm = [False]
-    freezer = LongLivedFreezer(freeze_s=1.0, sweep_s=100.0, calm=lambda: calm[0])
-    start = freezer._last_sweep
-    assert not freezer.due(start + 50)
-    assert not freezer.due(start + 150)  # due, but a storm is on
-    calm[0] = True
-    assert freezer.due(start + 150)
-    calm[0] = False
-    assert freezer.due(start + 201)  # twice the interval: swept whatever the load
+def test_the_collection_waits_for_calm_but_not_forever() -> None:
+    collections = CalmFullCollections(every_s=100.0)
+    start = collections._last
+    assert not collections.due(start + 50, calm=True)
+    assert not collections.due(start + 150, calm=False)  # due, but a storm is on
+    assert collections.due(start + 150, calm=True)
+    assert collections.due(start + 201, calm=False)  # twice the interval: collected whatever the load
 
 
-async def test_the_loop_freezes_each_interval_and_stops_on_request() -> None:
-    freezer = LongLivedFreezer(freeze_s=0.01, sweep_s=600.0)
+async def test_the_loop_takes_full_collections_over_asks_for_calm_every_tick_and_gives_them_back() -> None:
+    thresholds = gc.get_threshold()
+    asked = [0]
+
+    def calm() -> bool:
+        asked[0] += 1
+        return True
+
+    collections = CalmFullCollections(every_s=0.05, check_s=0.01, calm=calm)
     stop = asyncio.Event()
-    task = asyncio.create_task(freezer.run(stop))
-    kept = [Node() for _ in range(10)]
-    await eventually(gc.get_freeze_count, timeout=5, interval=0.01, message="the loop's first freeze")
-    assert not any(o is kept[0] for o in gc.get_objects())
-    stop.set()
-    async with asyncio.timeout(5):
-        await task
-    assert freezer.sweeps == 0
+    task = asyncio.create_task(collections.run(stop))
+    try:
+        await eventually(lambda: collections.collections >= 4, timeout=5, interval=0.01, message="four collections")
+        assert gc.get_threshold() == (thresholds[0], thresholds[1], AUTOMATIC_FULL_THRESHOLD)
+        assert asked[0] > collections.collections
+    finally:
+        stop.set()
+        async with asyncio.timeout(5):
+            await task
+    assert gc.get_threshold() == thresholds
