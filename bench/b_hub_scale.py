@@ -122,9 +122,9 @@ FROM desktop_clients c WHERE c.id = %(client)s
 RETURNING tenant_id
 """
 ROLLING_EVENT_EVERY_S = 0.25
-# Clicks made while the fleet connects (a storm of client.online on the hub and the leader), on questions of
-# their own (a click on a question clicked already is an idempotent replay, with no new task).
-STORM_CLICKS = 30
+# Clicks made while the fleet connects (a storm of client.online on the hub and the leader) or reconnects, on
+# questions of their own (a click on a question clicked already is an idempotent replay, with no new task).
+STORM_CLICKS = 30  # each storm (the connect, the reconnect after a kill) clicks its own questions
 ROLL_DEADLINE_S = 120.0
 
 
@@ -137,7 +137,7 @@ class World:
 async def _prepare(settings: Settings, *, fleet: int, clicks: int) -> World:
     conn = await connect(settings.database_url)
     try:
-        probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks + STORM_CLICKS, clients=1,
+        probe = await seed_demo(conn, tenants=1, brands=1, questions=clicks + 2 * STORM_CLICKS, clients=1,
                                 platforms=("openai",),
                                 due=False)
         cur = await conn.execute(_TENANTS, {"n": math.ceil(fleet / CLIENTS_PER_TENANT)})
@@ -252,8 +252,9 @@ def _hubs(stack: Stack) -> list[ServiceProcess]:
     return [proc for name, proc in stack.procs.items() if name.startswith("dispatch-hub")]
 
 
-def _hub_pid(stack: Stack) -> int:
-    proc = stack.procs["dispatch-hub"].proc
+def _hub_pid(stack: Stack, hub: ServiceProcess | None = None) -> int:
+    """The pid of `hub`, the first hub by default."""
+    proc = (hub or stack.procs["dispatch-hub"]).proc
     assert proc is not None
     return proc.pid
 
@@ -310,12 +311,12 @@ def _cpu_note(before: dict[str, float], after: dict[str, float]) -> str:
 
 
 class Profile:
-    """`py-spy record` on the hub for one phase, when HUB_SCALE_PROFILE names a folder (py-spy is not a dependency
-    of the project: `pip install py-spy` to profile)."""
+    """`py-spy record` on a hub (the first by default) for one phase, when HUB_SCALE_PROFILE names a folder (py-spy
+    is not a dependency of the project: `pip install py-spy` to profile)."""
 
-    def __init__(self, stack: Stack, phase: str) -> None:
+    def __init__(self, stack: Stack, phase: str, hub: ServiceProcess | None = None) -> None:
         self.folder = os.environ.get("HUB_SCALE_PROFILE", "")
-        self.stack, self.phase = stack, phase
+        self.stack, self.phase, self.hub = stack, phase, hub
         self.proc: asyncio.subprocess.Process | None = None
         if self.folder:
             os.makedirs(self.folder, exist_ok=True)
@@ -324,7 +325,8 @@ class Profile:
         spy = Path(sys.executable).with_name("py-spy")
         if self.folder and spy.exists():
             self.proc = await asyncio.create_subprocess_exec(
-                str(spy), "record", "--pid", str(_hub_pid(self.stack)), "--format", "raw", "--rate", "100",
+                str(spy), "record", "--pid", str(_hub_pid(self.stack, self.hub)),
+                "--format", "raw", "--rate", "100",
                 "--nonblocking", "-o", str(Path(self.folder) / f"{self.phase}.raw"), stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
         return self
@@ -366,20 +368,41 @@ def _load() -> str:
 
 
 def _hub_errors(stack: Stack) -> list[str]:
-    """The distinct errors and warnings the hub logged (with the exception's last line), most frequent first; the
-    first traceback of each follows its line."""
+    """The distinct errors and warnings the hubs logged (with the exception's last line), most frequent first; the
+    first traceback of each follows its line. The garbage collections that held a hub's loop, the longest first
+    (hub, generation, pause), and the full collections it ran while calm."""
     counts: dict[str, int] = {}
     first: dict[str, str] = {}
-    for line in stack.procs["dispatch-hub"].logs().splitlines():
-        if '"level": "error"' not in line and '"level": "warning"' not in line:
+    pauses: list[tuple[float, str]] = []
+    sweeps: list[str] = []
+    for name, hub in stack.procs.items():
+        if not name.startswith("dispatch-hub"):
             continue
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            exc = str(record.get("exc") or "").strip().splitlines()
-            key = f"{record.get('level')}: {record.get('event')}{': ' + exc[-1] if exc else ''}"
-            counts[key] = counts.get(key, 0) + 1
-            first.setdefault(key, "\n".join(f"      {line}" for line in exc[-12:]))
-    return [f"{n}x {key}\n{first[key]}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+        for line in hub.logs().splitlines():
+            if '"full garbage collection while calm"' in line:
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    sweeps.append(f"{name}{' deep' if record.get('deep') else ''} {record['pause_ms']} ms "
+                                  f"freed {record['freed']}")
+            if '"level": "error"' not in line and '"level": "warning"' not in line:
+                continue
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if "pause_ms" in record:
+                    pauses.append((float(record["pause_ms"]),
+                                   f"{name} gen {record.get('generation')} (CPU {record.get('cpu_ms')} ms, "
+                                   f"freed {record.get('collected')})"))
+                exc = str(record.get("exc") or "").strip().splitlines()
+                key = f"{record.get('level')}: {record.get('event')}{': ' + exc[-1] if exc else ''}"
+                counts[key] = counts.get(key, 0) + 1
+                first.setdefault(key, "\n".join(f"      {line}" for line in exc[-12:]))
+    found = [f"{n}x {key}\n{first[key]}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    if pauses:
+        found.append("garbage collections over 100 ms: " + ", ".join(
+            f"{where}: {ms:.0f} ms" for ms, where in sorted(pauses, reverse=True)[:12]))
+    if sweeps:
+        found.append("full collections while calm: " + "; ".join(sweeps))
+    return found
 
 
 # ---- phases ---------------------------------------------------------------------------------------
@@ -616,14 +639,20 @@ class _BrokerTap:
         await self._connection.close()
 
 
-async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: asyncio.Event | None = None) -> ProbeRun:
+async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: asyncio.Event | None = None,
+                 hub_url: str | None = None) -> ProbeRun:
     """Click -> high task_available on the probe's socket; then lease and post the result, as a desktop does; each
     click's marks for the per-hop breakdown (`_hop_marks`). A reset or lost connection (a connect storm) is counted,
     the socket reopened, and the click that met it left out. `during_storm`: click the storm's own questions until
-    it is set, and measure no hub hop."""
+    it is set, and measure no hub hop. `hub_url`: the hub the probe connects to (the first one by default)."""
     probe = world.probe
     questions = probe["brands"][0]["question_ids"]
-    question_ids = questions[clicks:] if during_storm is not None else questions[:clicks]
+    # The probe phase clicks the first `clicks` questions, the connect storm the next STORM_CLICKS, the reconnect
+    # storm (on another hub) the last ones.
+    if during_storm is None:
+        question_ids = questions[:clicks]
+    else:
+        question_ids = questions[clicks + STORM_CLICKS:] if hub_url else questions[clicks:clicks + STORM_CLICKS]
     client, brand = probe["clients"][0], probe["brands"][0]
     jwt = stack.jwt(probe)
     api = stack.api_url
@@ -632,7 +661,7 @@ async def _probe(stack: Stack, world: World, clicks: int, *, during_storm: async
     task_ids: list[str] = []  # each click's task, beside its marks
     refused = 0
     async with aiohttp.ClientSession() as http, _BrokerTap(stack.settings, client["client_id"]) as tap:
-        desktop = _ProbeClient(http, stack.hub_url, {"Authorization": f"Bearer {client['token']}"})
+        desktop = _ProbeClient(http, hub_url or stack.hub_url, {"Authorization": f"Bearer {client['token']}"})
         await desktop.open()
         for question_id in question_ids:
             if during_storm is not None and during_storm.is_set():
@@ -786,8 +815,19 @@ async def _hub_hop(stack: Stack, ws: aiohttp.ClientWebSocketResponse, client_id:
     return await collect_now_hub_hop(stack.settings, ws, client_id, samples=samples, gap_s=0.05)
 
 
-async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
+async def _storm(stack: Stack, fleet: list[ClientProcess], total: int, world: World, clicks: int) -> None:
+    """kill -9 of the first hub, started again, until every client is back; with several hubs, clicks meanwhile for
+    the probe on another hub (which takes its share of the reconnects: HUB_SCALE_PROFILE profiles it meanwhile)."""
     hub = stack.procs["dispatch-hub"]
+    # The probe clicks on another hub, which takes its share of the killed hub's clients (the simulated load balancer
+    # picks one of the others at random, bench/hub_scale_client.py) while they are refused by the killed one.
+    other_hubs = [h for h in _hubs(stack) if h is not hub]
+    settled = asyncio.Event()
+    clicking = (asyncio.create_task(_probe(stack, world, clicks, during_storm=settled, hub_url=other_hubs[0].url))
+                if other_hubs else None)
+    probe_hub = Profile(stack, "storm-probe-hub", hub=other_hubs[0]) if other_hubs else None
+    if probe_hub is not None:
+        await probe_hub.__aenter__()
     killed = time.time()
     overflows, others = _listen_overflows(), _others_cpu_s(stack, fleet)
     hub.kill()
@@ -807,6 +847,15 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int) -> None:
           f"listen queue overflows {_listen_overflows() - overflows}; {_load()}; CPU meanwhile: "
           f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; "
           f"{_leader_note(leader0, await _leader(stack), time.time() - up)}", flush=True)
+    if clicking is not None and probe_hub is not None:
+        settled.set()
+        run = await clicking
+        await probe_hub.__aexit__()
+        label = "clicks on another hub during the reconnect storm"
+        print(f"  {label}: click -> task_available (ms): "
+              f"{summary(run.to_socket) if run.to_socket else 'none arrived'}; "
+              f"p99 {percentile(run.to_socket, 99):.1f} ms", flush=True)
+        _print_hops(label, run, waits=os.environ.get("HUB_SCALE_WAITS", "") == "1")
 
 
 async def _write_events(settings: Settings, clients: list[tuple[str, str]], written: list[str],
@@ -967,7 +1016,7 @@ async def _run(stack: Stack, world: World, fleet: list[ClientProcess], folder: P
               f"{_leader_note(leader0, await _leader(stack), time.time() - probe_started)}; CPU meanwhile: "
               f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; {_load()}", flush=True)
     if "storm" in phases:
-        await _storm(stack, fleet, total)
+        await _storm(stack, fleet, total, world, clicks)
     if "rolling" in phases:
         await _rolling_restart(stack, fleet, world, total)
 
