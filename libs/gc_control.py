@@ -106,9 +106,9 @@ class CalmFullCollections:
         return waited >= 2 * self.every_s or (waited >= self.every_s and calm)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Take over full collections until `stop`; CPython's own thresholds come back on the way out."""
-        thresholds = gc.get_threshold()
-        gc.set_threshold(thresholds[0], thresholds[1], AUTOMATIC_FULL_THRESHOLD)
+        """Take over full collections until `stop`; CPython's own thresholds come back once the last of the process's
+        loops stops (tests run several hubs in one process)."""
+        _take_over()
         try:
             while not stop.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -117,4 +117,20 @@ class CalmFullCollections:
                 if not stop.is_set() and self.due(time.monotonic(), calm=calm):
                     self.collect()
         finally:
-            gc.set_threshold(*thresholds)
+            _give_back()
+
+
+# The loops that took full collections over, and the thresholds from before the first of them.
+_holders: list[tuple[int, int, int]] = []
+
+
+def _take_over() -> None:
+    thresholds = gc.get_threshold()
+    _holders.append(_holders[0] if _holders else thresholds)
+    gc.set_threshold(thresholds[0], thresholds[1], AUTOMATIC_FULL_THRESHOLD)
+
+
+def _give_back() -> None:
+    original = _holders.pop()
+    if not _holders:
+        gc.set_threshold(*original)

@@ -346,3 +346,28 @@ async def test_a_report_the_database_refuses_fails_only_its_own_client(
     assert all(rows[c]["last_heartbeat_at"] is not None and rows[c]["last_heartbeat_at"] != before[c]
                for c in (bad, good))  # liveness of both written
     assert rows[good]["platform_health"] == {"openai": "healthy"} and rows[bad]["platform_health"] == {}
+
+
+async def test_the_hub_takes_full_garbage_collections_over_unless_told_not_to(
+        settings: Settings, amqp: AbstractRobustConnection) -> None:
+    """HUB_GC_FULL_COLLECTION_S: while a hub runs, CPython's automatic full collections are out of reach (the hub runs
+    its own when calm); 0 leaves them alone; stopped, the hub gives the thresholds back."""
+    import gc
+
+    from libs.gc_control import AUTOMATIC_FULL_THRESHOLD
+
+    before = gc.get_threshold()
+    assert before[2] != AUTOMATIC_FULL_THRESHOLD
+    async with running_hub(settings, heartbeat_timeout_seconds=30):
+        await eventually(lambda: gc.get_threshold()[2] == AUTOMATIC_FULL_THRESHOLD,
+                         message="the hub's collection loop taking over")
+    assert gc.get_threshold() == before
+    async with running_hub(settings, heartbeat_timeout_seconds=30, hub_gc_full_collection_s=0) as hub, \
+            aiohttp.ClientSession() as http:
+
+        async def ready() -> bool:
+            async with http.get(hub.make_url("/readyz")) as response:
+                return response.status == 200
+
+        await eventually(ready, message="the hub ready (its loops running)")
+        assert gc.get_threshold() == before

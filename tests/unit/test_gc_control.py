@@ -7,6 +7,7 @@ import asyncio
 import gc
 import weakref
 
+from libs import gc_control
 from libs.gc_control import AUTOMATIC_FULL_THRESHOLD, CalmFullCollections, watch_gc_pauses
 from libs.telemetry import metrics
 from tests.support.wait import eventually
@@ -75,4 +76,21 @@ async def test_the_loop_takes_full_collections_over_asks_for_calm_every_tick_and
         stop.set()
         async with asyncio.timeout(5):
             await task
+    assert gc.get_threshold() == thresholds
+
+
+async def test_two_loops_in_one_process_give_the_thresholds_back_once_both_stopped() -> None:
+    thresholds = gc.get_threshold()
+    first, second = CalmFullCollections(every_s=60, check_s=0.01), CalmFullCollections(every_s=60, check_s=0.01)
+    stops = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(c.run(stop)) for c, stop in zip((first, second), stops, strict=True)]
+    await eventually(lambda: len(gc_control._holders) == 2, timeout=5, interval=0.01, message="both taking over")
+    assert gc.get_threshold()[2] == AUTOMATIC_FULL_THRESHOLD
+    stops[0].set()
+    async with asyncio.timeout(5):
+        await tasks[0]
+    assert gc.get_threshold()[2] == AUTOMATIC_FULL_THRESHOLD, "the first to stop gave them back under the second"
+    stops[1].set()
+    async with asyncio.timeout(5):
+        await tasks[1]
     assert gc.get_threshold() == thresholds
