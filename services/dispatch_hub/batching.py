@@ -48,10 +48,20 @@ class Batcher(Generic[K, V]):
         if len(self._running) < self.concurrency:
             task = asyncio.create_task(self._drain(), name=f"batch-{self.name}")
             self._running.add(task)
-            task.add_done_callback(self._running.discard)
         return await future
 
     async def _drain(self) -> None:
+        try:
+            await self._drain_pending()
+        finally:
+            # Off the running set in the same step that found nothing pending, not in a done callback: the callers
+            # it answered resume before such a callback runs, and a key one of them submits in between would find
+            # the slot taken by a call that has ended, and wait for good (or until another key came along).
+            task = asyncio.current_task()
+            if task is not None:
+                self._running.discard(task)
+
+    async def _drain_pending(self) -> None:
         while self._pending:
             keys = list(self._pending)[:self.max_batch]
             waiters = {key: self._pending.pop(key) for key in keys}

@@ -53,6 +53,21 @@ async def test_a_lone_key_goes_at_once_and_keys_that_arrive_meanwhile_share_the_
     assert (batcher.calls, batcher.largest) == (4, 3)
 
 
+async def test_a_key_submitted_as_the_last_call_ends_gets_a_call_of_its_own() -> None:
+    """The caller a call answered resumes before the call's task is done (its wake-up was scheduled first): a key
+    it submits then must start a call, not wait behind the finished one until some later key comes along. The hub
+    left the 21 sockets of a reconnect storm's tail waiting for their attach for good this way (the clients'
+    locks held, so their reconnects to the same hub waited too)."""
+    run = Lookups()
+    batcher: Batcher[int, int] = Batcher(run, default=-1, name="test")
+    assert await batcher.submit(1) == 10
+    async with asyncio.timeout(2):
+        assert await batcher.submit(2) == 20
+    async with asyncio.timeout(2):
+        assert await asyncio.gather(*(batcher.submit(k) for k in (3, 4))) == [30, 40]
+    assert run.calls == [[1], [2], [3, 4]]
+
+
 async def test_a_failed_call_fails_each_of_its_callers_and_the_next_call_runs() -> None:
     run = Lookups()
     batcher = Batcher(run, default=0, name="t")
