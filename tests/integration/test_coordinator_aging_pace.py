@@ -175,6 +175,9 @@ async def test_a_task_dispatched_while_the_update_waits_is_not_boosted(pool: Asy
             waiting = asyncio.ensure_future(_apply(aging, rows, settings.aging_cap))
 
             async def blocked() -> bool:
+                # Inside the pass's transaction pg_stat_activity is read once and kept (the statistics snapshot): a
+                # first probe before aging's UPDATE arrived saw no waiter for good (CI, on a busy machine).
+                await dispatch.execute("SELECT pg_stat_clear_snapshot()")
                 cur = await dispatch.execute("SELECT count(*) AS n FROM pg_stat_activity "
                                              "WHERE %s = ANY (pg_blocking_pids(pid))", (holder,))
                 return bool((await cur.fetchone() or {"n": 0})["n"])
