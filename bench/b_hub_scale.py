@@ -367,14 +367,14 @@ def _load() -> str:
     return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
 
 
-def _hub_errors(stack: Stack) -> list[str]:
+def _hub_errors(stack: Stack) -> tuple[list[str], list[str]]:
     """The distinct errors and warnings the hubs logged (with the exception's last line), most frequent first; the
-    first traceback of each follows its line. The garbage collections that held a hub's loop, the longest first
-    (hub, generation, pause), and the full collections it ran while calm."""
+    first traceback of each follows its line. Beside them, the garbage collections that held a hub's loop, the
+    longest first (hub, generation, pause), and the full collections it ran while calm."""
     counts: dict[str, int] = {}
     first: dict[str, str] = {}
     pauses: list[tuple[float, str]] = []
-    sweeps: list[str] = []
+    calm: list[str] = []
     for name, hub in stack.procs.items():
         if not name.startswith("dispatch-hub"):
             continue
@@ -382,8 +382,7 @@ def _hub_errors(stack: Stack) -> list[str]:
             if '"full garbage collection while calm"' in line:
                 with contextlib.suppress(ValueError):
                     record = json.loads(line)
-                    sweeps.append(f"{name}{' deep' if record.get('deep') else ''} {record['pause_ms']} ms "
-                                  f"freed {record['freed']}")
+                    calm.append(f"{name} {record['pause_ms']} ms freed {record['freed']}")
             if '"level": "error"' not in line and '"level": "warning"' not in line:
                 continue
             with contextlib.suppress(ValueError):
@@ -396,13 +395,14 @@ def _hub_errors(stack: Stack) -> list[str]:
                 key = f"{record.get('level')}: {record.get('event')}{': ' + exc[-1] if exc else ''}"
                 counts[key] = counts.get(key, 0) + 1
                 first.setdefault(key, "\n".join(f"      {line}" for line in exc[-12:]))
-    found = [f"{n}x {key}\n{first[key]}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    kinds = [f"{n}x {key}\n{first[key]}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    collections = []
     if pauses:
-        found.append("garbage collections over 100 ms: " + ", ".join(
+        collections.append("garbage collections over 100 ms: " + ", ".join(
             f"{where}: {ms:.0f} ms" for ms, where in sorted(pauses, reverse=True)[:12]))
-    if sweeps:
-        found.append("full collections while calm: " + "; ".join(sweeps))
-    return found
+    if calm:
+        collections.append("full collections while calm: " + "; ".join(calm))
+    return kinds, collections
 
 
 # ---- phases ---------------------------------------------------------------------------------------
@@ -823,11 +823,10 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int, world: Wo
     # picks one of the others at random, bench/hub_scale_client.py) while they are refused by the killed one.
     other_hubs = [h for h in _hubs(stack) if h is not hub]
     settled = asyncio.Event()
-    clicking = (asyncio.create_task(_probe(stack, world, clicks, during_storm=settled, hub_url=other_hubs[0].url))
-                if other_hubs else None)
-    probe_hub = Profile(stack, "storm-probe-hub", hub=other_hubs[0]) if other_hubs else None
-    if probe_hub is not None:
-        await probe_hub.__aenter__()
+    clicking: tuple[asyncio.Task[ProbeRun], Profile] | None = None
+    if other_hubs:
+        clicking = (asyncio.create_task(_probe(stack, world, clicks, during_storm=settled, hub_url=other_hubs[0].url)),
+                    await Profile(stack, "storm-probe-hub", hub=other_hubs[0]).__aenter__())
     killed = time.time()
     overflows, others = _listen_overflows(), _others_cpu_s(stack, fleet)
     hub.kill()
@@ -847,10 +846,11 @@ async def _storm(stack: Stack, fleet: list[ClientProcess], total: int, world: Wo
           f"listen queue overflows {_listen_overflows() - overflows}; {_load()}; CPU meanwhile: "
           f"{_cpu_note(others, _others_cpu_s(stack, fleet))}; "
           f"{_leader_note(leader0, await _leader(stack), time.time() - up)}", flush=True)
-    if clicking is not None and probe_hub is not None:
+    if clicking is not None:
+        task, profile = clicking
         settled.set()
-        run = await clicking
-        await probe_hub.__aexit__()
+        run = await task
+        await profile.__aexit__()
         label = "clicks on another hub during the reconnect storm"
         print(f"  {label}: click -> task_available (ms): "
               f"{summary(run.to_socket) if run.to_socket else 'none arrived'}; "
@@ -951,9 +951,7 @@ async def _scenario(clients: int, clicks: int, hubs: int = 1) -> None:
                     await _run(stack, world, fleet, Path(logs), clicks=clicks)
                 finally:
                     await asyncio.gather(*(p.stop() for p in fleet))
-                    errors = _hub_errors(stack)
-                    collections = [e for e in errors if e.startswith(("garbage collections", "full collections"))]
-                    kinds = [e for e in errors if e not in collections]
+                    kinds, collections = _hub_errors(stack)
                     print(f"  hub errors and warnings logged: {len(kinds)} kinds"
                           + "".join(f"\n    {e}" for e in kinds[:5] + collections), flush=True)
 
