@@ -473,20 +473,25 @@ FROM w CROSS JOIN (
 # A row per lane with its pairs as two arrays: a row per pair took ~30 ms of the coordinator's CPU to decode at 10,000
 # tenants (the re-read runs beside the passes, on their event loop), the arrays ~7 (docs/benchmarks.md "The full pass at
 # 10,000 tenants").
+# The (tenant, platform, lane) entries with pending work from the pair (%(tenant)s, %(platform)s) on, in that order, at
+# most %(limit)s: a loose index scan of ix_collect_tasks_ready_pair, a probe per entry (so a read costs what it
+# returns, not the pending tasks), answered as a row per lane with its pairs as two arrays in order.
 _PENDING_PAIRS = """
 WITH RECURSIVE pairs AS (
-    (SELECT tenant_id, ai_platform_id, dispatch_lane FROM monitoring_collect_tasks
-     WHERE status = 'pending'
+    (SELECT tenant_id, ai_platform_id, dispatch_lane, 1 AS n FROM monitoring_collect_tasks
+     WHERE status = 'pending' AND (tenant_id, ai_platform_id) >= (%(tenant)s::bigint, %(platform)s::bigint)
      ORDER BY tenant_id, ai_platform_id, dispatch_lane LIMIT 1)
     UNION ALL
-    SELECT n.tenant_id, n.ai_platform_id, n.dispatch_lane FROM pairs p
+    SELECT n.tenant_id, n.ai_platform_id, n.dispatch_lane, p.n + 1 FROM pairs p
     CROSS JOIN LATERAL (
         SELECT tenant_id, ai_platform_id, dispatch_lane FROM monitoring_collect_tasks
         WHERE status = 'pending'
           AND (tenant_id, ai_platform_id, dispatch_lane) > (p.tenant_id, p.ai_platform_id, p.dispatch_lane)
         ORDER BY tenant_id, ai_platform_id, dispatch_lane LIMIT 1) n
+    WHERE p.n < %(limit)s
 )
-SELECT dispatch_lane AS lane, array_agg(tenant_id) AS tenants, array_agg(ai_platform_id) AS platforms
+SELECT dispatch_lane AS lane, array_agg(tenant_id ORDER BY n) AS tenants,
+       array_agg(ai_platform_id ORDER BY n) AS platforms
 FROM pairs GROUP BY 1
 """
 
@@ -754,8 +759,28 @@ async def pending_pairs(conn: Conn) -> set[tuple[int, int]]:
 
 async def pending_lane_pairs(conn: Conn) -> dict[str, set[tuple[int, int]]]:
     """Per lane, every (tenant, platform) with a pending task of that lane, on either path."""
-    cur = await conn.execute(_PENDING_PAIRS)
-    return {r["lane"]: set(zip(r["tenants"], r["platforms"], strict=True)) for r in await cur.fetchall()}
+    by_lane, _ = await pending_lane_pairs_slice(conn, start=None, limit=None)
+    return {lane: set(pairs) for lane, pairs in by_lane.items()}
+
+
+# The least (tenant, platform): where a read of every pair starts (ids are positive; both columns fit a bigint).
+_FIRST_PAIR = (-(2**63), -(2**63))
+
+
+async def pending_lane_pairs_slice(conn: Conn, *, start: tuple[int, int] | None, limit: int | None
+                                   ) -> tuple[dict[str, list[tuple[int, int]]], tuple[int, int] | None]:
+    """Per lane, in order, the (tenant, platform) pairs with a pending task of that lane, from the pair `start` (None:
+    the first) on, and where they end: up to `limit` (pair, lane) entries (None: all). When the limit cut the read, the
+    pair it was cut in is left out (its later lanes were not read) and returned as the end, the first pair not
+    covered; else the end is None (every pair from `start` on was read)."""
+    first = start if start is not None else _FIRST_PAIR
+    cur = await conn.execute(_PENDING_PAIRS, {"tenant": first[0], "platform": first[1],
+                                              "limit": limit if limit is not None else 2**31 - 1})
+    by_lane = {r["lane"]: list(zip(r["tenants"], r["platforms"], strict=True)) for r in await cur.fetchall()}
+    if limit is None or sum(len(pairs) for pairs in by_lane.values()) < limit:
+        return by_lane, None
+    end = max(pairs[-1] for pairs in by_lane.values() if pairs)
+    return {lane: [pair for pair in pairs if pair < end] for lane, pairs in by_lane.items()}, end
 
 
 class RequestsDispatched:

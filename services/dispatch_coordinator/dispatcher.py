@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -364,7 +365,7 @@ class Dispatcher:
         self.client_reads = ClientReads()  # and its reads of the clients
 
     @property
-    def pairs(self) -> set[tuple[int, int]]:
+    def pairs(self) -> AbstractSet[tuple[int, int]]:
         """Every (tenant, platform) with a pending task (services/dispatch_coordinator/pending_pairs.py)."""
         return self.pending.pairs
 

@@ -7,6 +7,7 @@ lane with work in one pair among hundreds reaches it in the first pass (the pend
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
@@ -338,3 +339,58 @@ async def test_the_budget_use_of_some_tenants_is_a_probe_per_tenant_whatever_the
     assert sorted((u.tenant_id, u.n) for u in read.budget) == [(t, 1) for t in range(100, 2_100, 100)]
     (budget,) = [p for p in plans if "FROM dispatch_budget_ledger l" in p.query]
     assert budget.filtered == 0 and budget.buffers < 200, budget.text
+
+
+async def test_the_pending_pairs_read_in_slices_are_the_whole_read_and_a_sweep_finds_what_changed(
+        pool: AsyncConnectionPool[Conn], monkeypatch: Any) -> None:
+    """Above `SLICE_MIN_ENTRIES` the background re-read reads a slice of the pairs at a time (docs/architecture.md "The
+    pending pairs"): the slices, each cut before the pair its limit fell in, are the whole read, and a sweep of them
+    finds a pair whose work went out and one that got work in another lane, outside the scanner."""
+    from services.dispatch_coordinator import pending_pairs
+
+    world = await _world(pool, tenants=200, ready=2_000)
+    async with pool.connection() as conn:
+        boosted = await _a_task_of(conn, world.ids[50])
+        await _promote(conn, boosted, BOOSTED)
+        whole = await dispatch_reads.pending_lane_pairs(conn)
+        sliced: dict[str, set[tuple[int, int]]] = {}
+        start, slices = None, 0
+        while True:
+            by_lane, end = await dispatch_reads.pending_lane_pairs_slice(conn, start=start, limit=97)
+            assert sum(len(p) for p in by_lane.values()) <= 97
+            for lane, pairs in by_lane.items():
+                assert pairs == sorted(pairs) and all(start is None or pair >= start for pair in pairs)
+                assert all(end is None or pair < end for pair in pairs)
+                sliced.setdefault(lane, set()).update(pairs)
+            slices += 1
+            if end is None:
+                break
+            assert start is None or end > start
+            start = end
+        assert sliced == whole and slices == math.ceil(601 / 96)  # 601 entries, 96 a slice (cut pair)
+
+    monkeypatch.setattr(pending_pairs, "SLICE_MIN_ENTRIES", 100)
+    dispatcher = Dispatcher(pool)
+    async with pool.connection() as conn:
+        await dispatcher.pending.refresh(conn)
+        assert dispatcher.pending.by_lane == whole
+        gone = world.ids[120]  # its work goes out; another tenant's task moves lanes (not the scanner's doing)
+        await conn.execute("UPDATE monitoring_collect_tasks SET status = 'skipped' WHERE tenant_id = %(t)s "
+                           "AND status = 'pending'", {"t": gone})
+        moved = await _a_task_of(conn, world.ids[180])
+        await _promote(conn, moved, BOOSTED)
+        cur = await conn.execute("SELECT ai_platform_id FROM monitoring_collect_tasks WHERE id = %(id)s",
+                                 {"id": moved})
+        row = await cur.fetchone()
+        assert row is not None
+        read_at, sweep = dispatcher.pending.read_at, 0
+        while dispatcher.pending.read_at == read_at:  # not every pair was read again yet
+            sweep += 1
+            assert sweep <= 10
+            await dispatcher.pending.refresh_slice(conn)
+        assert sweep >= 6  # ~600 entries at 100 a slice (less the pair each slice was cut in)
+        truth = await dispatch_reads.pending_lane_pairs(conn)
+    assert dispatcher.pending.by_lane == {lane: truth.get(lane, set()) for lane in dispatcher.pending.by_lane}
+    assert not dispatcher.pending.has_pending(gone) and (world.ids[180], row["ai_platform_id"]) in truth[BOOSTED]
+    assert all(dispatcher.pending.sorted_lane_pairs(lane) == sorted(truth.get(lane, ()))
+               for lane in dispatcher.pending.by_lane)

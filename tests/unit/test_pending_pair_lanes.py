@@ -77,3 +77,81 @@ async def test_the_scanners_new_work_is_scheduled_work_and_outlives_a_refresh_in
     await pending.refresh(_AddsWhileReading([(1, 1, RETRY)]))  # type: ignore[arg-type]
     assert pending.sorted_lane_pairs(NORMAL) == [(3, 2)]  # (2, 1) was not found again: its work went out
     assert pending.pairs == {(1, 1), (3, 2)}
+
+
+@dataclass
+class _SlicesConn:
+    """The pending pairs' statement answered as Postgres answers it (dispatch_reads._PENDING_PAIRS): the (pair, lane)
+    entries from the pair `start` on, in order, at most `limit`; `rows` may change between reads."""
+
+    rows: set[tuple[int, int, str]]
+    limits: list[int] = field(default_factory=list)
+    answered: list[dict[str, object]] = field(default_factory=list)
+    during: list[object] = field(default_factory=list)  # called while the read is in flight
+
+    async def execute(self, query: str, params: dict[str, int]) -> _SlicesConn:
+        start = (params["tenant"], params["platform"])
+        self.limits.append(params["limit"])
+        entries = sorted(e for e in self.rows if (e[0], e[1]) >= start)[:params["limit"]]
+        lanes: dict[str, list[tuple[int, int]]] = {}
+        for t, p, lane in entries:
+            lanes.setdefault(lane, []).append((t, p))
+        self.answered = [{"lane": lane, "tenants": [t for t, _ in pairs], "platforms": [p for _, p in pairs]}
+                         for lane, pairs in lanes.items()]
+        return self
+
+    async def fetchall(self) -> list[dict[str, object]]:
+        for call in self.during:
+            call()  # type: ignore[operator]
+        return self.answered
+
+
+def _truth(rows: set[tuple[int, int, str]]) -> dict[str, set[tuple[int, int]]]:
+    lanes: dict[str, set[tuple[int, int]]] = {}
+    for t, p, lane in rows:
+        lanes.setdefault(lane, set()).add((t, p))
+    return lanes
+
+
+async def test_background_slices_sweep_every_pair_and_a_sweep_finds_what_changed_anywhere(monkeypatch: object) -> None:
+    from services.dispatch_coordinator import pending_pairs as module
+
+    monkeypatch.setattr(module, "SLICE_MIN_ENTRIES", 50)  # type: ignore[attr-defined]
+    rows = {(t, p, NORMAL) for t in range(1, 201) for p in (1, 2, 3)} | {(t, 2, RETRY) for t in range(1, 201, 7)}
+    conn = _SlicesConn(set(rows))
+    pending = _pending()
+    await pending.refresh(conn)  # type: ignore[arg-type]
+    assert pending.by_lane == _truth(rows) and conn.limits == [2**31 - 1]
+    held = pending.sorted_lane_pairs(NORMAL)
+    before = list(held)
+    read_at = pending.read_at
+    # The work of tenant 150 goes out, tenant 20 gets retry work, tenant 201 new work: none of it the scanner's.
+    conn.rows = {e for e in rows if e[0] != 150} | {(20, 1, RETRY), (201, 3, NORMAL)}
+    slices = 0
+    while pending.read_at == read_at:
+        pending._clock.advance(2.0)  # type: ignore[attr-defined]
+        assert pending.stale
+        await pending.refresh_slice(conn)  # type: ignore[arg-type]
+        slices += 1
+        assert slices <= 20
+        assert not pending.stale
+    assert pending.read_at > read_at
+    # 629 entries at max(50, 629/10) a slice, each cut before the pair its limit fell in: a sweep of 11 slices.
+    assert conn.limits[1:] == [63] * slices and slices == 11
+    assert pending.by_lane == {lane: _truth(conn.rows).get(lane, set()) for lane in pending.by_lane}
+    assert all(pending.sorted_lane_pairs(lane) == sorted(pending.by_lane[lane]) for lane in pending.by_lane)
+    assert pending.pairs == {(t, p) for t, p, _ in conn.rows}
+    assert not pending.has_pending(150) and pending.has_pending(201)
+    assert held == before  # a pass walking the list it was given across the re-reads saw it unchanged
+
+
+async def test_a_slice_keeps_what_the_scanner_added_while_it_was_in_flight_and_small_sets_are_read_whole() -> None:
+    conn = _SlicesConn({(1, 1, RETRY), (5, 1, NORMAL)})
+    pending = _pending()
+    await pending.refresh(conn)  # type: ignore[arg-type]
+    conn.during = [lambda: pending.add([(3, 2)])]  # committed after the slice's snapshot: the slice does not see it
+    pending._clock.advance(2.0)  # type: ignore[attr-defined]
+    read_at = pending.read_at
+    await pending.refresh_slice(conn)  # type: ignore[arg-type]
+    assert pending.read_at > read_at  # below SLICE_MIN_ENTRIES a slice is a whole read
+    assert pending.sorted_lane_pairs(NORMAL) == [(3, 2), (5, 1)] and pending.has_pending(3)
