@@ -297,9 +297,15 @@ _LOAD_BY_CLIENT = f"""\
                      AS interrupt_overdue
           FROM {ready.ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
 """
-_CLIENT_WITH_LOAD = """\
+# A client's platform_health as the pass uses it (libs.domain.platform_health.blocked_platforms): its entries with a
+# blocking state only, as text (NULL when none), whatever else it holds.
+_BLOCKING_HEALTH = f"""(SELECT jsonb_object_agg(e.key, e.value)
+        FROM jsonb_each_text(CASE WHEN jsonb_typeof(c.platform_health) = 'object' THEN c.platform_health
+                                  ELSE '{{}}'::jsonb END) e
+        WHERE e.value IN ({', '.join(f"'{state}'" for state in sorted(BLOCKING_STATES))})) AS platform_health"""
+_CLIENT_WITH_LOAD = f"""\
 SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
-       c.platform_health, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
+       {_BLOCKING_HEALTH}, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
        coalesce((a.l ->> 2)::int, 0) > 0 OR c.id = ANY(h.clients) AS pending_high,
        coalesce((a.l ->> 3)::boolean, false) AS interrupt_overdue
 """
@@ -365,6 +371,11 @@ WITH k AS MATERIALIZED (
 )
 {_CLIENT_WITH_LOAD}FROM k c
 {_LOAD_JOINS}"""
+
+# _CLIENTS_OF's answer as one JSON array of its rows, decoded by msgspec: 704 rows through dict_row, a ClientLoad each
+# and the JSON of their health cost a full pass at 10,000 tenants ~10 ms of this process (docs/benchmarks.md).
+_CLIENTS_OF_JSON = f"SELECT coalesce(json_agg(x), '[]')::text AS clients FROM ({_CLIENTS_OF}) x"
+_client_loads = msgspec.json.Decoder(list[ClientLoad])
 
 # A client reporting a blocking login state for some platform (libs.domain.platform_health.BLOCKING_STATES): the
 # predicate of migration 070's partial index ix_clients_health_blocking, spelled as there (the planner uses a partial
@@ -684,11 +695,13 @@ async def clients_of(conn: Conn, *, tenants: Sequence[int], ids: Sequence[uuid.U
     params = {"tenants": sorted(set(tenants)), "ids": sorted(set(ids), key=str),
               "heartbeat_timeout_s": heartbeat_timeout_s, "window_start": window_start, "window": window_seconds}
     async with conn.pipeline():
-        cur = await conn.execute(_CLIENTS_OF, params)
+        cur = await conn.execute(_CLIENTS_OF_JSON, params)
         budget = (await conn.execute(_TENANTS_BUDGET_USE, params)
                   if window_start is not None and params["tenants"] else None)
+        row = await cur.fetchone()
+        assert row is not None
         return TenantsRead(
-            clients=[_client_load(r) for r in await cur.fetchall()],
+            clients=_client_loads.decode(row["clients"]),
             budget=[BudgetUse(r["tenant_id"], r["high"], int(r["n"])) for r in await budget.fetchall()]
             if budget is not None else [])
 

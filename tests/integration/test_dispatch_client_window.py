@@ -394,3 +394,21 @@ async def test_the_pending_pairs_read_in_slices_are_the_whole_read_and_a_sweep_f
     assert not dispatcher.pending.has_pending(gone) and (world.ids[180], row["ai_platform_id"]) in truth[BOOSTED]
     assert all(dispatcher.pending.sorted_lane_pairs(lane) == sorted(truth.get(lane, ()))
                for lane in dispatcher.pending.by_lane)
+
+
+async def test_the_clients_read_answers_their_blocking_health_only_whatever_else_a_row_holds(
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """`clients_of` answers one JSON array (decoded by msgspec) and a client's platform_health as the pass uses it: its
+    blocking entries, as text. A value that is not a string, another state, or a health that is not an object (a row
+    written by hand) neither fails the read of the other clients nor blocks anything."""
+    world = await _world(pool, tenants=3, ready=0)
+    blocking = sorted(BLOCKING_STATES)[0]
+    healths = [{"openai": blocking, "gemini": "healthy", "perplexity": 5}, "junk", {"gemini": ["x"]}]
+    async with pool.connection() as conn:
+        for tenant, health in zip(world.ids, healths, strict=True):
+            await conn.execute("UPDATE desktop_clients SET platform_health = %(h)s::jsonb WHERE tenant_id = %(t)s",
+                               {"h": json.dumps(health), "t": tenant})
+        read = await dispatch_reads.clients_of(conn, tenants=world.ids, heartbeat_timeout_s=30)
+    by_tenant = {c.tenant_id: c.platform_health for c in read.clients}
+    assert len(read.clients) == 3 * CLIENTS_PER_TENANT
+    assert by_tenant == {world.ids[0]: {"openai": blocking}, world.ids[1]: None, world.ids[2]: None}
