@@ -101,9 +101,9 @@ INSERT INTO outbox (event_id, exchange, routing_key, message_type, payload, orde
                     max_attempts, priority)
 SELECT e.event_id, e.exchange, e.routing_key, e.message_type, e.payload, e.ordering_key, e.tenant_id,
        coalesce(e.traceparent, %(traceparent)s), %(max_attempts)s, e.priority
-FROM unnest(%(event_ids)s::uuid[], %(exchanges)s::text[], %(routing_keys)s::text[], %(message_types)s::text[],
-            %(payloads)s::bytea[], %(ordering_keys)s::text[], %(tenant_ids)s::bigint[], %(priorities)s::smallint[],
-            %(traceparents)s::text[])
+FROM unnest(%(event_ids)b::uuid[], %(exchanges)b::text[], %(routing_keys)b::text[], %(message_types)b::text[],
+            %(payloads)b::bytea[], %(ordering_keys)b::text[], %(tenant_ids)b::bigint[], %(priorities)b::smallint[],
+            %(traceparents)b::text[])
      WITH ORDINALITY AS e(event_id, exchange, routing_key, message_type, payload, ordering_key, tenant_id, priority,
                           traceparent, n)
 ORDER BY e.n
@@ -111,7 +111,7 @@ ORDER BY e.n
 # Keys locked in one statement, in a fixed order, so two bulk writers can never deadlock on them.
 _LOCK_ORDERING_KEYS = """
 SELECT pg_advisory_xact_lock(h) FROM (SELECT DISTINCT hashtextextended(k, 7401) AS h
-                                      FROM unnest(%(keys)s::text[]) AS k ORDER BY 1) keys
+                                      FROM unnest(%(keys)b::text[]) AS k ORDER BY 1) keys
 """
 
 

@@ -120,7 +120,7 @@ _SCAN_DUE_PLANS = f"""
 WITH due AS MATERIALIZED (
     SELECT p.ctid AS row_ref, p.id, p.tenant_id, p.workspace_id, p.brand_id, p.question_id, p.ai_platform_id,
            p.collector_type, p.run_mode, p.next_run_at, greatest(1, p.interval_seconds) AS step_s,
-           CASE WHEN tn.time_zone = ANY(%(zones)s::text[]) THEN tn.time_zone ELSE 'UTC' END AS zone
+           CASE WHEN tn.time_zone = ANY(%(zones)b::text[]) THEN tn.time_zone ELSE 'UTC' END AS zone
     FROM monitoring_plans p JOIN tenants tn ON tn.id = p.tenant_id
     WHERE p.enabled AND p.next_run_at <= now()
     ORDER BY p.next_run_at

@@ -552,7 +552,7 @@ FOR UPDATE OF t SKIP LOCKED
 # The active-execution test is the hashed set (READY_BACKLOG), read once per statement, not a probe per task walked:
 # see _CLAIM.
 _PAIR_CANDIDATES = f"""
-SELECT c.* FROM unnest(%(tenants)s::bigint[], %(platforms)s::bigint[], %(lanes)s::text[], %(limits)s::int[])
+SELECT c.* FROM unnest(%(tenants)b::bigint[], %(platforms)b::bigint[], %(lanes)b::text[], %(limits)b::int[])
      AS p(tenant_id, ai_platform_id, lane, k)
 CROSS JOIN LATERAL (
     SELECT {_CANDIDATE_COLUMNS}

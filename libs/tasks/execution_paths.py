@@ -351,7 +351,7 @@ async def requeue_unknown(conn: Conn, task_id: uuid.UUID, *, lease_epoch: int) -
 _REPLAY_QUEUED = """
 SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.scheduler_group_key, d.business_date,
        d.interrupt_generation, d.updated_at, d.monitor_task_id, d.collect_request_id
-FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
+FROM unnest(%(client_ids)b::uuid[], %(tenant_ids)b::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
 CROSS JOIN LATERAL (
     SELECT d.* FROM (
         SELECT d.kind, d.id, d.target_client_id, d.priority, d.lane, d.lane_weight, d.scheduler_group_key,
@@ -376,7 +376,7 @@ ORDER BY c.n, d.lane_weight DESC, d.priority DESC, d.enqueued_at ASC
 _REPLAY_INTERRUPTS = """
 SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags, d.interrupt_reason,
        d.updated_at, d.collect_request_id
-FROM unnest(%(client_ids)s::uuid[], %(tenant_ids)s::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
+FROM unnest(%(client_ids)b::uuid[], %(tenant_ids)b::bigint[]) WITH ORDINALITY AS c(client_id, tenant_id, n)
 CROSS JOIN LATERAL (
     SELECT d.* FROM (
         SELECT d.kind, d.id, d.target_client_id, d.interrupt_generation, d.control_flags, d.interrupt_reason,

@@ -173,7 +173,7 @@ def with_leases(events: list[OutboxEvent], leases: Iterable[PushLease]) -> list[
 # What each attaching client's socket announced (the latest socket of a client decides); read by ISSUE.
 RECORD_CAPABILITY = """
 UPDATE desktop_clients c SET push_lease = a.push_lease
-FROM unnest(%(ids)s::uuid[], %(push)s::boolean[]) AS a(id, push_lease)
+FROM unnest(%(ids)b::uuid[], %(push)b::boolean[]) AS a(id, push_lease)
 WHERE c.id = a.id AND c.push_lease IS DISTINCT FROM a.push_lease
 """
 

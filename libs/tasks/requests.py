@@ -160,7 +160,7 @@ async def supersede(conn: Conn, *, request_id: uuid.UUID, tenant_id: int,
 # accepted -> dispatching. Returns each request's id, whether this was its first dispatch, and its age.
 MARK_DISPATCHED = """
 WITH counts AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(counts)s::int[]) AS c(id, n)
+    SELECT * FROM unnest(%(ids)b::uuid[], %(counts)b::int[]) AS c(id, n)
 ), old AS (
     SELECT r.id, r.first_dispatched_at IS NULL AS first
     FROM monitoring_collect_requests r JOIN counts c ON c.id = r.id
