@@ -15,7 +15,9 @@ top node, buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many busin
 business key finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the tables'
 rows and sizes are printed after the load; BACKLOG_HISTORY_RESULTS=1 adds their results: a run per execution with one
 desktop simulator answer and its citations, and the daily aggregates), BACKLOG_AGING_PLANS (a file for the full plans of
-`aging`'s explained rounds). 10,000 tenants: BACKLOG_TENANTS=10000.
+`aging`'s explained rounds). 10,000 tenants: BACKLOG_TENANTS=10000. BACKLOG_TENANT_TURNS (tenant counts, e.g.
+`10,10000`): instead of the parts, per size one database per count, their in-process rounds taking turns (no tick, no
+aging), a column per count and each full pass's p50 against the first count's.
 
 Per size one fresh database, bulk-loaded with INSERT .. SELECT generate_series: tenants = size / 1,000 (at least
 10, at most 1,000), each with a brand, 10 questions, 3 platforms and one desktop client; the ready normal backlog
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -301,12 +304,13 @@ _CLICK_SETTINGS: dict[str, object] = {
 }
 
 
-def tenants_for(size: int) -> int:
-    fixed = os.environ.get("BACKLOG_TENANTS")
-    return max(FLEET_TENANTS, int(fixed)) if fixed else min(1_000, max(FLEET_TENANTS, size // 1_000))
+def tenants_for(size: int, tenants: int | None = None) -> int:
+    fixed = tenants or (int(os.environ["BACKLOG_TENANTS"]) if os.environ.get("BACKLOG_TENANTS") else None)
+    return max(FLEET_TENANTS, fixed) if fixed else min(1_000, max(FLEET_TENANTS, size // 1_000))
 
 
-async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: int) -> dict[str, Any]:
+async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: int,
+                   tenants: int | None = None) -> dict[str, Any]:
     """The probe tenant, the fleet's tenants and the bulk tenants; the ready backlog; the windows' executions."""
     conn = await connect(settings.database_url, with_session_timeouts=False)  # bulk loads take minutes at 1,000,000
     started = time.perf_counter()
@@ -318,7 +322,7 @@ async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: i
                                 platforms=PLATFORMS)
         platforms = [p["ai_platform_id"] for p in fleet["platforms"]]
         fleet_ids = [t["tenant_id"] for t in fleet["tenants"]]
-        cur = await conn.execute(_BULK_TENANTS, {"n": tenants_for(size) - FLEET_TENANTS})
+        cur = await conn.execute(_BULK_TENANTS, {"n": tenants_for(size, tenants) - FLEET_TENANTS})
         bulk_ids = [r["id"] for r in await cur.fetchall()]
         if bulk_ids:
             for statement in (_BULK_BRANDS, _BULK_QUESTIONS, _BULK_TENANT_PLATFORMS, _BULK_CLIENTS):
@@ -417,7 +421,7 @@ async def _promote(conn: Conn, world: dict[str, Any], day: int) -> None:
 
 
 async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, world: dict[str, Any],
-                     settings: DispatchSettings, timings: dict[str, list[float]], n: int) -> None:
+                     settings: DispatchSettings, timings: dict[str, list[float]], n: int, *, tick: bool = True) -> None:
     async with pool.connection() as conn:
         await conn.execute(_CLIENTS_ONLINE, {"online": True, "tenants": world["tenants"]})
     cpu = time.process_time()
@@ -451,9 +455,10 @@ async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, wo
         # decoded between the tick's statements) is the dispatcher's work, not the tick's: finished first.
         if (refreshing := getattr(getattr(dispatcher, "pending", None), "refreshing", None)) is not None:
             await refreshing
-        cpu = time.process_time()
-        await _timed(timings, "backlog gauges", lambda: observe_backlog(conn))
-        timings["backlog gauges CPU"].append((time.process_time() - cpu) * 1000)
+        if tick:
+            cpu = time.process_time()
+            await _timed(timings, "backlog gauges", lambda: observe_backlog(conn))
+            timings["backlog gauges CPU"].append((time.process_time() - cpu) * 1000)
         await _timed(timings, "budget read", lambda: _budget_read(conn, settings))
         await conn.execute(_DUE_PLANS, {"run_mode": f"bench-{n}", "platforms": world["platforms"],
                                         "tenants": world["backlog_tenants"], "n": SCAN_PLANS})
@@ -484,6 +489,41 @@ async def _inproc(settings: Settings, world: dict[str, Any], *, rounds: int,
     finally:
         await pool.close()
     return timings
+
+
+async def _inproc_turns(size: int, tenant_counts: list[int], *, clicks: int, window_rate: int,
+                        rounds: int) -> list[tuple[int, int, str, dict[str, list[float]]]]:
+    """`inproc`'s rounds (no aging, no tick) on one database per tenant count at this size, taking turns round by
+    round: the machine's drift (other work, the host) falls on every count alike, so their ratio is the code's. The
+    tick is left out: the gauges are this process's, and databases taking turns would rewrite every label each tick."""
+    async with contextlib.AsyncExitStack() as stack:
+        runs: list[tuple[dict[str, Any], AsyncConnectionPool[Conn], Dispatcher, DispatchSettings,
+                         dict[str, list[float]]]] = []
+        for tenants in tenant_counts:
+            base = await stack.enter_async_context(bench_environment(shards=16))
+            settings = replace(base, gateway_jwt_secret=JWT_SECRET)
+            world = await _prepare(settings, size=size, clicks=clicks, window_rate=window_rate, tenants=tenants)
+            await _apply(settings, _INPROC_SETTINGS)
+            pool = make_pool(settings, name="bench-backlog", min_size=2, max_size=4,
+                             prepare_threshold=PREPARE_ON_FIRST_USE)
+            await pool.open(wait=True)
+            stack.push_async_callback(pool.close)
+            async with pool.connection() as conn:
+                dispatch_settings = await load_settings(conn)
+            runs.append((world, pool, Dispatcher(pool), dispatch_settings, defaultdict(list)))
+        load_at_start = os.getloadavg()[0]
+        for n in range(rounds + 1):
+            for world, pool, dispatcher, dispatch_settings, timings in runs:
+                await _one_round(pool, dispatcher, world, dispatch_settings, timings, n, tick=False)
+                if n == 0:  # cold connections: not counted
+                    timings.clear()
+        load = f"{load_at_start:.1f} -> {os.getloadavg()[0]:.1f}"
+        first = percentile(runs[0][4]["full pass"], 50)
+        for (_, _, _, _, timings), tenants in zip(runs, tenant_counts, strict=True):
+            full = percentile(timings["full pass"], 50)
+            print(f"  {size:,} / {tenants:,} tenants, in turns: full pass p50 {full:.1f} ms ({full / first:.2f}x the "
+                  f"first), CPU p50 {percentile(timings['full pass CPU'], 50):.1f} ms", flush=True)
+        return [(size, len(world["backlog_tenants"]), load, timings) for world, _, _, _, timings in runs]
 
 
 async def _aging(settings: Settings, world: dict[str, Any], *, size: int, rounds: int,
@@ -854,7 +894,11 @@ async def run(args: argparse.Namespace) -> None:
     results: list[tuple[int, int, str, dict[str, list[float]]]] = []
     if "aging" in parts and os.environ.get("BACKLOG_AGING_PLANS"):
         await asyncio.to_thread(Path(os.environ["BACKLOG_AGING_PLANS"]).write_text, "")
+    turns = [int(t) for t in os.environ.get("BACKLOG_TENANT_TURNS", "").split(",") if t.strip()]
     for size in sizes:
+        if turns:
+            results.extend(await _inproc_turns(size, turns, clicks=clicks, window_rate=window_rate, rounds=rounds))
+            continue
         load_at_start = os.getloadavg()[0]
         print(f"  {size:,}: load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
         async with bench_environment(shards=16) as base:
