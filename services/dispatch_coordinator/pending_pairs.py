@@ -148,13 +148,15 @@ class PendingPairs:
             i = 0 if start is None else bisect_left(ordered, start)
             j = len(ordered) if end is None else bisect_left(ordered, end)
             found = read.get(lane, [])
-            for pair in ordered[i:j]:
+            before, after = set(ordered[i:j]), set(found)
+            for pair in before - after:  # most of a slice is what it was: only the changes are counted
                 listed.discard(pair)
                 self._unlisted(pair)
-            for pair in found:
+            for pair in after - before:
                 listed.add(pair)
                 self._listed(pair)
-            self._sorted[lane] = [*ordered[:i], *found, *ordered[j:]]
+            if before != after:
+                self._sorted[lane] = [*ordered[:i], *found, *ordered[j:]]
 
     def _readd_added(self) -> None:
         """What the scanner added while a read was in flight (its rows may have committed after the read's snapshot)."""
