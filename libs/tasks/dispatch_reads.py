@@ -615,7 +615,13 @@ WHERE h.target_client_id = ANY(%(clients)s::uuid[]) AND h.status = 'pending' AND
 # mode orders a pass against a collect-now on the same client. Either the collect-now committed first
 # (the DISPATCH re-check then sees its high work and sends no normal) or it waits for this pass and then
 # cancels the normal executions this pass queued on its client.
-_LOCK_CLIENTS = "SELECT id FROM desktop_clients WHERE id = ANY(%(ids)s) ORDER BY id FOR SHARE"
+# A primary-key probe per client, in the order given (the caller sorts the ids: every writer locks clients in id
+# order), so the statement costs what it locks: as `id = ANY(..) ORDER BY id` its generic plan scanned every client
+# (10,041 at 10,000 tenants) to lock 500, and the 500 ids went as text.
+_LOCK_CLIENTS = """
+SELECT c.id FROM unnest(%(ids)b::uuid[]) AS u(id)
+CROSS JOIN LATERAL (SELECT c.id FROM desktop_clients c WHERE c.id = u.id FOR SHARE) c
+"""
 
 
 # ---- the operations ----------------------------------------------------------------------------------------------
@@ -755,7 +761,7 @@ async def claim(conn: Conn, *, client_ids: Sequence[uuid.UUID], task_ids: Sequen
     """The write-time re-check, one round trip: share-lock the clients (in id order), lock and re-read the decided
     tasks still READY (in id order), and which `normal_clients` now have pending high work not running."""
     async with conn.pipeline():
-        await conn.execute(_LOCK_CLIENTS, {"ids": list(client_ids)})
+        await conn.execute(_LOCK_CLIENTS, {"ids": sorted(set(client_ids))})  # in id order, whatever the caller gave
         cur = await conn.execute(_CLAIM, {"task_ids": sorted(task_ids)})
         with_high = (await conn.execute(_CLIENTS_WITH_HIGH, {"clients": list(normal_clients)})
                      if normal_clients else None)

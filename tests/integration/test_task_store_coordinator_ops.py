@@ -10,6 +10,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+import psycopg
+import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from libs.db.pool import Conn
@@ -73,8 +75,14 @@ async def test_dispatch_reads_snapshot_candidates_claim_and_high_read(pool: Asyn
         assert await dispatch_reads.pending_pairs(conn) == {s.pair}
 
         async with conn.transaction():
-            claim = await dispatch_reads.claim(conn, client_ids=sorted(w.clients, key=str),
+            claim = await dispatch_reads.claim(conn, client_ids=[w.clients[1]],
                                                task_ids=[s.high, s.busy, s.ready_normal], normal_clients=[w.clients[1]])
+            # The claim share-locks the clients it names, and only them: a writer of the other waits for nothing.
+            async with pool.connection() as other, other.transaction():
+                await other.execute("SET LOCAL lock_timeout = '200ms'")
+                await other.execute("SELECT id FROM desktop_clients WHERE id = %s FOR UPDATE", (w.clients[0],))
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    await other.execute("SELECT id FROM desktop_clients WHERE id = %s FOR UPDATE", (w.clients[1],))
         assert set(claim.tasks) == {s.ready_normal, s.high}
         assert claim.clients_with_high == frozenset({w.clients[1]})
         high = claim.tasks[s.high]
