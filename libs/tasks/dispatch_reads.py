@@ -24,7 +24,7 @@ from libs.domain.lanes import CLICK_LANE, lane_names
 from libs.domain.platform_health import BLOCKING_STATES, OverrideMode
 from libs.tasks import business, executions, ready
 from libs.tasks import requests as collect_requests
-from libs.tasks.fragments import interrupt_timeout_ms_sql
+from libs.tasks.fragments import BLOCKING_STATES_SQL, interrupt_timeout_ms_sql
 from libs.tasks.transitions import ELIGIBLE_CLIENT_SQL
 
 # ---- the answers -------------------------------------------------------------------------------------------------
@@ -297,12 +297,13 @@ _LOAD_BY_CLIENT = f"""\
                      AS interrupt_overdue
           FROM {ready.ACTIVE_WORK} d LEFT JOIN platform_settings ps ON ps.ai_platform_id = d.ai_platform_id
 """
+# A client's platform_health entries as (key, value) text rows; none when it is not a JSON object.
+_HEALTH_ENTRIES = ("jsonb_each_text(CASE WHEN jsonb_typeof(c.platform_health) = 'object' THEN c.platform_health "
+                   "ELSE '{}'::jsonb END)")
 # A client's platform_health as the pass uses it (libs.domain.platform_health.blocked_platforms): its entries with a
 # blocking state only, as text (NULL when none), whatever else it holds.
-_BLOCKING_HEALTH = f"""(SELECT jsonb_object_agg(e.key, e.value)
-        FROM jsonb_each_text(CASE WHEN jsonb_typeof(c.platform_health) = 'object' THEN c.platform_health
-                                  ELSE '{{}}'::jsonb END) e
-        WHERE e.value IN ({', '.join(f"'{state}'" for state in sorted(BLOCKING_STATES))})) AS platform_health"""
+_BLOCKING_HEALTH = f"""(SELECT jsonb_object_agg(e.key, e.value) FROM {_HEALTH_ENTRIES} e
+        WHERE e.value IN {BLOCKING_STATES_SQL}) AS platform_health"""
 _CLIENT_WITH_LOAD = f"""\
 SELECT c.id, c.tenant_id, c.workspace_id, c.max_concurrent_monitor, c.max_queue_depth, c.interrupt_generation,
        {_BLOCKING_HEALTH}, coalesce((a.l ->> 0)::int, 0) AS in_progress, coalesce((a.l ->> 1)::int, 0) AS queued,
@@ -382,7 +383,6 @@ _client_loads = msgspec.json.Decoder(list[ClientLoad])
 # index only for a query repeating its predicate; tests/unit/test_health_blocking_index.py holds the two together).
 HEALTH_BLOCKING_SQL = ("c.platform_health @? '$.* ? ("
                        + " || ".join(f'@ == "{state}"' for state in sorted(BLOCKING_STATES)) + ")'")
-_BLOCKING_LIST = ", ".join(f"'{state}'" for state in sorted(BLOCKING_STATES))
 
 # The platform-health pauses (libs.domain.platform_health.paused_pairs, before the operators' overrides): the
 # (tenant, platform code) pairs that every eligible client of the tenant reports a blocking state for. The blocking
@@ -393,9 +393,8 @@ _HEALTH_PAUSES = f"""
 WITH b AS MATERIALIZED (
     SELECT c.tenant_id, h.key AS code, count(*) AS n
     FROM desktop_clients c
-    CROSS JOIN LATERAL jsonb_each_text(CASE WHEN jsonb_typeof(c.platform_health) = 'object'
-                                            THEN c.platform_health ELSE '{{}}'::jsonb END) h
-    WHERE {HEALTH_BLOCKING_SQL} AND {ELIGIBLE_CLIENT_SQL} AND h.value IN ({_BLOCKING_LIST})
+    CROSS JOIN LATERAL {_HEALTH_ENTRIES} h
+    WHERE {HEALTH_BLOCKING_SQL} AND {ELIGIBLE_CLIENT_SQL} AND h.value IN {BLOCKING_STATES_SQL}
     GROUP BY 1, 2
 )
 SELECT b.tenant_id, b.code
@@ -481,12 +480,11 @@ FROM w CROSS JOIN (
 # probe per (tenant, platform, lane). Per lane, so that a full pass walks, in each lane, the pairs with work in that
 # lane only: over the pairs of every lane, a lane with work in a few pairs (retries) was read pair by pair through
 # the thousands with scheduled work only, a window a pass (docs/architecture.md "Full pass: clients of the window").
-# A row per lane with its pairs as two arrays: a row per pair took ~30 ms of the coordinator's CPU to decode at 10,000
-# tenants (the re-read runs beside the passes, on their event loop), the arrays ~7 (docs/benchmarks.md "The full pass at
-# 10,000 tenants").
 # The (tenant, platform, lane) entries with pending work from the pair (%(tenant)s, %(platform)s) on, in that order, at
 # most %(limit)s: a loose index scan of ix_collect_tasks_ready_pair, a probe per entry (so a read costs what it
-# returns, not the pending tasks), answered as a row per lane with its pairs as two arrays in order.
+# returns, not the pending tasks), answered as a row per lane with its pairs as two arrays in order (a row per pair
+# took ~30 ms of the coordinator's CPU to decode at 10,000 tenants, the arrays ~7: docs/benchmarks.md "The full pass at
+# 10,000 tenants").
 _PENDING_PAIRS = """
 WITH RECURSIVE pairs AS (
     (SELECT tenant_id, ai_platform_id, dispatch_lane, 1 AS n FROM monitoring_collect_tasks
