@@ -466,15 +466,20 @@ async def _one_round(pool: AsyncConnectionPool[Conn], dispatcher: Dispatcher, wo
     timings["scanner created"].append(scanned.created)
 
 
-async def _inproc(settings: Settings, world: dict[str, Any], *, rounds: int,
-                  aging_rounds: int) -> dict[str, list[float]]:
+async def _inproc_pool(settings: Settings) -> tuple[AsyncConnectionPool[Conn], DispatchSettings]:
+    """The in-process part's settings applied, its open pool (the caller closes it) and the dispatch settings."""
     await _apply(settings, _INPROC_SETTINGS)
-    timings: dict[str, list[float]] = defaultdict(list)
     pool = make_pool(settings, name="bench-backlog", min_size=2, max_size=4, prepare_threshold=PREPARE_ON_FIRST_USE)
     await pool.open(wait=True)
+    async with pool.connection() as conn:
+        return pool, await load_settings(conn)
+
+
+async def _inproc(settings: Settings, world: dict[str, Any], *, rounds: int,
+                  aging_rounds: int) -> dict[str, list[float]]:
+    timings: dict[str, list[float]] = defaultdict(list)
+    pool, dispatch_settings = await _inproc_pool(settings)
     try:
-        async with pool.connection() as conn:
-            dispatch_settings = await load_settings(conn)
         dispatcher = Dispatcher(pool)
         for n in range(rounds + 1):
             await _one_round(pool, dispatcher, world, dispatch_settings, timings, n)
@@ -503,13 +508,8 @@ async def _inproc_turns(size: int, tenant_counts: list[int], *, clicks: int, win
             base = await stack.enter_async_context(bench_environment(shards=16))
             settings = replace(base, gateway_jwt_secret=JWT_SECRET)
             world = await _prepare(settings, size=size, clicks=clicks, window_rate=window_rate, tenants=tenants)
-            await _apply(settings, _INPROC_SETTINGS)
-            pool = make_pool(settings, name="bench-backlog", min_size=2, max_size=4,
-                             prepare_threshold=PREPARE_ON_FIRST_USE)
-            await pool.open(wait=True)
+            pool, dispatch_settings = await _inproc_pool(settings)
             stack.push_async_callback(pool.close)
-            async with pool.connection() as conn:
-                dispatch_settings = await load_settings(conn)
             runs.append((world, pool, Dispatcher(pool), dispatch_settings, defaultdict(list)))
         load_at_start = os.getloadavg()[0]
         for n in range(rounds + 1):
