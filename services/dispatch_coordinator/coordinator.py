@@ -482,9 +482,10 @@ class Coordinator:
     def _nothing_ready_for(self, tenant_id: int) -> bool:
         """A completion frees capacity (a client slot, a platform account slot), and a client coming online brings
         capacity, that only its own tenant's work can use. The dispatcher's pending pairs list every (tenant,
-        platform) with a pending task, of any lane: read before a full pass when a second old, and added to at once
-        by the scanner. When they have none for the tenant, the event wakes no pass. They are not trusted before
-        their first read, nor when a collect-now came after it (its promoted tasks may be waiting for exactly this
-        slot); other pending work comes back with its own wake-up (a yield, a release, a retry)."""
+        platform) with a pending task, of any lane: re-read in slices beside the passes once a second old (their
+        `read_at` is the start of the last sweep that read every pair), and added to at once by the scanner. When
+        they have none for the tenant, the event wakes no pass. They are not trusted before their first read, nor
+        when a collect-now came after that sweep started (its promoted tasks may be waiting for exactly this slot);
+        other pending work comes back with its own wake-up (a yield, a release, a retry)."""
         d = self.dispatcher
         return d.pairs_read_at > self._high_woken_at and not d.has_pending(tenant_id)
