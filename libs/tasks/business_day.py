@@ -18,10 +18,18 @@ from libs.db.pool import Conn
 from libs.tasks.business import EXPIRE as _EXPIRE
 from libs.tasks.statuses import ACTIVE_EXECUTION_SQL
 
+# Per tenant, its overdue live tasks oldest first (ix_collect_tasks_live_tenant_date, migration 076: a probe of the
+# live tasks, never of the finished history), then the oldest of them all: the same `limit` tasks as one walk of every
+# live task by date would give.
 _CANDIDATES = """
-SELECT t.id FROM monitoring_collect_tasks t JOIN tenants tn ON tn.id = t.tenant_id
-WHERE t.status IN ('pending', 'leased', 'received') AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
-ORDER BY t.business_date, t.id
+SELECT c.id FROM tenants tn
+CROSS JOIN LATERAL (
+    SELECT t.id, t.business_date FROM monitoring_collect_tasks t
+    WHERE t.tenant_id = tn.id AND t.status IN ('pending', 'leased', 'received')
+      AND t.business_date < (now() AT TIME ZONE tn.time_zone)::date
+    ORDER BY t.business_date, t.id
+    LIMIT %(limit)s) c
+ORDER BY c.business_date, c.id
 LIMIT %(limit)s
 """
 

@@ -117,9 +117,9 @@ async def set_online(conn: Conn, tenants: Tenants, *, online: bool) -> None:
     await conn.execute(_ONLINE, {"t": tenants.ids, "online": online})
 
 
-async def load_ready(conn: Conn, tenants: Tenants, ready: int) -> None:
-    """`ready` ready normal tasks spread over the tenants, business days from yesterday back."""
-    await conn.execute(_TASKS, {**tenants.params(), "n": ready, "status": "pending", "first_day": 1})
+async def load_ready(conn: Conn, tenants: Tenants, ready: int, *, first_day: int = 1) -> None:
+    """`ready` ready normal tasks spread over the tenants, business days from `first_day` days ago (yesterday) back."""
+    await conn.execute(_TASKS, {**tenants.params(), "n": ready, "status": "pending", "first_day": first_day})
 
 
 async def load_outstanding(conn: Conn, tenants: Tenants, per_tenant: int) -> None:
