@@ -15,7 +15,9 @@ top node, buffers and scans), BACKLOG_HISTORY_DAYS (a history of that many busin
 business key finished on each, with its succeeded execution and attempt: 365 is the year-of-history variant; the tables'
 rows and sizes are printed after the load; BACKLOG_HISTORY_RESULTS=1 adds their results: a run per execution with one
 desktop simulator answer and its citations, and the daily aggregates), BACKLOG_AGING_PLANS (a file for the full plans of
-`aging`'s explained rounds). 10,000 tenants: BACKLOG_TENANTS=10000. BACKLOG_TENANT_TURNS (tenant counts, e.g.
+`aging`'s explained rounds), BACKLOG_ENQUEUE_ORDER (`random`, the default: the ready tasks enqueued at random within the
+last hour; `insert`: in the order they are inserted, as the scanner writes them). 10,000 tenants:
+BACKLOG_TENANTS=10000. BACKLOG_TENANT_TURNS (tenant counts, e.g.
 `10,10000`): instead of the parts, per size one database per count, their in-process rounds taking turns (no tick, no
 aging), a column per count and each full pass's p50 against the first count's.
 
@@ -154,14 +156,17 @@ ORDER BY t.id
 """
 # Task i of n: tenant i % T, then platform, then question, then business day (yesterday and back): every business
 # key once. `status` and the first day decide between the ready backlog and the finished tasks of the windows.
+# Enqueued within the last hour, at random, or (`in_order`, BACKLOG_ENQUEUE_ORDER=insert) in the order of the rows,
+# as the scanner writes them: the oldest tasks then share heap pages.
 _TASKS = """
 INSERT INTO monitoring_collect_tasks (tenant_id, workspace_id, brand_id, question_id, ai_platform_id, business_date,
     status, dispatch_priority, dispatch_lane, ingest_shard_key, execution_owner, enqueued_at, completed_at)
 SELECT t.tenant_id, t.workspace_id, t.brand_id, (%(questions)s::bigint[])[g.ti * %(q)s::bigint + g.qi + 1],
        (%(platforms)s::bigint[])[g.pi + 1], g.day, %(status)s::text, 100, 'normal',
        t.tenant_id || ':' || t.brand_id || ':' || to_char(g.day, 'YYYY-MM-DD'), 'desktop_tasks',
-       now() - random() * interval '1 hour', CASE WHEN %(status)s::text = 'completed' THEN now() END
-FROM (SELECT i %% %(t)s::bigint AS ti, (i / %(t)s::bigint) %% %(p)s::bigint AS pi,
+       now() - CASE WHEN %(in_order)s THEN 1 - g.i::float8 / %(n)s ELSE random() END * interval '1 hour',
+       CASE WHEN %(status)s::text = 'completed' THEN now() END
+FROM (SELECT i, i %% %(t)s::bigint AS ti, (i / %(t)s::bigint) %% %(p)s::bigint AS pi,
              (i / (%(t)s::bigint * %(p)s::bigint)) %% %(q)s::bigint AS qi,
              current_date - %(first_day)s - (i / (%(t)s::bigint * %(p)s::bigint * %(q)s::bigint))::int AS day
       FROM generate_series(0, %(n)s - 1) i) g
@@ -335,6 +340,7 @@ async def _prepare(settings: Settings, *, size: int, clicks: int, window_rate: i
                  "questions": [q for r in rows for q in r["questions"][:QUESTIONS]],
                  "platforms": platforms, "t": len(rows), "p": len(platforms), "q": QUESTIONS}
         per_day = len(rows) * len(platforms) * QUESTIONS
+        shape["in_order"] = os.environ.get("BACKLOG_ENQUEUE_ORDER", "random") == "insert"
         await conn.execute(_TASKS, {**shape, "n": size, "status": "pending", "first_day": 1})
         finished = window_rate * 20
         await conn.execute(_TASKS, {**shape, "n": finished, "status": "completed",
