@@ -9,8 +9,8 @@
 -- Two indexes go, so a pending task's row is in no more indexes than before (every aging boost and dispatch writes
 -- an entry in each): the pending tasks by business date (this one serves the sweep instead) and the pending tasks
 -- by (tenant, lane, priority, enqueued), whose one reader (the explain endpoint's tenant backlog per lane) reads the
--- tenant's part of ix_collect_tasks_ready_pair as cheaply. All concurrent: the table is written on every scan,
--- dispatch and result while a rolling deploy runs this.
+-- tenant's live tasks in this index (or its part of ix_collect_tasks_ready_pair) as cheaply. All concurrent: the
+-- table is written on every scan, dispatch and result while a rolling deploy runs this.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_collect_tasks_live_tenant_date
     ON monitoring_collect_tasks (tenant_id, business_date, id)
     WHERE status IN ('pending', 'leased', 'received');
