@@ -11,8 +11,10 @@ from aiormq.exceptions import AMQPError, ChannelInvalidStateError
 # system error (I/O).
 _TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
 # ... and single states of other classes: lock not available (lock_timeout), object in use, idle-in-transaction
-# and transaction timeouts, snapshot too old.
-_TRANSIENT_STATES = frozenset({"55P03", "55006", "25P03", "25P04", "72000"})
+# and transaction timeouts, snapshot too old; and insufficient privilege: the statements are fixed and a message's
+# values cannot touch the grants, so a refusal is the deployment's moment (a rolling deploy between `migrate`,
+# which creates a table, and `db-roles`, which grants it), not the message's fault.
+_TRANSIENT_STATES = frozenset({"55P03", "55006", "25P03", "25P04", "72000", "42501"})
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -8,15 +8,19 @@ unbound from the dead-letter exchange on the test's own broker prefix.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from datetime import date
 
 import msgspec
 import pytest
 from aio_pika.abc import AbstractRobustConnection
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 
 from libs.contracts.amqp import MonitorResult
-from libs.db.pool import Conn
+from libs.db.pool import Conn, make_pool
+from libs.db.roles import apply_roles, drop_roles, role_name
 from libs.mq.topology import Topology, declare_ingest
 from libs.telemetry import metrics as m
 from tests.support.ingest_factory import (
@@ -262,3 +266,43 @@ def _dead_letters() -> float:
 
 async def _n_applied(pool: AsyncConnectionPool[Conn], n: int) -> bool:
     return len(await applied_ids(pool)) >= n
+
+
+async def test_a_refused_grant_holds_the_results_until_it_is_granted_and_dead_letters_none(
+        pool, settings, topology, amqp, world) -> None:
+    """A rolling deploy between `migrate` and `db-roles`: the ingest role lacks a grant its statements need
+    (here INSERT on question_monitor_runs, a real role and login). The shard holds its results and retries, as
+    through a database outage, and applies them once the grant comes; none goes to the dead-letter queue (before,
+    InsufficientPrivilege was taken for the message's fault: every result was dead-lettered)."""
+    prefix = f"igr{uuid.uuid4().hex[:8]}_"
+    login = prefix + "login"
+    ingest_role = role_name(prefix, "ingest-shard-workers")
+    ex = await executions(pool, world)
+    results = [make_result(e, shards=topology.ingest_shards) for e in ex[:3]]
+    async with pool.connection() as conn:
+        await apply_roles(conn, prefix)
+        await conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(sql.Identifier(login),
+                                                                               sql.Identifier(ingest_role)))
+        await conn.execute(sql.SQL("REVOKE INSERT ON question_monitor_runs FROM {}").format(
+            sql.Identifier(ingest_role)))
+    login_pool = make_pool(replace(settings, database_url=make_conninfo(settings.database_url, user=login)),
+                           name="ingest-as-login", min_size=1, max_size=2)
+    await login_pool.open(wait=True)
+    transient_before = m.ingest_transient_error_count.value()
+    try:
+        await declared(amqp, topology)
+        await publish(amqp, topology, list(results))
+        async with running_ingest(login_pool, settings, topology, batch_size=50):
+            await eventually(lambda: m.ingest_transient_error_count.value() - transient_before >= 3,
+                             message="the refused grant retried as a transient error")
+            assert await applied_ids(pool) == []
+            async with pool.connection() as conn:
+                await apply_roles(conn, prefix)  # the deploy's db-roles step
+            await eventually(lambda: _n_applied(pool, 3), message="the results applied once granted")
+        assert await drain_dlq(amqp, topology) == []
+        assert sorted(map(str, await applied_ids(pool))) == sorted(str(r.result_id) for r in results)
+    finally:
+        await login_pool.close()
+        async with pool.connection() as conn:
+            await conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(login)))
+            await drop_roles(conn, prefix)

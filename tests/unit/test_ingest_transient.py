@@ -14,7 +14,7 @@ from services.ingest_shard_workers.consumer import DB_RETRY_MAX_DELAY_S, db_retr
 
 
 @pytest.mark.parametrize("sqlstate", [
-    "08000", "08003", "08006", "08001", "57P01", "57P02", "57P03", "40001", "40P01", "55P03", "53300"])
+    "08000", "08003", "08006", "08001", "57P01", "57P02", "57P03", "40001", "40P01", "55P03", "53300", "42501"])
 def test_database_away_or_busy_is_transient(sqlstate: str) -> None:
     assert is_transient(errors.lookup(sqlstate)("x"))
 
