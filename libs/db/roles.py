@@ -64,6 +64,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "ingest_routing_epochs": READ, "ingest_routing_drains": READ,
         # The fleet's sockets (the fleet-wide cap) and live hubs (the shared upgrade budgets), migration 055.
         "hub_sockets": RW, "hub_instances": RW,
+        # The leader's push-lease key fingerprint, which the hub checks its own against (libs/tasks/push_leases.py).
+        "dispatch_coordinator_state": READ,
     },
     "dispatch-coordinator": {
         **_COMMON, **_TASK_LIFE, **_REFERENCE_READ,

@@ -168,6 +168,40 @@ def with_leases(events: list[OutboxEvent], leases: Iterable[PushLease]) -> list[
     return out
 
 
+# ---- the key both hold ------------------------------------------------------------------------------------------
+
+# A hub whose PUSH_LEASE_SECRET is not the leader's would hand clients tokens whose hash matches nothing: every pushed
+# lease refused at its first extend, expired, requeued and pushed again. The leader publishes a fingerprint of its
+# key with its state (`dispatch_coordinator_state`, key "leader"); a hub compares its own (`key_agreement`) and, on a
+# mismatch, grants push_lease to no socket and clears it from its clients, so their work is pulled instead.
+_FINGERPRINT_LABEL = b"push-lease key fingerprint v1"
+_LEADER_KEY_FINGERPRINT = """
+SELECT value ->> 'push_lease_key' AS fingerprint FROM dispatch_coordinator_state WHERE key = 'leader'
+"""
+# The capability taken back from a hub's clients when its key is not the leader's.
+_CLEAR_CAPABILITY_OF_HUB = "UPDATE desktop_clients SET push_lease = false WHERE connected_hub = %(hub)s AND push_lease"
+
+
+def key_fingerprint(key: bytes) -> str:
+    """A short public name of a key (HMAC of a fixed label): equal keys give equal names, and it tells nothing of
+    the key."""
+    return hmac.new(key, _FINGERPRINT_LABEL, hashlib.sha256).hexdigest()[:16]
+
+
+async def key_agreement(conn: Conn, key: bytes) -> str | None:
+    """The leader's key fingerprint when it differs from `key`'s; None when they agree or the leader pushes nothing
+    (push-lease off there, or no leader has published one yet: no lease is pushed that this hub could spoil)."""
+    cur = await conn.execute(_LEADER_KEY_FINGERPRINT)
+    row = await cur.fetchone()
+    leader = row["fingerprint"] if row is not None else None
+    return leader if leader is not None and leader != key_fingerprint(key) else None
+
+
+async def clear_capability_of_hub(conn: Conn, hub_id: str) -> None:
+    """push_lease taken back from every client connected to `hub_id` (its key is not the leader's)."""
+    await conn.execute(_CLEAR_CAPABILITY_OF_HUB, {"hub": hub_id})
+
+
 # ---- the socket (the hub) --------------------------------------------------------------------------------------
 
 # What each attaching client's socket announced (the latest socket of a client decides); read by ISSUE.

@@ -284,6 +284,10 @@ hub_dispatch_events_not_here_total = ExactCounter(
     "hub_dispatch_events_not_here_total",
     "Dispatch events routed to this hub for a client it no longer holds (it moved or went away after the event "
     "was routed; its replay on reconnect carries the task).")
+hub_push_lease_key_mismatch = Gauge(
+    "hub_push_lease_key_mismatch",
+    "1 while this hub's PUSH_LEASE_SECRET is not the leader coordinator's (the fingerprint the leader publishes "
+    "differs): the hub grants push_lease to no socket and its clients' work is pulled; 0 otherwise.")
 hub_dispatch_batches_received_total = ExactCounter(
     "hub_dispatch_batches_received_total",
     "dispatch_batch envelopes this hub's queue took (each carries many of its clients' dispatch events, counted one "

@@ -32,7 +32,7 @@ from libs.mq.dead_letter import DeadLetterPublisher, dead_letter_or_give_back
 from libs.mq.topology import Topology, declare_lifecycle
 from libs.outbox.relay import OutboxRelay
 from libs.tasks import consistency_reads
-from libs.tasks.push_leases import PushLeaseIssuer
+from libs.tasks.push_leases import PushLeaseIssuer, key_fingerprint
 from libs.tasks.transitions import DISPATCH_WAKE_CHANNEL
 from libs.telemetry import metrics
 from services.dispatch_coordinator.dispatcher import Dispatcher, PassOutcome, is_transient
@@ -371,9 +371,12 @@ class Coordinator:
             await publish_state(conn, "slowdown", {
                 "active": self.slowdown.active, "reasons": self.slowdown.reasons, "since": self.slowdown.since,
                 "signals": dataclasses.asdict(self.slowdown.signals)})
+            push = self._config.push_leases
             await publish_state(conn, "leader", {"instance_id": self._config.instance_id,
                                                  "host": socket.gethostname(), "passes": self.dispatcher.passes,
-                                                 "dispatched_total": self.dispatched_total})
+                                                 "dispatched_total": self.dispatched_total,
+                                                 # what the hubs check their PUSH_LEASE_SECRET against (None: off)
+                                                 "push_lease_key": push and key_fingerprint(push.key)})
 
     def aging_limit(self, settings: DispatchSettings) -> int:
         """The next aging round's limit at the dispatch pace (docs/architecture.md §9.4): from what the full passes

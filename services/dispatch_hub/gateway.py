@@ -106,6 +106,8 @@ class Gateway:
                  write_health: WriterHealth | None = None, push_key: bytes | None = None) -> None:
         self._pool = pool
         self.push_key = push_key  # push-lease on (PUSH_LEASE_SECRET): tokens derived here (libs/tasks/push_leases.py)
+        # The leader's key fingerprint while it is not this hub's (`push_key_sweep`): push-lease is then off here.
+        self.push_key_mismatch: str | None = None
         self._amqp = amqp
         self._topology = topology
         self.hub_id = hub_id
@@ -208,14 +210,42 @@ class Gateway:
         if tracing.enabled():
             self._deliver_traced(message, client_id, conns, arrived)
             return
-        text = (self.push_key and push_leases.add_token(message.body, self.push_key)) or message.body.decode()
+        key = self.token_key
+        text = (key and push_leases.add_token(message.body, key)) or message.body.decode()
         for conn in conns:
             conn.deliver(text, arrived)
             self.forwarded += 1
 
+    @property
+    def token_key(self) -> bytes | None:
+        """The key this hub derives lease tokens with: none while push-lease is off here, or its key is not the
+        leader's (a token it derived would match no lease: the client is better off pulling)."""
+        return self.push_key if self.push_key_mismatch is None else None
+
     def grant(self, requested: Iterable[str]) -> frozenset[str]:
         """The capabilities a socket's upgrade asked for (CAPABILITIES_HEADER values) that this hub grants."""
-        return requested_capabilities(tuple(requested)) if self.push_key is not None else frozenset()
+        return requested_capabilities(tuple(requested)) if self.token_key is not None else frozenset()
+
+    async def push_key_sweep(self) -> None:
+        """Compare this hub's push-lease key with the leader's (libs/tasks/push_leases.py `key_agreement`). On a
+        mismatch: grant push_lease to no new socket, derive no token, and take the capability back from this hub's
+        clients in the database, so the leader stops pushing to them; their work is pulled as for an old client.
+        Logged and `hub_push_lease_key_mismatch` when it starts and ends."""
+        if self.push_key is None:
+            return
+        async with self._pool.connection() as db:
+            leader = await push_leases.key_agreement(db, self.push_key)
+            if leader is not None:
+                await push_leases.clear_capability_of_hub(db, self.hub_id)
+        if leader is not None and self.push_key_mismatch is None:
+            log.error("PUSH_LEASE_SECRET differs from the leader coordinator's: push-lease is off on this hub until "
+                      "they agree", extra={"hub_id": self.hub_id, "leader_key": leader,
+                                           "hub_key": push_leases.key_fingerprint(self.push_key)})
+        elif leader is None and self.push_key_mismatch is not None:
+            log.info("PUSH_LEASE_SECRET agrees with the leader coordinator's again: push-lease is on",
+                     extra={"hub_id": self.hub_id})
+        self.push_key_mismatch = leader
+        metrics.hub_push_lease_key_mismatch.set(0 if leader is None else 1)
 
     def _deliver_traced(self, message: DispatchEvent, client_id: uuid.UUID,
                         conns: tuple[Connection, ...], arrived: float) -> None:
@@ -230,9 +260,10 @@ class Gateway:
             with contextlib.suppress(msgspec.MsgspecError):  # not ours to judge: forwarded unchanged
                 event = dispatch_decoder.decode(message.body)
                 span.set_attribute(tracing.TASK_ID, str(event.task_id))
-                if isinstance(event, TaskAvailable) and event.lease_epoch is not None and self.push_key:
+                key = self.token_key
+                if isinstance(event, TaskAvailable) and event.lease_epoch is not None and key:
                     event = msgspec.structs.replace(event, lease_token=push_leases.derive_token(
-                        self.push_key, event.task_id, event.lease_epoch))
+                        key, event.task_id, event.lease_epoch))
                 text = msgspec.json.encode(msgspec.structs.replace(
                     event, traceparent=tracing.traceparent_of(span))).decode()
             for conn in conns:
@@ -393,7 +424,8 @@ class Gateway:
                                                           limit=REPLAY_LIMIT)
         now = datetime.now(UTC)
         events: dict[ClientPrincipal, list[str]] = {}
-        for pushed in await push_leases.replay(db, list(by_id), key=self.push_key) if self.push_key else ():
+        key = self.token_key
+        for pushed in await push_leases.replay(db, list(by_id), key=key) if key else ():
             events.setdefault(by_id[pushed.target_client_id], []).append(msgspec.json.encode(pushed.event).decode())
         for r in queued:
             events.setdefault(by_id[r.target_client_id], []).append(
@@ -511,6 +543,7 @@ class Gateway:
                 continue
             try:
                 await self.fleet_sweep()
+                await self.push_key_sweep()
                 if self._sockets:
                     await self.revoke_sweep()
             except Exception:

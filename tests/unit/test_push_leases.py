@@ -125,14 +125,18 @@ def test_push_lease_key_fails_closed() -> None:
 def test_a_hub_grants_push_lease_only_with_a_key() -> None:
     from services.dispatch_hub.gateway import Gateway
 
-    def gateway(key: bytes | None) -> Gateway:
-        gw = Gateway.__new__(Gateway)  # grant() reads only the key: no pool or broker needed
+    def gateway(key: bytes | None, mismatch: str | None = None) -> Gateway:
+        gw = Gateway.__new__(Gateway)  # grant() reads only the key and its check: no pool or broker needed
         gw.push_key = key
+        gw.push_key_mismatch = mismatch
         return gw
 
     assert gateway(KEY).grant(["push_lease"]) == {PUSH_LEASE}
     assert gateway(None).grant(["push_lease"]) == frozenset()
     assert gateway(KEY).grant([]) == frozenset()
+    # The leader holds another key (push_key_sweep): nothing granted, no token derived.
+    assert gateway(KEY, mismatch="0123456789abcdef").grant(["push_lease"]) == frozenset()
+    assert gateway(KEY, mismatch="0123456789abcdef").token_key is None and gateway(KEY).token_key == KEY
 
 
 def test_the_simulator_starts_a_pushed_event_as_the_lease_call_would_have_answered() -> None:
@@ -146,3 +150,11 @@ def test_the_simulator_starts_a_pushed_event_as_the_lease_call_would_have_answer
     assert lease["task_id"] == str(TASK) and lease["lease_token"] == "lt1.1.x" and lease["lease_epoch"] == 1
     assert lease["platform"]["code"] == "openai" and lease["brand"]["name"] == "Acme"
     assert lease["question"]["text"] == "best?" and lease["execution_owner"] == "desktop_tasks"
+
+
+def test_a_keys_fingerprint_names_it_without_telling_it() -> None:
+    key, other = b"push-lease-secret-0123456789-0123456789", b"push-lease-secret-0123456789-0123456780"
+    assert push_leases.key_fingerprint(key) == push_leases.key_fingerprint(bytes(key))
+    assert push_leases.key_fingerprint(key) != push_leases.key_fingerprint(other)
+    fingerprint = push_leases.key_fingerprint(key)
+    assert len(fingerprint) == 16 and int(fingerprint, 16) >= 0 and key.hex()[:16] != fingerprint
