@@ -190,6 +190,9 @@ class Settings:
     # reconnects (to another hub); close handshakes still open after the deadline are abandoned.
     hub_drain_reconnect_spread_ms: int = 10_000
     hub_drain_deadline_s: float = 5.0
+    # Rebalancing: a hub holding more than (1 + this) x its fair share of the live replicas' sockets closes a few a
+    # sweep with 4503 and a delay drawn from [0, HUB_DRAIN_RECONNECT_SPREAD_MS] (0: never).
+    hub_rebalance_slack: float = 0.25
     # WebSocket handshakes (authentication, upgrade, attach, hello + replay) a hub runs at once; the rest wait their
     # turn in arrival order. In a reconnect storm an unbounded number shared the event loop with the live sockets'
     # events and lease calls, which waited behind thousands of half-done handshakes (docs/benchmarks.md, "What held
@@ -269,6 +272,8 @@ class Settings:
         if not (settings.hub_gc_full_collection_s == 0 or 5 <= settings.hub_gc_full_collection_s <= 3600):
             raise ConfigError("HUB_GC_FULL_COLLECTION_S must be 0 (CPython's automatic full collections) or from 5 "
                               "to 3600")
+        if not (settings.hub_rebalance_slack == 0 or 0.05 <= settings.hub_rebalance_slack <= 10):
+            raise ConfigError("HUB_REBALANCE_SLACK must be 0 (no rebalancing) or from 0.05 to 10")
         if not 0 <= settings.hub_drain_reconnect_spread_ms <= 600_000:
             raise ConfigError("HUB_DRAIN_RECONNECT_SPREAD_MS must be from 0 to 600000")
         if settings.hub_upgrade_burst_per_client < 1 or settings.hub_upgrade_burst_per_address < 1:

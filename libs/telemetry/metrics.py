@@ -288,6 +288,10 @@ hub_push_lease_key_mismatch = Gauge(
     "hub_push_lease_key_mismatch",
     "1 while this hub's PUSH_LEASE_SECRET is not the leader coordinator's (the fingerprint the leader publishes "
     "differs): the hub grants push_lease to no socket and its clients' work is pulled; 0 otherwise.")
+hub_rebalance_closes_total = ExactCounter(
+    "hub_rebalance_closes_total",
+    "Sockets this hub closed (4503, with a reconnect delay) because it held more than HUB_REBALANCE_SLACK over its "
+    "fair share of the live replicas' sockets: their clients reconnect through the load balancer.")
 hub_dispatch_batches_received_total = ExactCounter(
     "hub_dispatch_batches_received_total",
     "dispatch_batch envelopes this hub's queue took (each carries many of its clients' dispatch events, counted one "

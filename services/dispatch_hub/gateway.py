@@ -52,7 +52,7 @@ from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.envelope import DispatchEvent, consume_envelope, is_envelope
 from services.dispatch_hub.heartbeats import HeartbeatWriter
 from services.dispatch_hub.leases import current_interrupt
-from services.dispatch_hub.logic import announced_heartbeat_interval, client_id_from_routing_key
+from services.dispatch_hub.logic import announced_heartbeat_interval, client_id_from_routing_key, sockets_to_shed
 
 log = logging.getLogger("hub.gateway")
 V = TypeVar("V")
@@ -103,7 +103,8 @@ class Gateway:
                  hub_id: str, heartbeat_interval_s: float, heartbeat_timeout_s: float,
                  heartbeat_flush_s: float, max_sockets_per_client: int = 2, revocation_check_s: float = 2.0,
                  on_revoked: Callable[[uuid.UUID], None] | None = None,
-                 write_health: WriterHealth | None = None, push_key: bytes | None = None) -> None:
+                 write_health: WriterHealth | None = None, push_key: bytes | None = None,
+                 rebalance_slack: float = 0.0, reconnect_spread_ms: int = 10_000) -> None:
         self._pool = pool
         self.push_key = push_key  # push-lease on (PUSH_LEASE_SECRET): tokens derived here (libs/tasks/push_leases.py)
         # The leader's key fingerprint while it is not this hub's (`push_key_sweep`): push-lease is then off here.
@@ -128,6 +129,15 @@ class Gateway:
                                           refresh_s=heartbeat_interval_s, on_revived=self._replay_revived)
         self.max_sockets_per_client = max_sockets_per_client
         self.revocation_check_s = revocation_check_s
+        # Rebalancing (`_rebalance`): at most (1 + slack) x the fair share of the fleet's sockets (0: off); a shed
+        # socket's client reconnects after a delay drawn from [0, spread], as from a draining hub.
+        self.rebalance_slack = rebalance_slack
+        self.reconnect_spread_ms = reconnect_spread_ms
+        self.fleet_sockets = 0  # the live replicas' sockets at the last sweep, this one's included
+        self.sweeps = 0
+        self.rebalanced = 0  # sockets this hub closed to move their clients to the other replicas
+        self._changes_at_sweep = 0  # sockets_changed at the last sweep, and this hub's own closes since
+        self._shed_since_sweep = 0
         self._on_revoked = on_revoked
         self.received = 0  # dispatch events this hub's queue took (targeted delivery: only its clients')
         self.forwarded = 0
@@ -398,8 +408,9 @@ class Gateway:
     async def fleet_sweep(self) -> None:
         """This hub is alive; the replicas that are (its share of the upgrade budgets); its sockets another hub's
         attach replaced (closed here, 4409); now and then the rows of replicas that died without cleaning up."""
+        mine = 0 if self.draining else self.connection_count()
         async with self._pool.connection() as db:
-            cur = await db.execute(q.HUB_SEEN, {"hub": self.hub_id, "live_s": LIVE_HUB_S})
+            cur = await db.execute(q.HUB_SEEN, {"hub": self.hub_id, "live_s": LIVE_HUB_S, "sockets": mine})
             row = await cur.fetchone()
             if time.monotonic() - self._last_forget > FORGET_DEAD_HUBS_EVERY_S:
                 self._last_forget = time.monotonic()
@@ -410,8 +421,34 @@ class Gateway:
         if live != self.live_hubs:
             log.info("hub replicas alive changed", extra={"from": self.live_hubs, "to": live})
         self.live_hubs = live
+        self.fleet_sockets = int(row["fleet_sockets"])
+        self.sweeps += 1
         if self.on_live_hubs is not None:
             self.on_live_hubs(live)
+        self._rebalance(mine)
+
+    def _rebalance(self, mine: int) -> None:
+        """Close a few sockets when this hub holds more than its share of the fleet's (`logic.sockets_to_shed`:
+        after a rolling restart the replicas restarted first hold most clients, and nothing else moves them), with
+        `HUB_DRAINING_CLOSE` and a delay, so their clients reconnect through the load balancer, spread out."""
+        changed = self._sockets_changed - self._changes_at_sweep - self._shed_since_sweep
+        self._changes_at_sweep, self._shed_since_sweep = self._sockets_changed, 0
+        if self.closing:
+            return
+        shed = sockets_to_shed(mine, self.fleet_sockets, self.live_hubs, slack=self.rebalance_slack,
+                               changed=changed)
+        if not shed:
+            return
+        rng = random.Random()
+        chosen = rng.sample([c for c in self.all_connections() if not c.closing], shed)
+        for conn in chosen:
+            reason = draining_close_reason(rng.randint(0, max(0, self.reconnect_spread_ms))).encode()
+            self._close(conn, HUB_DRAINING_CLOSE, reason)
+        self._shed_since_sweep = len(chosen)  # their own removal is not churn: the calm test leaves it out
+        self.rebalanced += len(chosen)
+        metrics.hub_rebalance_closes_total.inc(len(chosen))
+        log.info("rebalancing: sockets closed so their clients move to the other replicas", extra={
+            "closed": len(chosen), "sockets": mine, "fleet_sockets": self.fleet_sockets, "live_hubs": self.live_hubs})
 
     async def _replay_batch(self, principals: list[ClientPrincipal]) -> dict[ClientPrincipal, list[str]]:
         async with self._pool.connection() as db:

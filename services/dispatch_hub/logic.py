@@ -293,3 +293,28 @@ def choose_protocol(offered_headers: Iterable[str], supported: Sequence[int] = S
     if not served:
         return ProtocolChoice(major=None)
     return ProtocolChoice(major=served[-1], subprotocol=subprotocol(served[-1]))
+
+
+# Rebalancing (docs/architecture.md "Hub fleet"): a sweep sheds at most this share of the hub's sockets (at least
+# one), and only when calm: its sockets changed by at most REBALANCE_CALM_CHANGES plus this share since the last
+# sweep, its own closes aside (never while a storm or a rolling restart is moving clients anyway).
+REBALANCE_SHARE = 0.01
+REBALANCE_CALM_CHANGES = 20
+# ... and never below its fair share plus this many: a few sockets over are not worth a reconnect (a small fleet's
+# hubs are always a few apart).
+REBALANCE_MIN_EXCESS = 10
+
+
+def sockets_to_shed(mine: int, fleet: int, live_hubs: int, *, slack: float, changed: int) -> int:
+    """How many of its `mine` sockets a hub closes this sweep (4503, its clients reconnect through the load
+    balancer) so that no replica holds more than (1 + `slack`) times its fair share of the `fleet`'s sockets over the
+    `live_hubs` (nor less than REBALANCE_MIN_EXCESS over it): 0 with one hub, with `slack` 0 (rebalancing off),
+    within that, or when the sockets `changed` by more than a calm sweep's since the last one; else the excess, at
+    most REBALANCE_SHARE of `mine` (at least 1)."""
+    if slack <= 0 or live_hubs < 2 or mine <= 0:
+        return 0
+    if changed > REBALANCE_CALM_CHANGES + REBALANCE_SHARE * mine:
+        return 0
+    fair = max(fleet, mine) / live_hubs
+    allowed = max(math.ceil(fair * (1 + slack)), math.ceil(fair) + REBALANCE_MIN_EXCESS)
+    return max(0, min(mine - allowed, max(1, int(REBALANCE_SHARE * mine))))

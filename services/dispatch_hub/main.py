@@ -90,7 +90,8 @@ def _gateway(app: web.Application, settings: Settings, pool: AsyncConnectionPool
         max_sockets_per_client=settings.hub_max_sockets_per_client,
         revocation_check_s=settings.hub_revocation_check_s,
         on_revoked=lambda client_id: app[AUTH].forget(client_id),
-        write_health=health, push_key=settings.push_lease_key())
+        write_health=health, push_key=settings.push_lease_key(), rebalance_slack=settings.hub_rebalance_slack,
+        reconnect_spread_ms=settings.hub_drain_reconnect_spread_ms)
 
 
 def _install(app: web.Application, settings: Settings, pool: AsyncConnectionPool[Conn], gateway: Gateway,

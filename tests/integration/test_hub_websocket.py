@@ -22,6 +22,8 @@ from libs.contracts.wire import HUB_DRAINING_CLOSE, TaskAvailable, TaskControl, 
 from libs.db.pool import Conn
 from libs.demo import seed_demo
 from libs.mq.topology import Topology
+from libs.telemetry import metrics
+from services.dispatch_hub.http_api import GATEWAY
 from tests.support.desktop import dispatch_execution, request_interrupt, running_hub
 from tests.support.hub_routing import routed
 from tests.support.wait import eventually
@@ -371,3 +373,52 @@ async def test_the_hub_takes_full_garbage_collections_over_unless_told_not_to(
 
         await eventually(ready, message="the hub ready (its loops running)")
         assert gc.get_threshold() == before
+
+
+async def test_a_hub_with_more_than_its_share_sheds_sockets_until_the_replicas_are_balanced(
+        settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """After a rolling restart the replica restarted first holds every client and nothing moves them (two hubs
+    here, sixty clients all on the first). It sheds a socket or a few a sweep with 4503 while it holds more than its
+    fair share plus the slack (1 + HUB_REBALANCE_SLACK times it, and at least 10 over: 40 of 60 here); their clients
+    reconnect through the load balancer (here: to the other hub) until the first is within it, and then nothing more
+    moves."""
+    async with pool.connection() as conn:
+        fleet = await seed_demo(conn, tenants=1, brands=1, questions=1, clients=60, due=False)
+    tokens = [c["token"] for c in fleet["tenants"][0]["clients"]]
+    knobs: dict[str, Any] = {"hub_revocation_check_s": 0.2, "hub_rebalance_slack": 0.25,
+                             "hub_drain_reconnect_spread_ms": 0, "hub_upgrade_burst_per_client": 50}
+    moved: list[int] = []
+
+    async def desktop(token: str, first: TestServer, other: TestServer) -> None:
+        """A client behind a load balancer that sends a reconnect to the other hub."""
+        hub = first
+        while True:
+            ws = await connect(http, hub, token)
+            assert (await receive(ws))["type"] == "hello"
+            while (msg := await ws.receive()).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                pass
+            assert msg.data == HUB_DRAINING_CLOSE and reconnect_delay_ms(msg.extra) == 0, (msg.data, msg.extra)
+            moved.append(1)
+            hub = other
+
+    async with running_hub(settings, **knobs) as a, running_hub(settings, **knobs) as b:
+        first, second = a.app[GATEWAY], b.app[GATEWAY]
+        before = metrics.hub_rebalance_closes_total.value()
+        desktops = [asyncio.create_task(desktop(token, a, b)) for token in tokens]
+        try:
+            await eventually(lambda: first.connection_count() + second.connection_count() == 60
+                             and first.connection_count() <= 40, timeout=60,
+                             message="the first hub within its share: at most 40 of the 60")
+            shed, sweeps = first.rebalanced, first.sweeps
+            await eventually(lambda: first.sweeps >= sweeps + 5 and second.sweeps >= 5,
+                             message="five more sweeps of each")
+            assert first.rebalanced == shed == len(moved) == 20, (shed, len(moved))
+            assert (first.connection_count(), second.connection_count()) == (40, 20)
+            assert second.rebalanced == 0 and first.fleet_sockets == 60
+            assert metrics.hub_rebalance_closes_total.value() - before == shed
+            assert not any(d.done() for d in desktops), [d.exception() for d in desktops if d.done()]
+        finally:
+            for d in desktops:
+                d.cancel()
+            await asyncio.gather(*desktops, return_exceptions=True)

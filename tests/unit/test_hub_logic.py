@@ -8,6 +8,7 @@ import pytest
 
 from libs.auth import hash_token
 from services.dispatch_hub.logic import (
+    REBALANCE_CALM_CHANGES,
     LeaseCheck,
     LeaseState,
     RollingWindow,
@@ -20,6 +21,7 @@ from services.dispatch_hub.logic import (
     new_lease_token,
     percentile,
     routing_keys_for_client,
+    sockets_to_shed,
 )
 
 CLIENT = uuid.uuid4()
@@ -150,3 +152,21 @@ def test_token_buckets_shared_among_replicas_hold_the_fleet_wide_budget() -> Non
     for buckets in replicas:
         buckets.share_among(1)
     assert replicas[0].take("other", now=0.0) is None and replicas[0].burst == 8
+
+
+def test_a_hub_sheds_only_its_excess_over_the_slack_a_little_a_sweep_and_only_when_calm() -> None:
+    # After a rolling restart of 4 hubs, 20,000 sockets: the first restarted holds 9,000.
+    assert sockets_to_shed(9_000, 20_000, 4, slack=0.25, changed=0) == 90  # 1 % a sweep
+    assert sockets_to_shed(6_300, 20_000, 4, slack=0.25, changed=0) == 50  # down to 1.25 x 5,000 = 6,250
+    assert sockets_to_shed(6_250, 20_000, 4, slack=0.25, changed=0) == 0  # within the slack
+    assert sockets_to_shed(60, 60, 2, slack=0.25, changed=0) == 1  # at least one a sweep: down to 30 + 10
+    assert sockets_to_shed(41, 60, 2, slack=0.25, changed=0) == 1
+    assert sockets_to_shed(40, 60, 2, slack=0.25, changed=0) == 0
+    assert sockets_to_shed(12, 12, 2, slack=0.25, changed=0) == 0  # a few over the fair share: left alone
+    # Nothing with one hub, with rebalancing off, or while sockets come and go (a storm, a roll in progress).
+    assert sockets_to_shed(9_000, 9_000, 1, slack=0.25, changed=0) == 0
+    assert sockets_to_shed(9_000, 20_000, 4, slack=0, changed=0) == 0
+    assert sockets_to_shed(9_000, 20_000, 4, slack=0.25, changed=REBALANCE_CALM_CHANGES + 91) == 0
+    assert sockets_to_shed(9_000, 20_000, 4, slack=0.25, changed=REBALANCE_CALM_CHANGES + 90) == 90
+    # A fleet count older than this hub's own (another hub's row not yet refreshed) never makes the target negative.
+    assert sockets_to_shed(100, 40, 2, slack=0.25, changed=0) == 1  # fair 50, allowed 63
