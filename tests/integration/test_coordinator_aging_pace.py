@@ -18,7 +18,7 @@ from libs.dispatch_settings import load_settings, set_setting
 from libs.domain.aging import age_task, oldest_share
 from libs.tasks import backlog_reads, business
 from services.dispatch_coordinator.maintenance import AGING_BATCH, aging_pace, aging_round_limit, run_aging
-from tests.support.backlog import load_outstanding, load_ready, load_tenants
+from tests.support.backlog import Tenants, load_outstanding, load_ready, load_tenants
 from tests.support.explain import Plan, explaining_pool
 from tests.support.wait import eventually
 
@@ -121,6 +121,15 @@ async def _boosts(conn: Conn) -> dict[int, int]:
     return {r["id"]: r["aging_boost"] for r in await cur.fetchall()}
 
 
+async def _load_ten_waiting(conn: Conn, tenants: Tenants) -> None:
+    """Ten ready tasks that have all waited long enough to be boosted: the loader enqueues at random within the
+    last hour, and one enqueued in the last 4 s gets no boost (`aging_boost` rounds it to 0), so `_apply` refused the
+    batch and nothing waited (a CI failure once in a while)."""
+    await load_ready(conn, tenants, 10)
+    await conn.execute("UPDATE monitoring_collect_tasks SET enqueued_at = enqueued_at - interval '10 minutes' "
+                       "WHERE status = 'pending'")
+
+
 async def _apply(conn: Conn, rows: list[backlog_reads.AgingCandidate], cap: int, *,
                  tids: list[str] | None = None) -> int:
     aged = [age_task(r.lane, r.priority, r.aging_boost, r.wait_minutes, cap) for r in rows]
@@ -137,7 +146,7 @@ async def test_a_task_that_changed_since_its_read_is_not_boosted(pool: AsyncConn
     alone; the others are boosted."""
     async with pool.connection() as conn:
         tenants = await load_tenants(conn, tenants=2)
-        await load_ready(conn, tenants, 10)
+        await _load_ten_waiting(conn, tenants)
         settings = await load_settings(conn)
         rows = await backlog_reads.aging_candidates(conn, cap=settings.aging_cap, after=START, share=10, batch=10)
         assert len(rows) == 10
@@ -160,7 +169,7 @@ async def test_a_task_dispatched_while_the_update_waits_is_not_boosted(pool: Asy
     waits for the pass's commit and then leaves the newer row alone."""
     async with pool.connection() as conn:
         tenants = await load_tenants(conn, tenants=2)
-        await load_ready(conn, tenants, 10)
+        await _load_ten_waiting(conn, tenants)
         settings = await load_settings(conn)
         rows = await backlog_reads.aging_candidates(conn, cap=settings.aging_cap, after=START, share=10, batch=10)
         before = await _boosts(conn)
