@@ -88,6 +88,7 @@ from libs.outbox import dispatch_batches
 from libs.outbox.relay import ClaimedEvent
 from libs.outbox.writer import enqueue
 from services.dispatch_hub.envelope import unwrap
+from services.dispatch_hub.logic import sockets_to_shed
 from tests.support.procs import ServiceProcess, die_with_parent, service_env
 from tests.support.stack import DISPATCH_SERVICES, Stack, running_stack
 
@@ -924,6 +925,36 @@ async def _rolling_restart(stack: Stack, fleet: list[ClientProcess], world: Worl
     print(f"  rolling restart: {len(written)} task_available events written through the outbox during the roll, "
           f"{len(written) - len(missing)} reached their clients (live or replayed), events lost: {len(missing)}",
           flush=True)
+    await _rebalanced(stack)
+
+
+# How long the benchmark watches the hubs even out after a roll (rebalancing: services/dispatch_hub/logic.py).
+REBALANCE_DEADLINE_S = 300.0
+
+
+async def _rebalanced(stack: Stack) -> None:
+    """After the roll: each hub's sockets (what it writes with its sweep), then until none holds more than its share
+    (`sockets_to_shed` would close nothing), or the deadline: how long that took and the spread before and after."""
+    conn = await connect(stack.settings.database_url)
+    try:
+        async def spread() -> dict[str, int]:
+            cur = await conn.execute("SELECT hub_id, sockets FROM hub_instances "
+                                     "WHERE seen_at > now() - interval '10 seconds' ORDER BY hub_id")
+            return {r["hub_id"]: int(r["sockets"]) for r in await cur.fetchall()}
+
+        slack = stack.settings.hub_rebalance_slack
+        started, first = time.monotonic(), await spread()
+        now = first
+        while time.monotonic() - started < REBALANCE_DEADLINE_S:
+            total = sum(now.values())
+            if slack <= 0 or not any(sockets_to_shed(n, total, len(now), slack=slack, changed=0) for n in now.values()):
+                break
+            await asyncio.sleep(1.0)  # sampling the hubs' own counts, a sweep apart, with a deadline
+            now = await spread()
+        print(f"  after the roll, sockets per hub: {sorted(first.values())} -> {sorted(now.values())} in "
+              f"{time.monotonic() - started:.0f} s (HUB_REBALANCE_SLACK={slack}); {_load()}", flush=True)
+    finally:
+        await conn.close()
 
 
 async def _scenario(clients: int, clicks: int, hubs: int = 1) -> None:
