@@ -947,7 +947,8 @@ async def _rebalanced(stack: Stack) -> None:
         now = first
         while time.monotonic() - started < REBALANCE_DEADLINE_S:
             total = sum(now.values())
-            if slack <= 0 or not any(sockets_to_shed(n, total, len(now), slack=slack, changed=0) for n in now.values()):
+            if slack <= 0 or not any(sockets_to_shed(n, total, len(now), slack=slack, changed=0,
+                                                     lightest=min(now.values())) for n in now.values()):
                 break
             await asyncio.sleep(1.0)  # sampling the hubs' own counts, a sweep apart, with a deadline
             now = await spread()

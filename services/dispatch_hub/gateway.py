@@ -134,6 +134,7 @@ class Gateway:
         self.rebalance_slack = rebalance_slack
         self.reconnect_spread_ms = reconnect_spread_ms
         self.fleet_sockets = 0  # the live replicas' sockets at the last sweep, this one's included
+        self.lightest_hub = 0  # the fewest sockets a live replica held at the last sweep (this one's included)
         self.sweeps = 0
         self.rebalanced = 0  # sockets this hub closed to move their clients to the other replicas
         self._changes_at_sweep = 0  # sockets_changed at the last sweep, and this hub's own closes since
@@ -422,6 +423,7 @@ class Gateway:
             log.info("hub replicas alive changed", extra={"from": self.live_hubs, "to": live})
         self.live_hubs = live
         self.fleet_sockets = int(row["fleet_sockets"])
+        self.lightest_hub = int(row["lightest"])
         self.sweeps += 1
         if self.on_live_hubs is not None:
             self.on_live_hubs(live)
@@ -436,7 +438,7 @@ class Gateway:
         if self.closing:
             return
         shed = sockets_to_shed(mine, self.fleet_sockets, self.live_hubs, slack=self.rebalance_slack,
-                               changed=changed)
+                               changed=changed, lightest=self.lightest_hub)
         if not shed:
             return
         rng = random.Random()

@@ -305,16 +305,21 @@ REBALANCE_CALM_CHANGES = 20
 REBALANCE_MIN_EXCESS = 10
 
 
-def sockets_to_shed(mine: int, fleet: int, live_hubs: int, *, slack: float, changed: int) -> int:
+def sockets_to_shed(mine: int, fleet: int, live_hubs: int, *, slack: float, changed: int,
+                    lightest: int | None = None) -> int:
     """How many of its `mine` sockets a hub closes this sweep (4503, its clients reconnect through the load
-    balancer) so that no replica holds more than (1 + `slack`) times its fair share of the `fleet`'s sockets over the
-    `live_hubs` (nor less than REBALANCE_MIN_EXCESS over it): 0 with one hub, with `slack` 0 (rebalancing off),
-    within that, or when the sockets `changed` by more than a calm sweep's since the last one; else the excess, at
-    most REBALANCE_SHARE of `mine` (at least 1)."""
+    balancer) so that every replica holds its fair share of the `fleet`'s sockets over the `live_hubs` within
+    `slack`: none more than (1 + `slack`) times it, and, while the `lightest` holds less than (1 - `slack`) times
+    it, none above it (a random reconnect lands on the light one only now and then, so the heavy ones go on
+    shedding until it has its part). Never closer than REBALANCE_MIN_EXCESS to the fair share. 0 with one hub,
+    with `slack` 0 (rebalancing off), within all that, or when the sockets `changed` by more than a calm sweep's
+    since the last one; else the excess, at most REBALANCE_SHARE of `mine` (at least 1)."""
     if slack <= 0 or live_hubs < 2 or mine <= 0:
         return 0
     if changed > REBALANCE_CALM_CHANGES + REBALANCE_SHARE * mine:
         return 0
     fair = max(fleet, mine) / live_hubs
     allowed = max(math.ceil(fair * (1 + slack)), math.ceil(fair) + REBALANCE_MIN_EXCESS)
+    if lightest is not None and lightest < fair * (1 - slack) and fair - lightest >= REBALANCE_MIN_EXCESS:
+        allowed = math.ceil(fair) + REBALANCE_MIN_EXCESS
     return max(0, min(mine - allowed, max(1, int(REBALANCE_SHARE * mine))))

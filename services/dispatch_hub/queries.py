@@ -119,18 +119,19 @@ RETURNING h.socket_id, h.client_id, h.hub_id
 SOCKETS_CLOSED = "DELETE FROM hub_sockets WHERE socket_id = ANY(%(socket_ids)s::uuid[]) AND hub_id = %(hub)s"
 
 # A hub's sweep: it is alive with this many sockets, how many replicas are (its share of the upgrade budgets) and
-# how many sockets they hold (its share of the fleet's: rebalancing), and which of its sockets another hub's attach
-# replaced.
+# how many sockets they hold, and the lightest (its share of the fleet's: rebalancing), and which of its sockets
+# another hub's attach replaced.
 HUB_SEEN = """
 WITH seen AS (
     INSERT INTO hub_instances (hub_id, sockets) VALUES (%(hub)s, %(sockets)s)
     ON CONFLICT (hub_id) DO UPDATE SET seen_at = now(), sockets = EXCLUDED.sockets
     RETURNING hub_id, sockets
 ), others AS (
-    SELECT count(*) AS hubs, coalesce(sum(sockets), 0) AS sockets FROM hub_instances
+    SELECT count(*) AS hubs, coalesce(sum(sockets), 0) AS sockets, min(sockets) AS lightest FROM hub_instances
     WHERE hub_id <> %(hub)s AND seen_at > now() - make_interval(secs => %(live_s)s)
 )
 SELECT 1 + (SELECT hubs FROM others) AS live, seen.sockets + (SELECT sockets FROM others) AS fleet_sockets,
+       least(seen.sockets, (SELECT lightest FROM others)) AS lightest,
        coalesce((SELECT array_agg(socket_id) FROM hub_sockets
                  WHERE hub_id = %(hub)s AND replaced_at IS NOT NULL), '{}') AS replaced
 FROM seen

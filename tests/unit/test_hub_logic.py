@@ -168,5 +168,11 @@ def test_a_hub_sheds_only_its_excess_over_the_slack_a_little_a_sweep_and_only_wh
     assert sockets_to_shed(9_000, 20_000, 4, slack=0, changed=0) == 0
     assert sockets_to_shed(9_000, 20_000, 4, slack=0.25, changed=REBALANCE_CALM_CHANGES + 91) == 0
     assert sockets_to_shed(9_000, 20_000, 4, slack=0.25, changed=REBALANCE_CALM_CHANGES + 90) == 90
+    # While the lightest hub holds under (1 - slack) x its share (the one restarted last), the heavy ones go down to
+    # the share itself (and 10): a random reconnect lands on the light one only a quarter of the time here.
+    assert sockets_to_shed(6_300, 20_000, 4, slack=0.25, changed=0, lightest=1_751) == 63
+    assert sockets_to_shed(5_011, 20_000, 4, slack=0.25, changed=0, lightest=1_751) == 1
+    assert sockets_to_shed(5_010, 20_000, 4, slack=0.25, changed=0, lightest=1_751) == 0
+    assert sockets_to_shed(6_300, 20_000, 4, slack=0.25, changed=0, lightest=3_750) == 50  # it has its part
     # A fleet count older than this hub's own (another hub's row not yet refreshed) never makes the target negative.
     assert sockets_to_shed(100, 40, 2, slack=0.25, changed=0) == 1  # fair 50, allowed 63
