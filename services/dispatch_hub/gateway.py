@@ -492,10 +492,11 @@ class Gateway:
                 return
             del self._sockets[client_id]
             self.heartbeats.forget(client_id)
-            if self.draining:
-                # Told to reconnect elsewhere within the spread: no offline write, no `client.offline` (nor a
-                # `client.online` when it attaches to the next hub); one that never comes back is marked offline by
-                # the reconciler at its heartbeat timeout, as after a crash. Its socket rows went in one statement.
+            if self.draining or conn.closed_with == HUB_DRAINING_CLOSE:
+                # Told to reconnect elsewhere within the spread (the hub drains, or moves it to rebalance): no
+                # offline write, no `client.offline` (nor a `client.online` when it attaches to the next hub); one
+                # that never comes back is marked offline by the reconciler at its heartbeat timeout, as after a
+                # crash. A drain's socket rows went in one statement; a rebalanced socket's goes on its own.
                 return
             try:
                 await _finished(self._detaching.submit(principal))

@@ -418,6 +418,13 @@ async def test_a_hub_with_more_than_its_share_sheds_sockets_until_the_replicas_a
             assert second.rebalanced == 0 and first.fleet_sockets == 60
             assert metrics.hub_rebalance_closes_total.value() - before == shed
             assert not any(d.done() for d in desktops), [d.exception() for d in desktops if d.done()]
+            # Moved, not gone: no offline write and no client.offline for the leader (as for a drain); every socket
+            # row is the hub's that holds it now.
+            async with pool.connection() as conn:
+                cur = await conn.execute("SELECT count(*) AS n FROM outbox WHERE routing_key = 'client.offline'")
+                assert (await cur.fetchone())["n"] == 0
+                cur = await conn.execute("SELECT hub_id, count(*) AS n FROM hub_sockets GROUP BY 1")
+                assert {r["hub_id"]: r["n"] for r in await cur.fetchall()} == {first.hub_id: 40, second.hub_id: 20}
         finally:
             for d in desktops:
                 d.cancel()
