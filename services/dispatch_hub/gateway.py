@@ -52,7 +52,12 @@ from services.dispatch_hub.connections import Connection
 from services.dispatch_hub.envelope import DispatchEvent, consume_envelope, is_envelope
 from services.dispatch_hub.heartbeats import HeartbeatWriter
 from services.dispatch_hub.leases import current_interrupt
-from services.dispatch_hub.logic import announced_heartbeat_interval, client_id_from_routing_key, sockets_to_shed
+from services.dispatch_hub.logic import (
+    ShedReturns,
+    announced_heartbeat_interval,
+    client_id_from_routing_key,
+    sockets_to_shed,
+)
 
 log = logging.getLogger("hub.gateway")
 V = TypeVar("V")
@@ -139,6 +144,7 @@ class Gateway:
         self.rebalanced = 0  # sockets this hub closed to move their clients to the other replicas
         self._changes_at_sweep = 0  # sockets_changed at the last sweep, and this hub's own closes since
         self._shed_since_sweep = 0
+        self.shed_returns = ShedReturns()  # a sticky load balancer sends the shed clients back: then it pauses
         self._on_revoked = on_revoked
         self.received = 0  # dispatch events this hub's queue took (targeted delivery: only its clients')
         self.forwarded = 0
@@ -347,6 +353,7 @@ class Gateway:
             self._by_socket_id[conn.socket_id] = conn
             self._sockets_changed += 1
             metrics.desktop_websocket_connections.inc()
+            self.shed_returns.attached(client_id, time.monotonic())
             self._close_oldest_beyond_limit(client_id)
             # Under the client's lock, so a concurrent last-socket close cannot mark it offline before this.
             generation, replay = await _finished(self._attaching.submit(
@@ -435,7 +442,13 @@ class Gateway:
         `HUB_DRAINING_CLOSE` and a delay, so their clients reconnect through the load balancer, spread out."""
         changed = self._sockets_changed - self._changes_at_sweep - self._shed_since_sweep
         self._changes_at_sweep, self._shed_since_sweep = self._sockets_changed, 0
-        if self.closing:
+        if self.closing or self.rebalance_slack <= 0:
+            return
+        was_paused = self.shed_returns.paused_until > time.monotonic()
+        if self.shed_returns.paused(time.monotonic()):
+            if not was_paused:
+                log.warning("rebalancing paused: the clients this hub moved keep coming back to it (a load balancer "
+                            "with session affinity?)", extra={"pause_s": self.shed_returns.pause_s})
             return
         shed = sockets_to_shed(mine, self.fleet_sockets, self.live_hubs, slack=self.rebalance_slack,
                                changed=changed, lightest=self.lightest_hub)
@@ -447,6 +460,7 @@ class Gateway:
             reason = draining_close_reason(rng.randint(0, max(0, self.reconnect_spread_ms))).encode()
             self._close(conn, HUB_DRAINING_CLOSE, reason)
         self._shed_since_sweep = len(chosen)  # their own removal is not churn: the calm test leaves it out
+        self.shed_returns.shed((c.principal.client_id for c in chosen), time.monotonic())
         self.rebalanced += len(chosen)
         metrics.hub_rebalance_closes_total.inc(len(chosen))
         log.info("rebalancing: sockets closed so their clients move to the other replicas", extra={

@@ -323,3 +323,42 @@ def sockets_to_shed(mine: int, fleet: int, live_hubs: int, *, slack: float, chan
     if lightest is not None and lightest < fair * (1 - slack) and fair - lightest >= REBALANCE_MIN_EXCESS:
         allowed = math.ceil(fair) + REBALANCE_MIN_EXCESS
     return max(0, min(mine - allowed, max(1, int(REBALANCE_SHARE * mine))))
+
+
+class ShedReturns:
+    """Whether the clients a hub shed to rebalance come back to it: behind a load balancer that pins a client to a
+    replica (session affinity by address, a consistent hash), every shed socket returns at once and shedding only
+    churns. A client shed is counted as returned when it attaches here again within `window_s`, as away until then
+    and after; once at least `min_shed` were shed in the last two windows and `futile_share` of them returned (a
+    random pick over N replicas returns 1/N: half with two), rebalancing pauses for `pause_s`."""
+
+    def __init__(self, *, window_s: float = 60.0, pause_s: float = 600.0, min_shed: int = 20,
+                 futile_share: float = 0.8) -> None:
+        self.window_s, self.pause_s, self.min_shed, self.futile_share = window_s, pause_s, min_shed, futile_share
+        self._pending: dict[uuid.UUID, float] = {}  # shed, not back (yet): when
+        self._outcomes: deque[tuple[float, bool]] = deque()  # (when, came back)
+        self.paused_until = 0.0
+
+    def shed(self, client_ids: Iterable[uuid.UUID], now: float) -> None:
+        for client_id in client_ids:
+            self._pending[client_id] = now
+
+    def attached(self, client_id: uuid.UUID, now: float) -> None:
+        if self._pending.pop(client_id, None) is not None:
+            self._outcomes.append((now, True))
+
+    def paused(self, now: float) -> bool:
+        """True while rebalancing is paused; starts a pause when the shed clients keep coming back."""
+        for client_id, at in list(self._pending.items()):
+            if now - at > self.window_s:
+                del self._pending[client_id]
+                self._outcomes.append((at, False))
+        while self._outcomes and now - self._outcomes[0][0] > 2 * self.window_s:
+            self._outcomes.popleft()
+        returned = sum(1 for _, back in self._outcomes if back)
+        seen = len(self._outcomes) + len(self._pending)  # the ones not back yet count as away
+        if seen >= self.min_shed and returned >= self.futile_share * seen:
+            self.paused_until = now + self.pause_s
+            self._outcomes.clear()
+            self._pending.clear()
+        return now < self.paused_until

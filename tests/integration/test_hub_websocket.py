@@ -429,3 +429,37 @@ async def test_a_hub_with_more_than_its_share_sheds_sockets_until_the_replicas_a
             for d in desktops:
                 d.cancel()
             await asyncio.gather(*desktops, return_exceptions=True)
+
+
+async def test_behind_a_sticky_load_balancer_a_hub_stops_shedding_the_clients_that_keep_coming_back(
+        settings: Settings, amqp: AbstractRobustConnection, http: aiohttp.ClientSession,
+        pool: AsyncConnectionPool[Conn]) -> None:
+    """A load balancer with session affinity sends every shed client back to the hub it left: shedding only churns.
+    After 20 sheds that all came back (ShedReturns) the hub pauses rebalancing."""
+    async with pool.connection() as conn:
+        fleet = await seed_demo(conn, tenants=1, brands=1, questions=1, clients=60, due=False)
+    tokens = [c["token"] for c in fleet["tenants"][0]["clients"]]
+    knobs: dict[str, Any] = {"hub_revocation_check_s": 0.2, "hub_rebalance_slack": 0.25,
+                             "hub_drain_reconnect_spread_ms": 0, "hub_upgrade_burst_per_client": 50}
+
+    async def pinned(token: str, hub: TestServer) -> None:
+        while True:
+            ws = await connect(http, hub, token)
+            assert (await receive(ws))["type"] == "hello"
+            while (await ws.receive()).type not in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED):
+                pass
+
+    async with running_hub(settings, **knobs) as a, running_hub(settings, **knobs) as b:
+        first, second = a.app[GATEWAY], b.app[GATEWAY]
+        desktops = [asyncio.create_task(pinned(token, a)) for token in tokens]
+        try:
+            await eventually(lambda: first.shed_returns.paused_until > 0, timeout=60,
+                             message="rebalancing paused on the hub its clients keep coming back to")
+            shed, sweeps = first.rebalanced, first.sweeps
+            await eventually(lambda: first.sweeps >= sweeps + 10, message="ten more sweeps")
+            assert first.rebalanced == shed and 20 <= shed <= 22, shed
+            assert first.connection_count() == 60 and second.connection_count() == 0
+        finally:
+            for d in desktops:
+                d.cancel()
+            await asyncio.gather(*desktops, return_exceptions=True)

@@ -12,6 +12,7 @@ from services.dispatch_hub.logic import (
     LeaseCheck,
     LeaseState,
     RollingWindow,
+    ShedReturns,
     announced_heartbeat_interval,
     bearer_token,
     check_lease,
@@ -176,3 +177,26 @@ def test_a_hub_sheds_only_its_excess_over_the_slack_a_little_a_sweep_and_only_wh
     assert sockets_to_shed(6_300, 20_000, 4, slack=0.25, changed=0, lightest=3_750) == 50  # it has its part
     # A fleet count older than this hub's own (another hub's row not yet refreshed) never makes the target negative.
     assert sockets_to_shed(100, 40, 2, slack=0.25, changed=0) == 1  # fair 50, allowed 63
+
+
+def test_rebalancing_pauses_when_the_shed_clients_keep_coming_back() -> None:
+    ids = [uuid.uuid4() for _ in range(40)]
+    # A random pick over two hubs: half come back here, the others stay away (counted once the window is over).
+    random_lb = ShedReturns(window_s=60, pause_s=600, min_shed=20, futile_share=0.8)
+    random_lb.shed(ids, now=0.0)
+    for client in ids[:20]:
+        random_lb.attached(client, now=1.0)
+    assert not random_lb.paused(now=2.0) and not random_lb.paused(now=61.0)
+    # Session affinity: every shed client is back at once. Paused for pause_s, then shedding may start again.
+    sticky = ShedReturns(window_s=60, pause_s=600, min_shed=20, futile_share=0.8)
+    sticky.shed(ids[:19], now=0.0)
+    for client in ids[:19]:
+        sticky.attached(client, now=0.5)
+    assert not sticky.paused(now=1.0)  # 19 shed: too few to tell
+    sticky.shed(ids[19:20], now=1.0)
+    sticky.attached(ids[19], now=1.5)
+    assert sticky.paused(now=2.0) and sticky.paused(now=601.0) and not sticky.paused(now=602.5)
+    # A client that attaches without having been shed, or twice, counts nothing.
+    sticky.attached(uuid.uuid4(), now=603.0)
+    sticky.attached(ids[0], now=603.0)
+    assert not sticky.paused(now=604.0)
