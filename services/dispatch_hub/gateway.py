@@ -324,7 +324,7 @@ class Gateway:
         return client_id in self._sockets
 
     def connection_count(self) -> int:
-        return sum(len(c) for c in self._sockets.values())
+        return len(self._by_socket_id)  # every registered socket, whatever its client (kept with `_sockets`)
 
     @property
     def sockets_changed(self) -> int:
@@ -444,8 +444,9 @@ class Gateway:
         self._changes_at_sweep, self._shed_since_sweep = self._sockets_changed, 0
         if self.closing or self.rebalance_slack <= 0:
             return
-        was_paused = self.shed_returns.paused_until > time.monotonic()
-        if self.shed_returns.paused(time.monotonic()):
+        now = time.monotonic()
+        was_paused = self.shed_returns.paused_until > now
+        if self.shed_returns.paused(now):
             if not was_paused:
                 log.warning("rebalancing paused: the clients this hub moved keep coming back to it (a load balancer "
                             "with session affinity?)", extra={"pause_s": self.shed_returns.pause_s})
@@ -457,10 +458,9 @@ class Gateway:
         rng = random.Random()
         chosen = rng.sample([c for c in self.all_connections() if not c.closing], shed)
         for conn in chosen:
-            reason = draining_close_reason(rng.randint(0, max(0, self.reconnect_spread_ms))).encode()
-            self._close(conn, HUB_DRAINING_CLOSE, reason)
+            self._close(conn, HUB_DRAINING_CLOSE, _reconnect_reason(rng, self.reconnect_spread_ms))
         self._shed_since_sweep = len(chosen)  # their own removal is not churn: the calm test leaves it out
-        self.shed_returns.shed((c.principal.client_id for c in chosen), time.monotonic())
+        self.shed_returns.shed((c.principal.client_id for c in chosen), now)
         self.rebalanced += len(chosen)
         metrics.hub_rebalance_closes_total.inc(len(chosen))
         log.info("rebalancing: sockets closed so their clients move to the other replicas", extra={
@@ -643,8 +643,8 @@ class Gateway:
         closes = []
         for conn in conns:
             conn.closed_with = HUB_DRAINING_CLOSE
-            reason = draining_close_reason(rng.randint(0, max(0, reconnect_spread_ms))).encode()
-            closes.append(asyncio.ensure_future(conn.ws.close(code=HUB_DRAINING_CLOSE, message=reason)))
+            closes.append(asyncio.ensure_future(conn.ws.close(
+                code=HUB_DRAINING_CLOSE, message=_reconnect_reason(rng, reconnect_spread_ms))))
         if closes:
             _, pending = await asyncio.wait(closes, timeout=deadline_s)
             for close in pending:
@@ -652,6 +652,11 @@ class Gateway:
             log.info("draining: every client told to reconnect elsewhere", extra={
                 "sockets": len(conns), "unfinished_closes": len(pending), "spread_ms": reconnect_spread_ms})
         return len(conns)
+
+
+def _reconnect_reason(rng: random.Random, spread_ms: int) -> bytes:
+    """A `HUB_DRAINING_CLOSE` reason with this socket's own delay, drawn from [0, `spread_ms`] (a drain, a shed)."""
+    return draining_close_reason(rng.randint(0, max(0, spread_ms))).encode()
 
 
 async def _finished(submitted: Coroutine[Any, Any, V]) -> V:
