@@ -53,3 +53,31 @@ async def test_a_cut_drops_a_connection_accepted_while_its_upstream_opens(monkey
         target.close()
         await target.wait_closed()
         await asyncio.sleep(0)  # the aborted transports close on the loop's next turn
+
+
+async def test_a_cut_drops_a_connection_accepted_before_it_whose_handler_starts_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The listener accepted the connection before the cut, but its handler ran only after the cut had aborted every
+    connection it knew (collect-now e2e (d) once got the event it must only get on reconnect this way)."""
+    target = await asyncio.start_server(_echo_hi, "127.0.0.1", 0)
+    cut_done = asyncio.Event()
+    handle = TcpProxy._handle
+
+    async def late(self: TcpProxy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cuts: int) -> None:
+        await cut_done.wait()
+        await handle(self, reader, writer, cuts)
+
+    monkeypatch.setattr(TcpProxy, "_handle", late)
+    proxy = TcpProxy("127.0.0.1", target.sockets[0].getsockname()[1])
+    await proxy.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        await proxy.cut()
+        cut_done.set()
+        assert await asyncio.wait_for(reader.read(2), 5) == b""  # dropped, not carried through the cut
+        writer.transport.abort()
+    finally:
+        await proxy.close()
+        target.close()
+        await target.wait_closed()
+        await asyncio.sleep(0)  # the aborted transports close on the loop's next turn

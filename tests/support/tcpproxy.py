@@ -22,16 +22,23 @@ class TcpProxy:
         # SO_REUSEPORT: while cut, the port is held by a socket bound to it (not listening, so connections are
         # refused); a restore listens beside it, then lets it go. Closed and bound again, the port was free for a
         # few seconds, and another test's service or outgoing connection on the box could take it meanwhile.
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", port or self.port, reuse_port=True)
+        # Each connection carries the cut count of the server that accepted it: one accepted just before a cut whose
+        # handler only ran after it (during the cut's wait for the listener to close) is dropped like the others.
+        cuts = self._cuts
+        self._server = await asyncio.start_server(lambda r, w: self._handle(r, w, cuts), "127.0.0.1",
+                                                  port or self.port, reuse_port=True)
         self.port = self._server.sockets[0].getsockname()[1]
         self._release_port()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, cuts: int) -> None:
         # A connection accepted before a cut is dropped by it, also while its upstream connection is still being
-        # opened: one that slipped through stayed up for the whole "outage" (an HTTP client kept it alive and
-        # reused it, e.g. for a WebSocket upgrade through a proxy that was cut).
+        # opened, or when its handler starts only after the cut: one that slipped through stayed up for the whole
+        # "outage" (an HTTP client kept it alive and reused it, e.g. for a WebSocket upgrade through a proxy that
+        # was cut).
+        if self._cuts != cuts:
+            writer.transport.abort()
+            return
         self._writers.add(writer)
-        cuts = self._cuts
         try:
             up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
         except OSError:
